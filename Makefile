@@ -1,0 +1,39 @@
+# Quick start:  `make harvest` runs the harvester on the example project; `make test` runs every test.
+# Both set up what is missing first: a virtualenv in .venv, Postgres and Kafka (bin/services up).
+
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+# Python 3.12 when there is one (pyenv's counts), else the default python3 (3.11 or later).
+PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) python3; do \
+                $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
+STAMP     := $(VENV)/.installed
+
+.PHONY: setup services harvest test lint bench down clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,spark]'
+	touch $(STAMP)
+
+setup: $(STAMP) services
+
+services:
+	bin/services up
+
+harvest: setup
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py harvest
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+down:
+	bin/services down
+
+clean: down
+	rm -rf .services .venv .artifacts

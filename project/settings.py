@@ -1,0 +1,97 @@
+"""Settings for the example project; everything that differs between machines comes from the environment.
+
+Defaults match `bin/services up` (Postgres on 127.0.0.1:5432, Kafka on 127.0.0.1:9092).
+"""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env(
+    DEBUG=(bool, False),
+    DATABASE_URL=(str, "postgres://outbox:outbox@127.0.0.1:5432/outbox"),
+    KAFKA_BOOTSTRAP_SERVERS=(str, "127.0.0.1:9092"),
+    ALLOWED_HOSTS=(list, ["127.0.0.1", "localhost"]),
+    SECRET_KEY=(str, "example-project-not-secret"),
+    LOG_LEVEL=(str, "INFO"),
+)
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+SECRET_KEY = env("SECRET_KEY")
+DEBUG = env("DEBUG")
+ALLOWED_HOSTS = env("ALLOWED_HOSTS")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.postgres",
+    "outbox",
+    "project.shop",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "project.wsgi.application"
+
+DATABASES = {"default": env.db_url("DATABASE_URL")}
+DATABASES["default"]["TEST"] = {"NAME": env("TEST_DATABASE_NAME", default="outbox_test")}
+
+OUTBOX = {
+    "base_kafka_config": {"bootstrap.servers": env("KAFKA_BOOTSTRAP_SERVERS")},
+    "leader_topic": env("OUTBOX_LEADER_TOPIC", default="example-outbox-leader"),
+    "leader_group": env("OUTBOX_LEADER_GROUP", default="example-outbox-leader"),
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / ".artifacts" / "static"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {"outbox": {"level": env("LOG_LEVEL"), "propagate": True}},
+}

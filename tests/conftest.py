@@ -1,0 +1,61 @@
+"""Fixtures shared by every test: real services (see tests/services.py) and handles on them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import environ
+import pytest
+
+from tests.services import Services, resolve
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    with contextlib.ExitStack() as stack:
+        found = resolve(stack)
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = found.bootstrap_servers
+        yield found
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(services: Services) -> None:
+    """Point Django (and OUTBOX) at the resolved services before the test database is created."""
+    from django.conf import settings
+
+    parsed = environ.Env.db_url_config(services.database_url)
+    for key in ("NAME", "USER", "PASSWORD", "HOST", "PORT"):
+        settings.DATABASES["default"][key] = parsed[key]
+    settings.OUTBOX["base_kafka_config"]["bootstrap.servers"] = services.bootstrap_servers
+
+
+@pytest.fixture
+def database_url(services: Services, django_db_setup: None) -> str:
+    """A URL for the test database, for code that opens its own connections (the engine, subprocesses)."""
+    from django.conf import settings
+
+    return services.database_url_for(settings.DATABASES["default"]["NAME"])
+
+
+@pytest.fixture
+def bootstrap_servers(services: Services) -> str:
+    return services.bootstrap_servers
+
+
+@pytest.fixture
+def new_topic(bootstrap_servers: str) -> Callable[..., str]:
+    """Create a fresh topic with a unique name; returns the name."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+
+    def create(prefix: str = "test", partitions: int = 4) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+        futures[name].result(timeout=30)
+        return name
+
+    return create

@@ -1,0 +1,109 @@
+"""The engine's config and the Django settings that build it: defaults, validation, redaction."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+from django.core import checks
+from django.test import override_settings
+
+from outbox import conf
+from outbox.harvest.config import HarvestConfig, Limits, redact_dsn
+
+
+def test_derived_limits_follow_goharvest():
+    limits = Limits()
+    assert limits.max_poll_interval == 2.5  # heartbeat_timeout / 2
+    assert limits.drain_interval == 2.5  # min(max_poll_interval, queue_timeout)
+    assert Limits(heartbeat_timeout=1.0, queue_timeout=0.2).drain_interval == 0.2
+
+
+def test_every_problem_is_reported_at_once():
+    config = HarvestConfig(dsn="", table="bad table", leader_topic="no spaces", leader_group="",
+                           base_kafka_config={}, limits=Limits(max_in_flight_records=0, queue_timeout="soon"))
+    found = {(p.code, p.field) for p in config.validate()}
+    assert found >= {("E005", "dsn"), ("E006", "table"), ("E007", "leader_topic"), ("E008", "leader_group"),
+                     ("E010", "base_kafka_config"), ("E004", "max_in_flight_records"), ("E003", "queue_timeout")}
+
+
+@pytest.mark.parametrize("table", ["outbox", "sales.outbox", "_t1", "a" * 63])
+def test_table_names_accepted(table):
+    assert not HarvestConfig(dsn="x", table=table).validate()
+
+
+@pytest.mark.parametrize("table", ["1abc", "a.b.c", "out box", "x; DROP TABLE y", '"q"', "a" * 64, ""])
+def test_table_names_refused(table):
+    assert [p.code for p in HarvestConfig(dsn="x", table=table).validate()] == ["E006"]
+
+
+@pytest.mark.parametrize(("dsn", "expected"), [
+    ("postgres://u:s3cret@h:5432/db", "postgres://u:***@h:5432/db"),
+    ("host=h password=s3cret dbname=d", "host=h password=*** dbname=d"),
+    ("host=h password='s3 cret' dbname=d", "host=h password=*** dbname=d"),
+    ("postgres://u@h/db", "postgres://u@h/db"),
+])
+def test_dsn_passwords_are_redacted(dsn, expected):
+    assert redact_dsn(dsn) == expected
+
+
+def test_redacted_config_hides_every_secret():
+    config = HarvestConfig(
+        dsn="postgres://u:dsn-secret@h/db",
+        base_kafka_config={"bootstrap.servers": "b:9092", "sasl.password": "sasl-secret",
+                           "sasl.oauthbearer.client.secret": "oauth-secret", "security.protocol": "SASL_SSL"},
+        producer_kafka_config={"ssl.key.password": "key-secret", "compression.type": "lz4"},
+    )
+    text = f"{config.redacted()} {config!r}"
+    for secret in ("dsn-secret", "sasl-secret", "oauth-secret", "key-secret"):
+        assert secret not in text
+    assert "SASL_SSL" in text and "lz4" in text
+
+
+def outbox_errors(**outbox) -> list[str]:
+    with override_settings(OUTBOX=outbox):
+        return [m.id for m in checks.run_checks(tags=["outbox"])]
+
+
+def test_default_settings_pass_the_checks():
+    assert outbox_errors() == []
+
+
+@pytest.mark.parametrize(("outbox", "code"), [
+    ({"max_in_flight_recods": 5}, "outbox.E002"),
+    ({"max_in_flight_records": 0}, "outbox.E004"),
+    ({"heartbeat_timeout": "5s"}, "outbox.E003"),
+    ({"max_value_bytes": -1}, "outbox.E003"),
+    ({"notify": "yes"}, "outbox.E003"),
+    ({"table": "bad name"}, "outbox.E006"),
+    ({"leader_topic": "bad topic"}, "outbox.E007"),
+    ({"database": "missing"}, "outbox.E011"),
+])
+def test_bad_settings_fail_the_checks_with_a_code(outbox, code):
+    assert code in outbox_errors(**outbox)
+
+
+def test_typo_suggests_the_real_name():
+    with override_settings(OUTBOX={"mark_query_record": 5}):
+        [message] = checks.run_checks(tags=["outbox"])
+    assert "did you mean 'mark_query_records'" in message.msg
+
+
+def test_settings_build_the_engine_config():
+    with override_settings(OUTBOX={"heartbeat_timeout": timedelta(seconds=3), "leader_topic": "t",
+                                   "base_kafka_config": {"bootstrap.servers": "k:1"}}):
+        config = conf.harvest_config(max_in_flight_records=7, leader_group=None)
+    assert config.limits.heartbeat_timeout == 3.0 and config.limits.max_poll_interval == 1.5
+    assert config.limits.max_in_flight_records == 7
+    assert config.leader_topic == "t" and config.leader_group == "project-outbox-leader"
+    assert config.base_kafka_config["bootstrap.servers"] == "k:1"
+    assert "dbname=" in config.dsn
+
+
+def test_the_engine_imports_no_django():
+    code = ("import sys, outbox.harvest.config, outbox.harvest; "
+            "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
