@@ -12,17 +12,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from outbox.embedded import create_harvester
     from outbox.errors import InvalidRecord, OutsideTransaction
     from outbox.harvest.harvester import Harvester, State
     from outbox.stasher import stash, stash_many
 
-__all__ = ["Harvester", "InvalidRecord", "OutsideTransaction", "State", "signals", "stash", "stash_many"]
+__all__ = ["Harvester", "InvalidRecord", "OutsideTransaction", "State", "create_harvester", "signals", "stash",
+           "stash_many"]
 
 _LAZY = {
     "stash": "outbox.stasher",
     "stash_many": "outbox.stasher",
     "InvalidRecord": "outbox.errors",
     "OutsideTransaction": "outbox.errors",
+    "create_harvester": "outbox.embedded",
     "Harvester": "outbox.harvest.harvester",
     "State": "outbox.harvest.harvester",
 }

@@ -1,0 +1,133 @@
+"""Kafka clients for the harvester: the record producer, and the leader election's consumer and producer.
+
+Factories take the merged librdkafka config, so tests swap in fakes with the same signatures.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from outbox.harvest.config import HarvestConfig
+
+log = logging.getLogger(__name__)
+#: librdkafka's own log lines go through Python logging instead of straight to stderr.
+client_log = logging.getLogger("outbox.harvest.librdkafka")
+
+ProducerFactory = Callable[[dict[str, Any]], "ProducerLike"]
+ConsumerFactory = Callable[[dict[str, Any]], "ConsumerLike"]
+TopicEnsurer = Callable[[dict[str, Any], str, float], None]
+
+
+class ProducerLike(Protocol):
+    def produce(self, topic: str, value: Any = None, key: Any = None, partition: int = ..., on_delivery: Any = None,
+                headers: Any = None) -> None: ...
+    def poll(self, timeout: float = ...) -> int: ...
+    def flush(self, timeout: float = ...) -> int: ...
+    def __len__(self) -> int: ...
+
+
+class ConsumerLike(Protocol):
+    def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None,
+                  on_lost: Any = None) -> None: ...
+    def consume(self, num_messages: int = ..., timeout: float = ...) -> list[Any]: ...
+    def close(self) -> None: ...
+
+
+class KafkaUnavailable(Exception):
+    """Kafka cannot be reached or used; the message is one line for the operator."""
+
+
+def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
+    """Config of the producer that publishes outbox records.
+
+    Idempotence is on by default: librdkafka's retries then never duplicate or reorder a
+    message within the producer's session. delivery.timeout.ms bounds how long a record can
+    stay in flight, which must stay below the time Kafka takes to hand leadership to another
+    replica (session timeout minus heartbeat timeout); docs/operations.md has the arithmetic.
+    """
+    merged: dict[str, Any] = {
+        "enable.idempotence": True,
+        "linger.ms": 5,
+        "delivery.timeout.ms": int(1.5 * config.limits.heartbeat_timeout * 1000),
+        "client.id": f"{config.name}-records",
+    }
+    merged.update(config.base_kafka_config)
+    merged.update(config.producer_kafka_config)
+    merged.setdefault("error_cb", _log_client_error)
+    merged.setdefault("logger", client_log)
+    return merged
+
+
+def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
+    """The leader's heartbeat producer: unbatched, and a delivery deadline of one heartbeat timeout (as goneli)."""
+    merged: dict[str, Any] = dict(config.base_kafka_config)
+    merged.update({
+        "linger.ms": 0,
+        "delivery.timeout.ms": int(config.limits.heartbeat_timeout * 1000),
+        "client.id": f"{config.name}-heartbeat",
+        "error_cb": _log_client_error,
+        "logger": client_log,
+    })
+    return merged
+
+
+def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
+    """The leader-election consumer: Kafka's group coordinator picks one owner for partition 0.
+
+    The session timeout is three heartbeat timeouts (as goneli): a leader that stops seeing
+    its own heartbeats fences itself well before Kafka could give partition 0 to another replica.
+    """
+    merged: dict[str, Any] = dict(config.base_kafka_config)
+    merged.update({
+        "group.id": config.leader_group,
+        "client.id": f"{config.name}-leader",
+        "enable.auto.commit": False,
+        "auto.offset.reset": "latest",
+        "session.timeout.ms": int(3 * config.limits.heartbeat_timeout * 1000),
+        "heartbeat.interval.ms": max(100, int(config.limits.heartbeat_timeout * 1000 / 5)),
+        "enable.partition.eof": False,
+        "error_cb": _log_client_error,
+        "logger": client_log,
+    })
+    return merged
+
+
+def admin_config(base: Mapping[str, Any]) -> dict[str, Any]:
+    return {**{k: v for k, v in base.items() if not callable(v)}, "logger": client_log}
+
+
+def ensure_topic(base: dict[str, Any], topic: str, timeout: float) -> None:
+    """Create `topic` (one partition) unless it exists; raise KafkaUnavailable if Kafka cannot be reached."""
+    admin = AdminClient(admin_config(base))
+    bootstrap = base.get("bootstrap.servers", "?")
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except KafkaException as error:
+        raise KafkaUnavailable(f"Kafka is unreachable at {bootstrap}: {kafka_reason(error)}") from None
+    if topic in metadata.topics and metadata.topics[topic].error is None:
+        return
+    futures = admin.create_topics([NewTopic(topic, num_partitions=1)], request_timeout=timeout)
+    try:
+        futures[topic].result(timeout=timeout)
+        log.info("Created leader topic %s", topic)
+    except KafkaException as error:
+        if error.args and error.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+            return
+        raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
+
+
+def kafka_reason(error: BaseException) -> str:
+    if isinstance(error, KafkaException) and error.args and isinstance(error.args[0], KafkaError):
+        return error.args[0].str()
+    return str(error) or type(error).__name__
+
+
+def _log_client_error(error: KafkaError) -> None:
+    # librdkafka reports transient broker trouble here and retries by itself; only fatal errors need us.
+    level = logging.ERROR if error.fatal() else logging.WARNING
+    log.log(level, "Kafka client: %s", error.str())

@@ -1,0 +1,92 @@
+"""`manage.py harvest`: publish the outbox to Kafka until SIGTERM or SIGINT.
+
+Run as many replicas as you like against one table; Kafka elects one leader among those that
+share a leader topic and group. Settings come from OUTBOX and the environment; flags win.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from outbox import conf
+from outbox.embedded import create_harvester
+from outbox.harvest.harvester import HarvestError
+
+#: Limits that take a number of seconds on the command line, and those that take a count.
+DURATION_LIMITS = ("heartbeat_timeout", "min_poll_interval", "max_poll_interval", "drain_interval", "queue_timeout",
+                   "mark_backoff", "io_error_backoff", "min_metrics_interval")
+COUNT_LIMITS = ("max_in_flight_records", "mark_query_records")
+assert set(DURATION_LIMITS + COUNT_LIMITS) == set(conf.LIMIT_NAMES), "every limit has a flag"
+
+
+class Command(BaseCommand):
+    help = "Publish outbox records to Kafka, with leader election among replicas, until SIGTERM or SIGINT."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--table", help="outbox table, optionally schema.table (default: OUTBOX['table'])")
+        parser.add_argument("--database", help="Django database alias holding the table (default: 'default')")
+        parser.add_argument("--leader-topic", help="Kafka topic for leader election (created if missing)")
+        parser.add_argument("--leader-group", help="Kafka consumer group for leader election")
+        parser.add_argument("--name", help="this replica's name in logs and heartbeats (default: host_pid_time)")
+        parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
+                            help="do not LISTEN for stash()'s NOTIFY; find new records by polling only")
+        parser.add_argument("--print-config", action="store_true",
+                            help="print the effective configuration (secrets redacted) as JSON and exit")
+        limits = parser.add_argument_group("limits (see the configuration reference)")
+        for name in DURATION_LIMITS:
+            limits.add_argument(f"--{name.replace('_', '-')}", type=float, metavar="SECONDS", dest=name)
+        for name in COUNT_LIMITS:
+            limits.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N", dest=name)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        overrides = {name: options.get(name) for name in conf.LIMIT_NAMES}
+        overrides.update(table=options["table"], database=options["database"], leader_topic=options["leader_topic"],
+                         leader_group=options["leader_group"], name=options["name"], listen=options["listen"])
+        problems = conf.settings_problems()
+        if problems:
+            raise CommandError("invalid OUTBOX setting: " + "; ".join(map(str, problems)))
+        try:
+            config = conf.harvest_config(**overrides)
+        except (TypeError, ValueError) as error:
+            raise CommandError(f"invalid configuration: {error}") from None
+        if options["print_config"]:
+            self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
+            return
+        self._configure_logging(options["verbosity"])
+        harvester = create_harvester(**overrides)
+        try:
+            harvester.start()
+        except HarvestError as error:
+            raise CommandError(str(error)) from None
+
+        def request_stop(signum: int, _frame: Any) -> None:
+            logging.getLogger("outbox").info("%s received: stopping", signal.Signals(signum).name)
+            harvester.stop()
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not harvester.wait(timeout=0.5):
+                pass
+        except HarvestError as error:
+            raise CommandError(str(error)) from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @staticmethod
+    def _configure_logging(verbosity: int) -> None:
+        """Make the harvester's log visible when the project has not configured the `outbox` logger."""
+        logger = logging.getLogger("outbox")
+        if logger.hasHandlers():
+            return
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel({0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG))
+
