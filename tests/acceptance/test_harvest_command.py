@@ -1,0 +1,65 @@
+"""`manage.py harvest` and `check` as an operator runs them: exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "DJANGO_SETTINGS_MODULE": "project.settings", **(env or {})},
+                          timeout=timeout)
+
+
+def test_print_config_redacts_secrets():
+    result = manage("harvest", "--print-config", "--max-in-flight-records", "7",
+                    env={"DATABASE_URL": "postgres://u:db-s3cret@db.example:5432/shop"})
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    assert "db-s3cret" not in result.stdout and "password=***" in config["dsn"]
+    assert config["limits"]["max_in_flight_records"] == 7
+    assert config["limits"]["max_poll_interval"] == 2.5
+
+
+@pytest.mark.integration
+def test_unreachable_postgres_is_one_line_and_non_zero():
+    result = manage("harvest", env={"DATABASE_URL": "postgres://outbox:outbox@127.0.0.1:1/outbox"})
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines == [lines[-1]] and lines[0].startswith("CommandError: cannot connect to Postgres at 127.0.0.1:1/")
+
+
+@pytest.mark.integration
+def test_unreachable_kafka_is_one_line_and_non_zero(services):
+    result = manage("harvest", env={"DATABASE_URL": services.database_url, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("CommandError: Kafka is unreachable at 127.0.0.1:1"), lines
+
+
+def test_bad_table_flag_is_refused():
+    result = manage("harvest", "--table", "x; DROP TABLE y")
+    assert result.returncode != 0 and "table" in result.stderr
+
+
+def test_check_fails_with_an_error_code_on_a_bad_setting(tmp_path):
+    (tmp_path / "bad_settings.py").write_text(
+        "from project.settings import *  # noqa\n"
+        "OUTBOX = {**OUTBOX, 'max_in_flight_recods': 10, 'queue_timeout': -1}\n")
+    result = manage("check", env={"DJANGO_SETTINGS_MODULE": "bad_settings", "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert result.returncode != 0
+    assert "outbox.E002" in result.stderr and "did you mean 'max_in_flight_records'" in result.stderr
+    assert "outbox.E004" in result.stderr and "queue_timeout" in result.stderr
+
+
+def test_check_passes_on_the_example_project():
+    result = manage("check", "--fail-level", "WARNING")
+    assert result.returncode == 0, result.stderr

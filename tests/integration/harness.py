@@ -1,0 +1,263 @@
+"""Pieces for end-to-end harvesting tests: a record generator, a topic checker, replica processes, faults."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def outbox_count(database_url: str) -> int:
+    with psycopg.connect(database_url) as conn:
+        return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
+
+
+class Generator(threading.Thread):
+    """Stashes keyed records with stash_many() in transactions of `batch`, round-robin over `keys` keys.
+
+    One thread, one transaction after another: per key, commit order is id order, which is the
+    causal order the harvester must keep.
+    """
+
+    def __init__(self, topic: str, *, keys: int = 10, batch: int = 20, pause: float = 0.01,
+                 limit: int | None = None) -> None:
+        super().__init__(name="generator", daemon=True)
+        self.topic, self.keys, self.batch, self.pause, self.limit = topic, keys, batch, pause, limit
+        self.ids: list[int] = []
+        self.halt = threading.Event()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        from django.db import connection, transaction
+
+        from outbox import stash_many
+
+        sequence = 0
+        try:
+            while not self.halt.is_set() and (self.limit is None or len(self.ids) < self.limit):
+                records = []
+                for _ in range(self.batch):
+                    records.append({"topic": self.topic, "key": f"key-{sequence % self.keys}",
+                                    "value": f"value-{sequence}", "headers": [("seq", str(sequence))]})
+                    sequence += 1
+                with transaction.atomic():
+                    ids = stash_many(records)
+                self.ids.extend(ids)
+                if self.pause:
+                    time.sleep(self.pause)
+        except BaseException as error:
+            self.failure = error
+        finally:
+            connection.close()
+
+    def stop(self) -> list[int]:
+        self.halt.set()
+        self.join(timeout=30)
+        assert self.failure is None, f"generator failed: {self.failure!r}"
+        return self.ids
+
+
+@dataclass
+class Audit:
+    """What a topic holds, per key, in partition offset order."""
+
+    by_key: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    messages: int = 0
+
+    @property
+    def ids(self) -> set[int]:
+        return {i for ids in self.by_key.values() for i in ids}
+
+    @property
+    def duplicates(self) -> int:
+        return self.messages - len(self.ids)
+
+    def reversals(self) -> list[tuple[str, int, int]]:
+        found = []
+        for key, ids in self.by_key.items():
+            highest = 0
+            for record_id in ids:
+                if record_id < highest:
+                    found.append((key, highest, record_id))
+                highest = max(highest, record_id)
+        return found
+
+
+def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 120) -> Audit:
+    """Read `topic` from the beginning until at least `expected` distinct outbox ids have arrived."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    audit = Audit()
+    seen: set[int] = set()
+    try:
+        metadata = consumer.list_topics(topic, timeout=30)
+        partitions = list(metadata.topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        deadline = time.monotonic() + timeout
+        while len(seen) < expected and time.monotonic() < deadline:
+            for message in consumer.consume(1000, timeout=1.0):
+                if message.error():
+                    if message.error().code() != KafkaError._PARTITION_EOF:
+                        raise AssertionError(f"consumer error: {message.error()}")
+                    continue
+                record_id = int(dict(message.headers())["outbox-id"])
+                audit.by_key[message.key().decode()].append(record_id)
+                audit.messages += 1
+                seen.add(record_id)
+    finally:
+        consumer.close()
+    return audit
+
+
+def assert_complete_and_ordered(audit: Audit, stashed: Sequence[int]) -> None:
+    missing = set(stashed) - audit.ids
+    assert not missing, f"{len(missing)} stashed record(s) never published, e.g. {sorted(missing)[:5]}"
+    reversals = audit.reversals()
+    assert not reversals, f"{len(reversals)} per-key reversal(s), e.g. (key, seen, then) {reversals[:5]}"
+
+
+class Replica:
+    """`manage.py harvest` in a subprocess, logging to its own file."""
+
+    LEADING = re.compile(r"Leading with leader id|Refreshed leader id")
+    NOT_LEADING = re.compile(r"Fenced|revoked|lost|Stopped")
+
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, args: Sequence[str] = ()) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "harvest", "--name", name, *args],
+            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def is_leading(self) -> bool:
+        state = False
+        for line in self.log().splitlines():
+            if self.LEADING.search(line):
+                state = True
+            elif self.NOT_LEADING.search(line):
+                state = False
+        return state and self.process.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+
+def replica_env(database_url: str, bootstrap: str, leader_topic: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "DATABASE_URL": database_url,
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "OUTBOX_LEADER_TOPIC": leader_topic,
+        "OUTBOX_LEADER_GROUP": leader_topic,
+        "DJANGO_SETTINGS_MODULE": "project.settings",
+        "LOG_LEVEL": "INFO",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+class FaultyProducer:
+    """A real producer that sometimes refuses a record or reports a delivery as failed.
+
+    A reported failure may follow a real delivery (the ack was "lost"), so the harvester resends
+    and the topic gets a repeat: allowed, as long as no key ever goes backwards.
+    """
+
+    def __init__(self, config: dict[str, Any], *, fail_delivery: float, refuse: float, seed: int) -> None:
+        self._producer = Producer(config)
+        self._random = random.Random(seed)
+        self._fail_delivery, self._refuse = fail_delivery, refuse
+        self.injected = 0
+
+    def produce(self, topic: str, value: Any = None, key: Any = None, on_delivery: Any = None, **kwargs: Any) -> None:
+        if on_delivery is not None and self._random.random() < self._refuse:
+            self.injected += 1
+            raise BufferError("injected: local queue full")
+        if on_delivery is not None and self._random.random() < self._fail_delivery:
+            self.injected += 1
+            real = on_delivery
+
+            def on_delivery(error: Any, message: Any) -> None:
+                real(error or KafkaError(KafkaError._MSG_TIMED_OUT, "injected delivery failure"), message)
+
+        self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery, **kwargs)
+
+    def poll(self, timeout: float = 0) -> int:
+        return self._producer.poll(timeout)
+
+    def flush(self, timeout: float = 0) -> int:
+        return self._producer.flush(timeout)
+
+    def __len__(self) -> int:
+        return len(self._producer)
+
+
+class FaultyStore:
+    """A real store whose marks sometimes fail after committing and whose purges sometimes fail before."""
+
+    def __init__(self, store: Any, *, fail_mark: float, fail_purge: float, seed: int) -> None:
+        self._store = store
+        self._random = random.Random(seed)
+        self._fail_mark, self._fail_purge = fail_mark, fail_purge
+        self.injected = 0
+
+    def mark(self, leader_id: uuid.UUID, limit: int) -> list[Any]:
+        records = self._store.mark(leader_id, limit)
+        if records and self._random.random() < self._fail_mark:
+            self.injected += 1
+            raise psycopg.OperationalError("injected: connection lost after the mark committed")
+        return records
+
+    def purge(self, ids: Sequence[int]) -> int:
+        if self._random.random() < self._fail_purge:
+            self.injected += 1
+            raise psycopg.OperationalError("injected: purge failed")
+        return self._store.purge(ids)
+
+    def reset(self, ids: Sequence[int]) -> int:
+        return self._store.reset(ids)
+
+    def close(self) -> None:
+        self._store.close()

@@ -1,0 +1,136 @@
+"""Harvesting against real Postgres and Kafka, after goharvest's own integration tests.
+
+A generator stashes keyed records in transactions of 20 over 10 keys while harvesters run;
+a consumer then checks that every record arrived and that, per key, outbox ids never go
+backwards (one-off repeats allowed). The table is empty at the end.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import pytest
+from confluent_kafka import Producer
+
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.harvester import Harvester
+from outbox.harvest.store import PostgresStore
+from tests.integration.harness import (
+    FaultyProducer,
+    FaultyStore,
+    Generator,
+    Replica,
+    assert_complete_and_ordered,
+    outbox_count,
+    read_topic,
+    replica_env,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+
+def config_for(database_url: str, bootstrap: str, **limits: float) -> HarvestConfig:
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    return HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap}, leader_topic=leader,
+                         leader_group=leader, name="in-process",
+                         limits=Limits(**{"heartbeat_timeout": 2.0, "min_metrics_interval": 1.0, **limits}))
+
+
+def test_one_replica_with_injected_failures(database_url, bootstrap_servers, new_topic):
+    topic = new_topic("harvest-faults")
+    faults: dict[str, object] = {}
+
+    def producer_factory(conf):
+        if str(conf.get("client.id", "")).endswith("-records"):
+            faults["producer"] = FaultyProducer(conf, fail_delivery=0.02, refuse=0.01, seed=7)
+            return faults["producer"]
+        return Producer(conf)
+
+    def store_factory(dsn, table):
+        faults["store"] = FaultyStore(PostgresStore.open(dsn, table), fail_mark=0.05, fail_purge=0.02, seed=11)
+        return faults["store"]
+
+    events = []
+    harvester = Harvester(config_for(database_url, bootstrap_servers), on_event=events.append,
+                          producer_factory=producer_factory, store_factory=store_factory)
+    generator = Generator(topic, limit=3000)
+    harvester.start()
+    try:
+        generator.start()
+        wait_until(lambda: len(generator.ids) >= 3000, 120, "3000 records stashed")
+        stashed = generator.stop()
+        wait_until(lambda: outbox_count(database_url) == 0, 120, "the outbox to drain")
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+    audit = read_topic(bootstrap_servers, topic, expected=len(stashed))
+    assert_complete_and_ordered(audit, stashed)
+    assert faults["producer"].injected > 10 and faults["store"].injected > 3, "faults were injected"
+    refreshed = [e for e in events if type(e).__name__ == "LeaderRefreshed"]
+    assert refreshed, "failed deliveries and marks forced remarks under new leader ids"
+    leader_ids = [e.leader_id for e in events if hasattr(e, "leader_id")]
+    assert len(leader_ids) == len(set(leader_ids)), "leader ids are never reused"
+
+
+@pytest.mark.slow
+def test_four_replicas_with_leaders_killed_repeatedly(database_url, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("harvest-kills")
+    env = replica_env(database_url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
+    args = ["--heartbeat-timeout", "2", "--min-metrics-interval", "1"]
+    replicas = [Replica(f"replica-{i}", env, tmp_path, args) for i in range(4)]
+    generator = Generator(topic, pause=0.02)
+    kills = [signal.SIGKILL, signal.SIGTERM, signal.SIGKILL, signal.SIGTERM]
+    try:
+        generator.start()
+        for number, signum in enumerate(kills, start=4):
+            leader = wait_until(lambda: next((r for r in replicas if r.is_leading()), None), 60, "a leader")
+            published_before = outbox_count(database_url)
+            time.sleep(2)  # let the leader get well into the backlog, records in flight
+            leader.signal(signum)
+            code = leader.wait(timeout=60)
+            if signum == signal.SIGTERM:
+                assert code == 0, f"graceful stop exits 0, got {code}:\n{leader.log()[-2000:]}"
+            replicas.remove(leader)
+            replicas.append(Replica(f"replica-{number}", env, tmp_path, args))
+            assert published_before >= 0
+        stashed = generator.stop()
+        wait_until(lambda: outbox_count(database_url) == 0, 120, "the outbox to drain after the last kill")
+        leaders = [r for r in replicas if r.is_leading()]
+        assert len(leaders) == 1, f"exactly one of the remaining replicas leads: {[r.name for r in leaders]}"
+    finally:
+        generator.halt.set()
+        for replica in replicas:
+            replica.signal(signal.SIGTERM)
+        for replica in replicas:
+            replica.wait(timeout=60)
+    audit = read_topic(bootstrap_servers, topic, expected=len(stashed))
+    assert_complete_and_ordered(audit, stashed)
+    assert len(stashed) > 1000
+
+
+@pytest.mark.slow
+def test_eight_replicas_without_failures(database_url, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("harvest-eight")
+    env = replica_env(database_url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
+    replicas = [Replica(f"replica-{i}", env, tmp_path, ["--heartbeat-timeout", "2"]) for i in range(8)]
+    generator = Generator(topic, limit=4000)
+    try:
+        wait_until(lambda: any(r.is_leading() for r in replicas), 60, "a leader")
+        generator.start()
+        wait_until(lambda: len(generator.ids) >= 4000, 120, "4000 records stashed")
+        stashed = generator.stop()
+        wait_until(lambda: outbox_count(database_url) == 0, 120, "the outbox to drain")
+        leaders = [r.name for r in replicas if r.is_leading()]
+        assert len(leaders) == 1, f"exactly one leader among eight: {leaders}"
+    finally:
+        generator.halt.set()
+        for replica in replicas:
+            replica.signal(signal.SIGTERM)
+        codes = [replica.wait(timeout=60) for replica in replicas]
+    assert codes == [0] * 8, "every replica stops gracefully on SIGTERM"
+    audit = read_topic(bootstrap_servers, topic, expected=len(stashed))
+    assert_complete_and_ordered(audit, stashed)
+    assert audit.duplicates == 0, "no failures injected, so no repeats"
