@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 from confluent_kafka import Consumer, Producer
 
 from outbox.harvest import events
@@ -37,7 +36,7 @@ from outbox.harvest.kafka import (
     leader_consumer_config,
     record_producer_config,
 )
-from outbox.harvest.mpr import AckWorker, Pipeline, Settled
+from outbox.harvest.mpr import AckWorker, Marked, Marker, Pipeline, Settled
 from outbox.harvest.neli import Neli, Transition
 from outbox.harvest.store import Listener, PostgresStore, Store, StoreError, first_line
 
@@ -86,6 +85,10 @@ class Harvester:
         self._leader_since: float | None = None
         self._settled_lock = threading.Lock()
         self._settled: list[Settled] = []
+        self._marked: list[Marked] = []
+        self._mark_pending = False
+        self._idle_until = 0.0
+        self._notified = False
         self._wake_read, self._wake_write = -1, -1
         self._store: Store | None = None
         self._producer: Any = None
@@ -93,6 +96,7 @@ class Harvester:
         self._listener: Any = None
         self._pipeline: Pipeline | None = None
         self._acks: AckWorker | None = None
+        self._marker: Marker | None = None
         self._engine: threading.Thread | None = None
         self._published = 0
         self._failed = 0
@@ -156,6 +160,7 @@ class Harvester:
             self._state = State.RUNNING
         self._engine = threading.Thread(target=self._run, name="outbox-engine", daemon=True)
         self._acks.start()
+        self._marker.start()
         self._engine.start()
         log.info("Harvesting %s as %s (leader topic %s, group %s)", self.config.table, self.config.name,
                  self.config.leader_topic, self.config.leader_group)
@@ -169,6 +174,7 @@ class Harvester:
         os.set_blocking(self._wake_write, False)
         self._producer = self._producer_factory(record_producer_config(config))
         self._acks = AckWorker(self._producer, self._store, config.limits, self._on_settled)
+        self._marker = Marker(self._store, self._on_marked)
         self._pipeline = Pipeline(config.limits, self._producer, self._acks.callback_for, self._clock)
         self._neli = Neli(config, self._consumer_factory(leader_consumer_config(config)),
                           self._producer_factory(heartbeat_producer_config(config)), self._on_transition, self._clock)
@@ -201,8 +207,9 @@ class Harvester:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                if self._acks.failure is not None:
-                    raise self._acks.failure
+                for worker in (self._acks, self._marker):
+                    if worker.failure is not None:
+                        raise worker.failure
                 self._step()
             self._drain_on_stop()
         except BaseException as error:
@@ -213,10 +220,10 @@ class Harvester:
                 self._state = State.STOPPING
             self._end_term()
             self._close_resources()
+            log.info("Stopped (published %d, failed %d)", self._published, self._failed)
             with self._state_lock:
                 self._state = State.STOPPED
             self._stopped.set()
-            log.info("Stopped (published %d, failed %d)", self._published, self._failed)
 
     def _step(self) -> None:
         pipeline = self._pipeline
@@ -239,34 +246,33 @@ class Harvester:
             else:
                 self._begin_term(refreshed=True)
             return
+        if self._clock() - self._neli.last_poll > limits.max_poll_interval:
+            log.warning("Poll deadline exceeded (%.1fs without polling the leader topic); re-marking",
+                        self._clock() - self._neli.last_poll)
+            pipeline.force_remark = True
+            return
         if pipeline.queued and pipeline.oldest_queued_age() > limits.queue_timeout:
             log.warning("Queue timeout: a marked record waited more than %.1fs to be sent; re-marking",
                         limits.queue_timeout)
             pipeline.force_remark = True
             return
         pipeline.dispatch()
-        if not pipeline.wants_records():
-            if not pipeline.can_send():
-                self._wait(limits.drain_interval)
-            return
-        try:
-            records = self._store.mark(self._leader_id, limits.mark_query_records)
-        except psycopg.Error as error:
-            # The UPDATE may have committed even though we saw an error: re-mark, never retry as is.
-            log.warning("Mark query failed, re-marking after %.1fs: %s", limits.io_error_backoff, first_line(error))
-            pipeline.force_remark = True
-            self._wait(limits.io_error_backoff, idle=False)
-            return
-        if self._clock() - self._neli.last_poll > limits.max_poll_interval:
-            log.warning("Poll deadline exceeded (%.1fs without polling the leader topic); re-marking",
-                        self._clock() - self._neli.last_poll)
-            pipeline.force_remark = True
-            return
-        if records:
-            pipeline.enqueue(records)
-            pipeline.dispatch()
+        wants_mark = pipeline.wants_records() and not self._mark_pending
+        if wants_mark and (self._notified or self._clock() >= self._idle_until):
+            self._notified = False
+            self._mark_pending = True
+            self._marker.request(self._leader_id, limits.mark_query_records)
         elif not pipeline.can_send():
-            self._wait(limits.mark_backoff, idle=True)
+            # Nothing to do until a delivery settles, a mark returns, or (idle) a NOTIFY arrives.
+            idle = wants_mark and self._listener is not None
+            self._wait(max(0.0, self._idle_until - self._clock()) if wants_mark else limits.drain_interval,
+                       idle=idle)
+
+    def _on_marked(self, marked: Marked) -> None:
+        """Called on the marker thread when a mark query returns."""
+        with self._settled_lock:
+            self._marked.append(marked)
+        self._wake()
 
     def _begin_term(self, *, refreshed: bool) -> None:
         self._pipeline.new_term()
@@ -330,14 +336,30 @@ class Harvester:
         self._wake()
 
     def _absorb(self) -> None:
+        """Take in what the delivery and marker threads handed over."""
         with self._settled_lock:
             settled, self._settled = self._settled, []
-        if not settled:
-            return
-        failed = sum(1 for item in settled if item.error is not None)
-        self._published += len(settled) - failed
-        self._failed += failed
-        self._pipeline.settle(settled)
+            marked, self._marked = self._marked, []
+        if settled:
+            failed = sum(1 for item in settled if item.error is not None)
+            self._published += len(settled) - failed
+            self._failed += failed
+            self._pipeline.settle(settled)
+        for result in marked:
+            self._mark_pending = False
+            if result.error is not None:
+                # The UPDATE may have committed although we saw an error: re-mark, never retry as is.
+                log.warning("Mark query failed, re-marking after %.1fs: %s", self.config.limits.io_error_backoff,
+                            first_line(result.error))
+                self._idle_until = self._clock() + self.config.limits.io_error_backoff
+                if result.leader_id == self._leader_id:
+                    self._pipeline.force_remark = True
+            elif result.leader_id != self._leader_id or self._pipeline.force_remark:
+                continue  # marked under an id no longer current: the next term re-marks these rows
+            elif result.records:
+                self._pipeline.enqueue(result.records)
+            else:
+                self._idle_until = self._clock() + self.config.limits.mark_backoff
 
     def _wake(self) -> None:
         if self._wake_write >= 0:
@@ -364,8 +386,8 @@ class Harvester:
                     pass
             except BlockingIOError:
                 pass
-        if listen_fd is not None and listen_fd in ready:
-            self._listener.drain()
+        if listen_fd is not None and listen_fd in ready and self._listener.drain():
+            self._notified = True
 
     def _meter(self) -> None:
         now = self._clock()
@@ -393,6 +415,9 @@ class Harvester:
 
     def _close_resources(self) -> None:
         self._closing = True  # a revoke during close must not wait for deliveries
+        if self._marker is not None and self._marker.is_alive():
+            self._marker.stop()
+            self._marker.join(timeout=10)
         if self._acks is not None and self._acks.is_alive():
             self._acks.stop()
             self._acks.join(timeout=10)

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -75,6 +75,8 @@ class Pipeline:
         self._poisoned: dict[int, tuple[str, float]] = {}
         #: Set by a failed delivery or mark: stop sending, drain, and re-mark under a new leader id.
         self.force_remark = False
+        self._last_created: Any = None
+        self._last_created_text = ""
 
     # -- marking ------------------------------------------------------------------------------
 
@@ -130,9 +132,12 @@ class Pipeline:
         return sent
 
     def _produce(self, record: Record) -> None:
-        headers = record.headers
-        headers.append(("outbox-id", str(record.id)))
-        headers.append(("outbox-create-time", iso_utc(record)))
+        created = record.create_time
+        if created != self._last_created:  # a stash_many() batch shares one timestamp: format it once
+            self._last_created, self._last_created_text = created, iso_utc(created)
+        headers = [("outbox-id", str(record.id)), ("outbox-create-time", self._last_created_text)]
+        if record.header_keys:
+            headers[:0] = zip(record.header_keys, record.header_values, strict=False)
         self._producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
                                on_delivery=self._on_delivery(record))
 
@@ -198,6 +203,58 @@ class Pipeline:
         return now - oldest
 
 
+@dataclass(frozen=True, slots=True)
+class Marked:
+    """The outcome of one mark query: records marked for `leader_id`, or the error it raised."""
+
+    leader_id: Any
+    records: list[Record]
+    error: BaseException | None = None
+
+
+class Marker(threading.Thread):
+    """Runs mark queries off the engine thread, one at a time, so the engine keeps sending and
+    settling (and polling the leader topic) while the database works. A result for a leader id
+    that is no longer current is discarded by the engine: those rows stay marked by an old id
+    and the next mark picks them up again."""
+
+    def __init__(self, store: Store, on_marked: Callable[[Marked], None]) -> None:
+        super().__init__(name="outbox-marker", daemon=True)
+        self._store = store
+        self._on_marked = on_marked
+        self._requests: deque[tuple[Any, int]] = deque()
+        self._signal = threading.Condition()
+        self._stopping = False
+        self.failure: BaseException | None = None
+
+    def request(self, leader_id: Any, limit: int) -> None:
+        with self._signal:
+            self._requests.append((leader_id, limit))
+            self._signal.notify()
+
+    def stop(self) -> None:
+        with self._signal:
+            self._stopping = True
+            self._signal.notify()
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self._signal:
+                    while not self._requests and not self._stopping:
+                        self._signal.wait()
+                    if self._stopping:
+                        return
+                    leader_id, limit = self._requests.popleft()
+                try:
+                    self._on_marked(Marked(leader_id, self._store.mark(leader_id, limit)))
+                except psycopg.Error as error:
+                    self._on_marked(Marked(leader_id, [], error))
+        except BaseException as error:  # the harvester notices and stops as a whole
+            self.failure = error
+            log.exception("Marker thread failed")
+
+
 class AckWorker(threading.Thread):
     """The delivery thread: polls the producer, purges or resets in batches, then reports back."""
 
@@ -256,9 +313,9 @@ class AckWorker(threading.Thread):
                     return False  # stopping: the rows stay marked and the next leader re-marks them
 
 
-def iso_utc(record: Record) -> str:
+def iso_utc(created: datetime) -> str:
     """The outbox-create-time header: ISO 8601 in UTC."""
-    return record.create_time.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return created.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def is_permanent(error: KafkaError) -> bool:

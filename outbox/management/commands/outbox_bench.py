@@ -1,15 +1,37 @@
-"""Benchmarks that print figures (never assert them). `manage.py outbox_bench stash --rows 100000`."""
+"""Benchmarks that print figures (never assert them).
+
+    manage.py outbox_bench stash   --rows 100000
+    manage.py outbox_bench drain   --records 1000000 --keys 10000 --keys 10
+    manage.py outbox_bench latency --rate 2000 --duration 30
+
+`drain` and `latency` run the real `manage.py harvest` in a subprocess against the outbox of
+database `default` and the project's Kafka, and sample its memory with psutil. They need an
+empty outbox and no other harvester running on it.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
 import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+import psutil
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections, transaction
 from django.test import override_settings
 
 from outbox import conf
+from outbox.management.commands.outbox_pump import pump
 from outbox.models import OutboxRecord
 from outbox.stasher import stash, stash_many
 
@@ -17,7 +39,7 @@ BENCH_TOPIC = "outbox-bench"
 
 
 class Command(BaseCommand):
-    help = "Measure the outbox: `stash` writes rows with stash() and stash_many() and prints rows/s."
+    help = "Measure the outbox: stash() rows/s, harvester drain throughput, commit-to-ack latency, peak RSS."
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="mode", required=True)
@@ -27,8 +49,26 @@ class Command(BaseCommand):
         stash_parser.add_argument("--value-bytes", type=int, default=100)
         stash_parser.add_argument("--database", default="default")
 
+        drain = sub.add_parser("drain", help="records/s draining a backlog, from first mark to last purge")
+        drain.add_argument("--records", type=int, default=1_000_000)
+        drain.add_argument("--keys", type=int, action="append", help="distinct keys (repeat for several runs; "
+                                                                      "default 10000 and 10)")
+        drain.add_argument("--partitions", type=int, default=8, help="partitions of the benchmark topic")
+        drain.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args",
+                           help="extra flag for manage.py harvest, e.g. --harvest-arg=--mark-query-records=500")
+
+        latency = sub.add_parser("latency", help="commit-to-ack latency percentiles at a steady offered rate")
+        latency.add_argument("--rate", type=float, default=2000.0, help="records/s offered (default 2000)")
+        latency.add_argument("--duration", type=float, default=30.0, help="seconds of load (default 30)")
+        latency.add_argument("--keys", type=int, default=1000)
+        latency.add_argument("--batch", type=int, default=20, help="records per transaction (default 20)")
+        latency.add_argument("--partitions", type=int, default=8)
+        latency.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+
     def handle(self, *args: Any, mode: str, **options: Any) -> None:
         getattr(self, f"bench_{mode}")(**options)
+
+    # -- stash ----------------------------------------------------------------------------------
 
     def bench_stash(self, rows: int, batch: int, value_bytes: int, database: str, **_: Any) -> None:
         """Rows are committed (commit cost counts), then deleted; a running harvester may publish some."""
@@ -61,3 +101,179 @@ class Command(BaseCommand):
     @staticmethod
     def _many(records: list[dict[str, Any]], database: str) -> None:
         stash_many(records, using=database)
+
+    # -- drain ----------------------------------------------------------------------------------
+
+    def bench_drain(self, records: int, keys: list[int] | None, partitions: int, harvest_args: list[str],
+                    **_: Any) -> None:
+        self._require_empty_outbox()
+        self.stdout.write(f"drain benchmark: {records:,} records, topic with {partitions} partitions, "
+                          f"harvest flags {harvest_args or 'default'}")
+        for key_count in keys or [10_000, 10]:
+            topic = self._create_topic(f"bench-drain-{key_count}", partitions)
+            began = time.perf_counter()
+            pump(records=records, keys=key_count, topic=topic)
+            self.stdout.write(f"  keys={key_count:<6} backlog of {records:,} written in "
+                              f"{time.perf_counter() - began:.1f}s")
+            with HarvesterProcess(harvest_args) as harvester:
+                started = harvester.wait_for_leadership()
+                while self._outbox_has_rows():
+                    time.sleep(0.05)
+                finished = time.time()
+            elapsed = finished - started
+            self.stdout.write(f"  keys={key_count:<6} drained in {elapsed:6.1f}s: "
+                              f"{records / elapsed:>9,.0f} records/s; "
+                              f"harvester peak RSS {harvester.peak_rss / 2**20:.0f} MiB")
+            self._delete_topic(topic)
+
+    # -- latency --------------------------------------------------------------------------------
+
+    def bench_latency(self, rate: float, duration: float, keys: int, batch: int, partitions: int,
+                      harvest_args: list[str], **_: Any) -> None:
+        self._require_empty_outbox()
+        topic = self._create_topic("bench-latency", partitions)
+        records = int(rate * duration)
+        committed: dict[int, float] = {}
+
+        def on_commit(ids: Sequence[int], when: float) -> None:
+            for record_id in ids:
+                committed[record_id] = when
+
+        self.stdout.write(f"latency benchmark: {rate:,.0f} records/s offered for {duration:.0f}s over {keys} keys, "
+                          f"{batch} records a transaction; harvest flags {harvest_args or 'default'}")
+        with HarvesterProcess(harvest_args) as harvester:
+            harvester.wait_for_leadership()
+            reader = AppendTimeReader(topic, expected=records)
+            reader.start()
+            pump(records=records, keys=keys, topic=topic, rate=rate, batch=batch, on_commit=on_commit)
+            reader.join(timeout=120)
+        warmup = min(committed.values(), default=0) + 2.0
+        latencies = sorted((appended - committed[i]) * 1000 for i, appended in reader.appended.items()
+                           if i in committed and committed[i] >= warmup)
+        if not latencies:
+            raise CommandError("no records were read back from Kafka")
+
+        def pct(p: float) -> float:
+            return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))]
+
+        self.stdout.write(f"  commit-to-ack over {len(latencies):,} records (first 2 s excluded): "
+                          f"p50 {pct(50):.1f} ms, p95 {pct(95):.1f} ms, p99 {pct(99):.1f} ms, "
+                          f"max {latencies[-1]:.1f} ms, mean {statistics.fmean(latencies):.1f} ms")
+        self.stdout.write(f"  harvester peak RSS {harvester.peak_rss / 2**20:.0f} MiB; "
+                          f"read back {len(reader.appended):,} of {records:,}")
+        self._delete_topic(topic)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _require_empty_outbox(self) -> None:
+        if self._outbox_has_rows():
+            raise CommandError("the outbox is not empty: benchmarks need an empty outbox and no harvester running")
+
+    @staticmethod
+    def _outbox_has_rows() -> bool:
+        with connections["default"].cursor() as cursor:
+            cursor.execute(f'SELECT EXISTS (SELECT 1 FROM "{OutboxRecord._meta.db_table}")')
+            return cursor.fetchone()[0]
+
+    def _admin(self) -> AdminClient:
+        # One client for the command's lifetime: a destroyed client fails its pending futures.
+        if not hasattr(self, "_admin_client"):
+            self._admin_client = AdminClient(
+                {"bootstrap.servers": conf.harvest_config().base_kafka_config["bootstrap.servers"]})
+        return self._admin_client
+
+    def _create_topic(self, prefix: str, partitions: int) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        # LogAppendTime: a message's timestamp is when the broker appended it, i.e. about when it was acked.
+        topic = NewTopic(name, num_partitions=partitions, config={"message.timestamp.type": "LogAppendTime"})
+        self._admin().create_topics([topic])[name].result(timeout=30)
+        return name
+
+    def _delete_topic(self, name: str) -> None:
+        self._admin().delete_topics([name])[name].result(timeout=30)
+
+
+class HarvesterProcess:
+    """`manage.py harvest` in a subprocess with a fresh leader topic; samples its RSS."""
+
+    def __init__(self, extra_args: Sequence[str]) -> None:
+        leader = f"bench-leader-{uuid.uuid4().hex[:8]}"
+        self.args = [sys.executable, str(manage_py()), "harvest", "--leader-topic", leader, "--leader-group", leader,
+                     "-v", "2" if os.environ.get("OUTBOX_BENCH_DEBUG") else "1", *extra_args]
+        self.peak_rss = 0
+        self._done = threading.Event()
+        self._lines: list[str] = []
+
+    def __enter__(self) -> HarvesterProcess:
+        self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _read_log(self) -> None:
+        for line in self.process.stderr:
+            self._lines.append(line)
+
+    def _sample(self) -> None:
+        process = psutil.Process(self.process.pid)
+        while not self._done.is_set():
+            try:
+                self.peak_rss = max(self.peak_rss, process.memory_info().rss)
+            except psutil.Error:
+                return
+            self._done.wait(0.1)
+
+    def wait_for_leadership(self, timeout: float = 60) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any("Leading with leader id" in line for line in self._lines):
+                return time.time()
+            if self.process.poll() is not None:
+                raise CommandError("harvester exited: " + "".join(self._lines[-5:]).strip())
+            time.sleep(0.01)
+        raise CommandError("harvester did not lead within 60s")
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+class AppendTimeReader(threading.Thread):
+    """Reads the benchmark topic and keeps each outbox id's broker append time (seconds)."""
+
+    def __init__(self, topic: str, expected: int) -> None:
+        super().__init__(daemon=True)
+        self.topic, self.expected = topic, expected
+        self.appended: dict[int, float] = {}
+
+    def run(self) -> None:
+        bootstrap = conf.harvest_config().base_kafka_config["bootstrap.servers"]
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                             "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+        partitions = consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+        consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
+        idle_deadline = time.monotonic() + 60
+        while len(self.appended) < self.expected and time.monotonic() < idle_deadline:
+            for message in consumer.consume(1000, timeout=0.5):
+                if message.error():
+                    if message.error().code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(message.error().str())
+                    continue
+                idle_deadline = time.monotonic() + 30
+                for name, value in message.headers() or []:
+                    if name == "outbox-id":
+                        self.appended.setdefault(int(value), message.timestamp()[1] / 1000)
+        consumer.close()
+
+
+def manage_py() -> Path:
+    candidate = Path(sys.argv[0]).resolve()
+    if candidate.name == "manage.py":
+        return candidate
+    raise CommandError("run the benchmark through manage.py so that the harvester can be started the same way")
