@@ -11,8 +11,6 @@ from outbox import conf
 
 @checks.register("outbox")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    return [
-        checks.Error(f"OUTBOX {problem}", hint="See the configuration reference in README.md.",
-                     id=f"outbox.{problem.code}")
-        for problem in conf.problems()
-    ]
+    hint = "See the configuration reference in README.md."
+    errors = [checks.Error(f"OUTBOX {p}", hint=hint, id=f"outbox.{p.code}") for p in conf.problems()]
+    return errors + [checks.Warning(f"OUTBOX {p}", hint=hint, id=f"outbox.{p.code}") for p in conf.warnings()]

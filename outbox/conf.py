@@ -93,6 +93,16 @@ def problems() -> list[Problem]:
     return found + [p for p in config.validate() if p not in found]
 
 
+def warnings() -> list[Problem]:
+    """Settings that work but weaken a guarantee, for `manage.py check`."""
+    if settings_problems():
+        return []
+    try:
+        return harvest_config().warnings()
+    except (TypeError, ValueError):
+        return []
+
+
 def dsn_for(alias: str) -> str:
     """A libpq connection string for a Django database alias; the engine opens its own connections."""
     conf = connections[alias].settings_dict

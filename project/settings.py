@@ -69,6 +69,8 @@ DATABASES["default"]["TEST"] = {"NAME": env("TEST_DATABASE_NAME", default="outbo
 
 OUTBOX = {
     "base_kafka_config": {"bootstrap.servers": env("KAFKA_BOOTSTRAP_SERVERS")},
+    # librdkafka producer settings as "key=value,key=value", e.g. "compression.type=lz4,linger.ms=1"
+    "producer_kafka_config": env.dict("OUTBOX_PRODUCER_KAFKA_CONFIG", default={}),
     "leader_topic": env("OUTBOX_LEADER_TOPIC", default="example-outbox-leader"),
     "leader_group": env("OUTBOX_LEADER_GROUP", default="example-outbox-leader"),
 }

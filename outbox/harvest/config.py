@@ -159,6 +159,25 @@ class HarvestConfig:
             found.append(Problem("E003", "limits", "must be a Limits instance"))
         return found
 
+    def warnings(self) -> list[Problem]:
+        """Settings that work but weaken a guarantee."""
+        found = []
+        timeout = self.producer_kafka_config.get("delivery.timeout.ms",
+                                                 self.base_kafka_config.get("delivery.timeout.ms"))
+        if _is_number(self.limits.heartbeat_timeout) and timeout is not None:
+            try:
+                delivery = float(timeout) / 1000
+            except (TypeError, ValueError):
+                delivery = None
+            session = 3 * self.limits.heartbeat_timeout
+            if delivery is not None and self.limits.heartbeat_timeout + delivery >= session:
+                found.append(Problem(
+                    "W001", "producer_kafka_config",
+                    f"delivery.timeout.ms ({delivery:g}s) plus heartbeat_timeout ({self.limits.heartbeat_timeout:g}s) "
+                    f"should stay below the leader session timeout ({session:g}s, 3 x heartbeat_timeout): a fenced "
+                    f"leader's last records could otherwise land after a new leader has started"))
+        return found
+
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as plain data, with passwords and secrets masked."""
         return {

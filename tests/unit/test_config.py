@@ -107,3 +107,11 @@ def test_the_engine_imports_no_django():
             "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_delivery_timeout_too_long_for_safe_fail_over_is_a_warning():
+    with override_settings(OUTBOX={"producer_kafka_config": {"delivery.timeout.ms": 20000}}):
+        messages = checks.run_checks(tags=["outbox"])
+    assert [(m.id, m.level) for m in messages] == [("outbox.W001", checks.WARNING)]
+    with override_settings(OUTBOX={"producer_kafka_config": {"delivery.timeout.ms": 7500}}):
+        assert checks.run_checks(tags=["outbox"]) == []
