@@ -33,6 +33,13 @@ DEFAULTS: dict[str, Any] = {
     "notify": True,
     "max_value_bytes": 900_000,
     "max_header_bytes": 64 * 1024,
+    "status_table": "outbox_harvester",
+    "status_prune_after": 3600.0,
+    # The dashboard and harvest_health: a replica not seen for this long is gone.
+    "status_gone_after": 20.0,
+    # The dashboard's stuck records: pending longer than this, or reset at least this often.
+    "stuck_after": 300.0,
+    "stuck_reset_count": 3,
 }
 KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
@@ -73,6 +80,13 @@ def settings_problems() -> list[Problem]:
     for key in ("notify", "listen"):
         if not isinstance(raw.get(key, DEFAULTS[key]), bool):
             found.append(Problem("E003", key, f"must be True or False, got {raw.get(key)!r}"))
+    for key in ("status_gone_after", "stuck_after"):
+        value = _seconds(raw.get(key, DEFAULTS[key]))
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))
+    value = raw.get("stuck_reset_count", DEFAULTS["stuck_reset_count"])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        found.append(Problem("E003", "stuck_reset_count", f"must be a positive integer, got {value!r}"))
     database = raw.get("database", DEFAULTS["database"])
     if database not in settings.DATABASES:
         found.append(Problem("E011", "database", f"must name an entry of DATABASES, got {database!r}"))
@@ -146,6 +160,8 @@ def harvest_config(**overrides: Any) -> HarvestConfig:
         name=values["name"] or default_name(),
         limits=limits,
         listen=values["listen"],
+        status_table=values["status_table"],
+        status_prune_after=_seconds(values["status_prune_after"]),
     )
 
 

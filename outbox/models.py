@@ -25,11 +25,21 @@ class OutboxRecord(models.Model):
     kafka_header_values = ArrayField(models.TextField(), default=list, blank=True)
     #: The harvester term that marked the row as in flight; NULL when pending.
     leader_id = models.UUIDField(null=True, blank=True)
+    #: Times a delivery of this row failed (reset) or was refused (held); not in goharvest's schema,
+    #: so plain-SQL writers need not know it (it defaults to 0).
+    reset_count = models.IntegerField(db_default=0, default=0)
+    #: The last delivery error, for operators.
+    last_error = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "outbox"
         verbose_name = "outbox record"
         ordering = ["id"]
+        indexes = [
+            # Rows that ever failed: few, and the mark UPDATE never changes reset_count, so this
+            # index does not cost the mark its HOT update.
+            models.Index(fields=["id"], name="outbox_failed_idx", condition=models.Q(reset_count__gt=0)),
+        ]
 
     def __str__(self) -> str:
         return f"#{self.id} {self.kafka_topic}/{self.kafka_key}"
@@ -37,3 +47,48 @@ class OutboxRecord(models.Model):
     @property
     def headers(self) -> list[tuple[str, str]]:
         return list(zip(self.kafka_header_keys, self.kafka_header_values, strict=True))
+
+
+class HarvesterStatus(models.Model):
+    """One running harvester replica, upserted by the replica every `status_interval` seconds."""
+
+    STATES = [("standby", "standby"), ("leader", "leader"), ("fenced", "fenced"), ("stopping", "stopping")]
+
+    name = models.CharField(max_length=200, primary_key=True)
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    state = models.CharField(max_length=20, choices=STATES)
+    leader_id = models.UUIDField(null=True, blank=True)
+    #: When the replica entered its current state.
+    since = models.DateTimeField()
+    started = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    harvested_table = models.CharField(max_length=200)
+    leader_topic = models.CharField(max_length=249)
+    leader_group = models.CharField(max_length=255)
+    in_flight = models.IntegerField(default=0)
+    #: A bounded sample of the keys in flight; in_flight_key_count is the total.
+    in_flight_keys = ArrayField(models.TextField(), default=list, blank=True)
+    in_flight_key_count = models.IntegerField(default=0)
+    #: Keys held because a record of theirs cannot be published (poison), with a sample of reasons.
+    held_keys = ArrayField(models.TextField(), default=list, blank=True)
+    throughput = models.FloatField(default=0.0)
+    published = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "outbox_harvester"
+        verbose_name = "harvester"
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.state})"
+
+
+class Dashboard(HarvesterStatus):
+    """Admin's entry point for /admin/outbox/dashboard/ (a proxy: no table of its own)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dashboard"
+        verbose_name_plural = "dashboard"

@@ -56,6 +56,8 @@ class Limits:
     mark_query_records: int = 100
     #: Throughput is logged and signalled at most this often.
     min_metrics_interval: float = 5.0
+    #: The replica's status row is written this often (0 turns status rows off).
+    status_interval: float = 2.0
 
     def __post_init__(self) -> None:
         # Derived defaults, as goharvest's SetDefaults; left unset when their inputs are bad so
@@ -78,6 +80,7 @@ class Limits:
             "max_in_flight_records": 1,
             "mark_query_records": 1,
             "min_metrics_interval": 0.0,
+            "status_interval": 0.0,
         }
         for spec in dataclasses.fields(self):
             value = getattr(self, spec.name)
@@ -120,6 +123,10 @@ class HarvestConfig:
     limits: Limits = field(default_factory=Limits)
     #: LISTEN for stash()'s NOTIFY so committed records are picked up at once.
     listen: bool = True
+    #: Table of replica status rows (None: do not report); skipped if it does not exist.
+    status_table: str | None = "outbox_harvester"
+    #: Status rows not seen for this long (seconds) are deleted.
+    status_prune_after: float = 3600.0
 
     @property
     def channel(self) -> str:
@@ -151,6 +158,13 @@ class HarvestConfig:
                 found.append(Problem("E009", name, "must be a mapping of librdkafka property names to values"))
         if isinstance(self.base_kafka_config, Mapping) and not self.base_kafka_config.get("bootstrap.servers"):
             found.append(Problem("E010", "base_kafka_config", "must set bootstrap.servers"))
+        if self.status_table is not None and (not isinstance(self.status_table, str)
+                                              or not TABLE_PATTERN.fullmatch(self.status_table)):
+            found.append(Problem("E006", "status_table",
+                                 f"must be an SQL identifier or None, got {self.status_table!r}"))
+        if not _is_number(self.status_prune_after) or self.status_prune_after <= 0:
+            found.append(Problem("E004", "status_prune_after", f"must be a positive number of seconds, "
+                                                               f"got {self.status_prune_after!r}"))
         if not isinstance(self.listen, bool):
             found.append(Problem("E003", "listen", f"must be True or False, got {self.listen!r}"))
         if isinstance(self.limits, Limits):
@@ -189,6 +203,8 @@ class HarvestConfig:
             "leader_group": self.leader_group,
             "name": self.name,
             "listen": self.listen,
+            "status_table": self.status_table,
+            "status_prune_after": self.status_prune_after,
             "limits": dataclasses.asdict(self.limits),
         }
 

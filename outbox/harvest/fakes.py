@@ -287,6 +287,8 @@ class Row:
     header_values: list[str] = field(default_factory=list)
     leader_id: uuid.UUID | None = None
     create_time: datetime = field(default_factory=lambda: datetime.now(UTC))
+    reset_count: int = 0
+    last_error: str | None = None
 
 
 class FakeStore:
@@ -349,16 +351,25 @@ class FakeStore:
             self.purged.extend(ids)
             return len(removed)
 
-    def reset(self, ids: Sequence[int]) -> int:
+    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
         with self.lock:
             count = 0
-            for row_id in ids:
+            for row_id, error in zip(ids, errors, strict=True):
                 row = self.rows.get(row_id)
                 if row is not None:
                     row.leader_id = None
+                    row.reset_count += 1
+                    row.last_error = error
                     count += 1
             self.resets.extend(ids)
             return count
+
+    def hold(self, record_id: int, error: str) -> None:
+        with self.lock:
+            row = self.rows.get(record_id)
+            if row is not None:
+                row.reset_count += 1
+                row.last_error = error
 
     def close(self) -> None:
         self.closed = True

@@ -20,12 +20,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 from confluent_kafka import Consumer, Producer
 
 from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig
+from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import (
     ConsumerFactory,
     KafkaUnavailable,
@@ -38,7 +41,8 @@ from outbox.harvest.kafka import (
 )
 from outbox.harvest.mpr import AckWorker, Marked, Marker, Pipeline, Settled
 from outbox.harvest.neli import Neli, Transition
-from outbox.harvest.store import Listener, PostgresStore, Store, StoreError, first_line
+from outbox.harvest.status import KEY_SAMPLE, StatusReporter, StatusSnapshot, status_table_exists
+from outbox.harvest.store import Listener, PostgresStore, Record, Store, StoreError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +69,10 @@ class Harvester:
     def __init__(self, config: HarvestConfig, *, on_event: Callable[[events.Event], None] | None = None,
                  store_factory: StoreFactory = PostgresStore.open, producer_factory: ProducerFactory = Producer,
                  consumer_factory: ConsumerFactory = Consumer, topic_ensurer: TopicEnsurer = ensure_topic,
-                 listener_factory: ListenerFactory | None = Listener,
+                 listener_factory: ListenerFactory | None = Listener, instruments: Instruments | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._instruments = instruments or Instruments()
         self._on_event = on_event
         self._store_factory = store_factory
         self._producer_factory = producer_factory
@@ -97,6 +102,12 @@ class Harvester:
         self._pipeline: Pipeline | None = None
         self._acks: AckWorker | None = None
         self._marker: Marker | None = None
+        self._status: StatusReporter | None = None
+        self._role = "standby"
+        self._role_since = datetime.now(UTC)
+        self._started_at = datetime.now(UTC)
+        #: Postgres's estimate of the harvested table's live rows, refreshed with the status row.
+        self.backlog: int | None = None
         self._engine: threading.Thread | None = None
         self._published = 0
         self._failed = 0
@@ -161,6 +172,8 @@ class Harvester:
         self._engine = threading.Thread(target=self._run, name="outbox-engine", daemon=True)
         self._acks.start()
         self._marker.start()
+        if self._status is not None:
+            self._status.start()
         self._engine.start()
         log.info("Harvesting %s as %s (leader topic %s, group %s)", self.config.table, self.config.name,
                  self.config.leader_topic, self.config.leader_group)
@@ -173,14 +186,60 @@ class Harvester:
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._producer = self._producer_factory(record_producer_config(config))
-        self._acks = AckWorker(self._producer, self._store, config.limits, self._on_settled)
-        self._marker = Marker(self._store, self._on_marked)
-        self._pipeline = Pipeline(config.limits, self._producer, self._acks.callback_for, self._clock)
+        self._acks = AckWorker(self._producer, self._store, config.limits, self._on_settled, self._instruments)
+        self._marker = Marker(self._store, self._on_marked, self._instruments)
+        self._pipeline = Pipeline(config.limits, self._producer, self._acks.callback_for, self._clock,
+                                  on_poison=self._note_poison)
         self._neli = Neli(config, self._consumer_factory(leader_consumer_config(config)),
                           self._producer_factory(heartbeat_producer_config(config)), self._on_transition, self._clock)
         if config.listen and self._listener_factory is not None:
             self._listener = self._listener_factory(config.dsn, config.channel)
+        self._status = self._status_reporter()
         self._neli.start()
+
+    def _status_reporter(self) -> StatusReporter | None:
+        config = self.config
+        if not config.status_table or not config.limits.status_interval or not isinstance(self._store, PostgresStore):
+            return None
+        try:
+            with psycopg.connect(config.dsn, connect_timeout=5) as conn:
+                exists = status_table_exists(conn, config.status_table)
+        except psycopg.Error as error:
+            log.warning("Status rows off: %s", first_line(error))
+            return None
+        if not exists:
+            log.info("Status rows off: table %s does not exist (manage.py migrate creates it)", config.status_table)
+            return None
+        return StatusReporter(config.dsn, config.status_table, name=config.name, harvested_table=config.table,
+                              leader_topic=config.leader_topic, leader_group=config.leader_group,
+                              started=self._started_at, interval=config.limits.status_interval,
+                              prune_after=config.status_prune_after, snapshot=self.status,
+                              on_backlog=self._set_backlog)
+
+    def _set_backlog(self, rows: int) -> None:
+        self.backlog = rows
+
+    def status(self) -> StatusSnapshot:
+        """What this replica would report now (safe from any thread)."""
+        pipeline = self._pipeline
+        keys = list(pipeline.in_flight.copy()) if pipeline else []
+        held = pipeline.held.copy() if pipeline else {}
+        meter = self.last_meter
+        return StatusSnapshot(
+            state="stopping" if self._state is State.STOPPING else self._role, leader_id=self._leader_id,
+            since=self._role_since, in_flight=len(keys), in_flight_keys=keys[:KEY_SAMPLE],
+            in_flight_key_count=len(keys), held_keys=[f"{k}: {v}" for k, v in list(held.items())[:KEY_SAMPLE]],
+            throughput=meter.rate if meter else 0.0, published=self._published, failed=self._failed)
+
+    def _set_role(self, role: str) -> None:
+        if role != self._role:
+            self._role, self._role_since = role, datetime.now(UTC)
+
+    def _note_poison(self, record: Record, reason: str) -> None:
+        try:
+            self._store.hold(record.id, reason)
+        except psycopg.Error as error:
+            log.warning("Could not note the error on record %d: %s", record.id, first_line(error))
 
     def stop(self) -> None:
         """Ask the harvester to stop; returns at once. wait() blocks until it has."""
@@ -277,6 +336,7 @@ class Harvester:
     def _begin_term(self, *, refreshed: bool) -> None:
         self._pipeline.new_term()
         self._leader_id = uuid.uuid4()  # fresh at every acquisition and refresh, never reused
+        self._set_role("leader")
         if refreshed:
             log.warning("Refreshed leader id: %s", self._leader_id)
             self._emit(events.LeaderRefreshed(self._leader_id))
@@ -298,8 +358,10 @@ class Harvester:
         was_leading = self._leader_id is not None
         self._end_term()
         if transition is Transition.FENCED:
+            self._set_role("fenced")
             self._emit(events.LeaderFenced())
             return
+        self._set_role("standby")
         if transition is Transition.REVOKED and not self._closing:
             # Kafka waits for this callback before assigning partition 0 elsewhere: settle what
             # is in flight first, so the next leader does not resend it.
@@ -415,6 +477,9 @@ class Harvester:
 
     def _close_resources(self) -> None:
         self._closing = True  # a revoke during close must not wait for deliveries
+        if self._status is not None and self._status.is_alive():
+            self._status.stop()
+            self._status.join(timeout=10)
         if self._marker is not None and self._marker.is_alive():
             self._marker.stop()
             self._marker.join(timeout=10)

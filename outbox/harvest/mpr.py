@@ -27,6 +27,7 @@ import psycopg
 from confluent_kafka import KafkaError, KafkaException
 
 from outbox.harvest.config import Limits
+from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import ProducerLike
 from outbox.harvest.store import Record, Store, first_line
 
@@ -57,10 +58,12 @@ class Pipeline:
     """The engine thread's record state. Not thread-safe; the engine thread is its only user."""
 
     def __init__(self, limits: Limits, producer: ProducerLike, on_delivery: Callable[[Record], Any],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_poison: Callable[[Record, str], None] | None = None) -> None:
         self._limits = limits
         self._producer = producer
         self._on_delivery = on_delivery
+        self._on_poison = on_poison
         self._clock = clock
         #: key -> the record in flight for it (its barrier is raised until the purge commits).
         self.in_flight: dict[str, Record] = {}
@@ -168,6 +171,8 @@ class Pipeline:
                   record.key, record.topic, record.id, reason)
         self._poisoned[record.id] = (reason, self._clock())
         self._hold(record, reason)
+        if self._on_poison is not None:
+            self._on_poison(record, reason)
 
     def _hold(self, record: Record, reason: str) -> None:
         self.held[record.key] = reason
@@ -218,9 +223,10 @@ class Marker(threading.Thread):
     that is no longer current is discarded by the engine: those rows stay marked by an old id
     and the next mark picks them up again."""
 
-    def __init__(self, store: Store, on_marked: Callable[[Marked], None]) -> None:
+    def __init__(self, store: Store, on_marked: Callable[[Marked], None], instruments: Instruments) -> None:
         super().__init__(name="outbox-marker", daemon=True)
         self._store = store
+        self._instruments = instruments
         self._on_marked = on_marked
         self._requests: deque[tuple[Any, int]] = deque()
         self._signal = threading.Condition()
@@ -247,7 +253,10 @@ class Marker(threading.Thread):
                         return
                     leader_id, limit = self._requests.popleft()
                 try:
-                    self._on_marked(Marked(leader_id, self._store.mark(leader_id, limit)))
+                    began = time.perf_counter()
+                    records = self._store.mark(leader_id, limit)
+                    self._instruments.marked(time.perf_counter() - began, len(records))
+                    self._on_marked(Marked(leader_id, records))
                 except psycopg.Error as error:
                     self._on_marked(Marked(leader_id, [], error))
         except BaseException as error:  # the harvester notices and stops as a whole
@@ -259,10 +268,11 @@ class AckWorker(threading.Thread):
     """The delivery thread: polls the producer, purges or resets in batches, then reports back."""
 
     def __init__(self, producer: ProducerLike, store: Store, limits: Limits,
-                 on_settled: Callable[[list[Settled]], None]) -> None:
+                 on_settled: Callable[[list[Settled]], None], instruments: Instruments) -> None:
         super().__init__(name="outbox-delivery", daemon=True)
         self._producer = producer
         self._store = store
+        self._instruments = instruments
         self._limits = limits
         self._on_settled = on_settled
         self._reports: list[tuple[Record, KafkaError | None]] = []
@@ -294,10 +304,16 @@ class AckWorker(threading.Thread):
         for record, error in failed:
             log.warning("Delivery failed for record %d (topic %s, key %r): %s; resetting it",
                         record.id, record.topic, record.key, error.str())
+        began = time.perf_counter()
         if delivered and not self._retry("purge", self._store.purge, delivered):
             return
-        if failed and not self._retry("reset", self._store.reset, [record.id for record, _ in failed]):
+        if delivered:
+            self._instruments.purged(time.perf_counter() - began, len(delivered))
+        if failed and not self._retry("reset", lambda ids: self._store.reset(ids, [e.str() for _, e in failed]),
+                                      [record.id for record, _ in failed]):
             return
+        if failed:
+            self._instruments.reset(len(failed))
         self._on_settled([Settled(record, error) for record, error in reports])
 
     def _retry(self, what: str, statement: Callable[[list[int]], int], ids: list[int]) -> bool:

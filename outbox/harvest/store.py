@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 #: The columns the engine reads; tests check them against the Django model.
 COLUMNS = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys",
            "kafka_header_values", "leader_id")
+#: Columns beyond goharvest's that this app's migrations add; used when present.
+FAILURE_COLUMNS = ("reset_count", "last_error")
 CONNECT_TIMEOUT = 5
 
 
@@ -55,8 +57,12 @@ class Store(Protocol):
     def purge(self, ids: Sequence[int]) -> int:
         """Delete delivered rows; returns how many existed. Committed when it returns."""
 
-    def reset(self, ids: Sequence[int]) -> int:
-        """Clear leader_id of rows whose delivery failed, so the next mark picks them up again."""
+    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
+        """Clear leader_id of rows whose delivery failed (errors[i] for ids[i]), so the next mark
+        picks them up again; count the failure on the row when the table can."""
+
+    def hold(self, record_id: int, error: str) -> None:
+        """Note on the row that it cannot be published (a poison record held by the engine)."""
 
     def close(self) -> None: ...
 
@@ -78,8 +84,17 @@ RETURNING id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_key
 # Purge: delete delivered rows, many per statement.
 PURGE = "DELETE FROM {table} WHERE id = ANY(%(ids)s)"
 
-# Reset: put rows whose delivery failed back in scope of the next mark.
+# Reset: put rows whose delivery failed back in scope of the next mark. Tables made by this
+# app's migrations also count the failure and keep the error (reset_count, last_error).
 RESET = "UPDATE {table} SET leader_id = NULL WHERE id = ANY(%(ids)s)"
+RESET_COUNTED = """
+UPDATE {table} AS o SET leader_id = NULL, reset_count = o.reset_count + 1, last_error = f.error
+FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
+WHERE o.id = f.id
+"""
+
+# Hold: a poison record stays marked (its key is held); say why on the row.
+HOLD = "UPDATE {table} SET reset_count = reset_count + 1, last_error = %(error)s WHERE id = %(id)s"
 
 # Does the table exist, and does it have goharvest's columns?
 TABLE_COLUMNS = """
@@ -111,13 +126,15 @@ class PostgresStore:
     (delivery thread). Both autocommit: each statement commits before it returns, which is what
     lets a purge lower its key's barrier."""
 
-    def __init__(self, dsn: str, table: str) -> None:
+    def __init__(self, dsn: str, table: str, *, counts_failures: bool = False) -> None:
         self._dsn = dsn
         self._table = table
+        self.counts_failures = counts_failures
         ident = table_identifier(table)
         self._mark_sql = sql.SQL(MARK).format(table=ident)
         self._purge_sql = sql.SQL(PURGE).format(table=ident)
-        self._reset_sql = sql.SQL(RESET).format(table=ident)
+        self._reset_sql = sql.SQL(RESET_COUNTED if counts_failures else RESET).format(table=ident)
+        self._hold_sql = sql.SQL(HOLD).format(table=ident)
         self._mark_conn: psycopg.Connection | None = None
         self._ack_conn: psycopg.Connection | None = None
         self._ack_lock = threading.Lock()
@@ -142,6 +159,11 @@ class PostgresStore:
         if missing:
             store.close()
             raise StoreError(f"table {table!r} lacks the outbox column(s) {', '.join(missing)}")
+        if all(c in columns for c in FAILURE_COLUMNS):
+            conn, store._mark_conn = store._mark_conn, None
+            store.close()
+            store = cls(dsn, table, counts_failures=True)
+            store._mark_conn = conn
         return store
 
     def _connect(self) -> psycopg.Connection:
@@ -174,13 +196,19 @@ class PostgresStore:
     def purge(self, ids: Sequence[int]) -> int:
         return self._ack(self._purge_sql, ids)
 
-    def reset(self, ids: Sequence[int]) -> int:
-        return self._ack(self._reset_sql, ids)
+    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
+        return self._ack(self._reset_sql, {"ids": list(ids), "errors": list(errors)})
 
-    def _ack(self, statement: sql.Composed, ids: Sequence[int]) -> int:
+    def hold(self, record_id: int, error: str) -> None:
+        if self.counts_failures:
+            self._ack(self._hold_sql, {"id": record_id, "error": error})
+
+    def _ack(self, statement: sql.Composed, params: dict[str, object] | Sequence[int]) -> int:
+        if not isinstance(params, dict):
+            params = {"ids": list(params)}
         with self._ack_lock:
             try:
-                return self._ack_connection().execute(statement, {"ids": list(ids)}, prepare=True).rowcount
+                return self._ack_connection().execute(statement, params, prepare=True).rowcount
             except psycopg.Error:
                 self._drop("_ack_conn")
                 raise

@@ -256,8 +256,11 @@ class FaultyStore:
             raise psycopg.OperationalError("injected: purge failed")
         return self._store.purge(ids)
 
-    def reset(self, ids: Sequence[int]) -> int:
-        return self._store.reset(ids)
+    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
+        return self._store.reset(ids, errors)
+
+    def hold(self, record_id: int, error: str) -> None:
+        self._store.hold(record_id, error)
 
     def close(self) -> None:
         self._store.close()

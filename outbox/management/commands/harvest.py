@@ -6,6 +6,7 @@ share a leader topic and group. Settings come from OUTBOX and the environment; f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -16,13 +17,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox import conf
 from outbox.embedded import create_harvester
+from outbox.harvest.config import Limits
 from outbox.harvest.harvester import HarvestError
-
-#: Limits that take a number of seconds on the command line, and those that take a count.
-DURATION_LIMITS = ("heartbeat_timeout", "min_poll_interval", "max_poll_interval", "drain_interval", "queue_timeout",
-                   "mark_backoff", "io_error_backoff", "min_metrics_interval")
-COUNT_LIMITS = ("max_in_flight_records", "mark_query_records")
-assert set(DURATION_LIMITS + COUNT_LIMITS) == set(conf.LIMIT_NAMES), "every limit has a flag"
 
 
 class Command(BaseCommand):
@@ -39,10 +35,10 @@ class Command(BaseCommand):
         parser.add_argument("--print-config", action="store_true",
                             help="print the effective configuration (secrets redacted) as JSON and exit")
         limits = parser.add_argument_group("limits (see the configuration reference)")
-        for name in DURATION_LIMITS:
-            limits.add_argument(f"--{name.replace('_', '-')}", type=float, metavar="SECONDS", dest=name)
-        for name in COUNT_LIMITS:
-            limits.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N", dest=name)
+        for spec in dataclasses.fields(Limits):  # one flag per limit: counts take N, durations SECONDS
+            counts = spec.type == "int"
+            limits.add_argument(f"--{spec.name.replace('_', '-')}", dest=spec.name, type=int if counts else float,
+                                metavar="N" if counts else "SECONDS")
 
     def handle(self, *args: Any, **options: Any) -> None:
         overrides = {name: options.get(name) for name in conf.LIMIT_NAMES}
