@@ -96,6 +96,23 @@ WHERE o.id = f.id
 # Hold: a poison record stays marked (its key is held); say why on the row.
 HOLD = "UPDATE {table} SET reset_count = reset_count + 1, last_error = %(error)s WHERE id = %(id)s"
 
+# Requeue (an operator's action): put rows back in scope of the next mark, clearing their failure
+# count, but never rows marked by a live leader: one of those may be in flight, and re-marking it
+# behind a later record of its key would publish the two out of order.
+REQUEUE = """
+UPDATE {table} SET leader_id = NULL{failure_columns}
+WHERE id = ANY(%(ids)s) AND (leader_id IS NULL OR NOT (leader_id = ANY(%(live)s::uuid[])))
+"""
+
+
+def requeue(conn: psycopg.Connection, table: str, ids: Sequence[int], live_leader_ids: Sequence[uuid.UUID],
+            *, counts_failures: bool = True) -> int:
+    """Requeue rows on the caller's connection (and transaction); returns how many were requeued."""
+    extra = ", reset_count = 0, last_error = NULL" if counts_failures else ""
+    statement = sql.SQL(REQUEUE).format(table=table_identifier(table), failure_columns=sql.SQL(extra))
+    return conn.execute(statement, {"ids": list(ids), "live": list(live_leader_ids)}).rowcount
+
+
 # Does the table exist, and does it have goharvest's columns?
 TABLE_COLUMNS = """
 SELECT attname FROM pg_attribute
