@@ -151,6 +151,10 @@ class Harvester:
     def published(self) -> int:
         return self._published
 
+    @property
+    def failed(self) -> int:
+        return self._failed
+
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -32,6 +32,10 @@ class Command(BaseCommand):
         parser.add_argument("--name", help="this replica's name in logs and heartbeats (default: host_pid_time)")
         parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
                             help="do not LISTEN for stash()'s NOTIFY; find new records by polling only")
+        parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                            help="serve Prometheus metrics on this port (http://0.0.0.0:PORT/metrics)")
+        parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
+                            help="address for --metrics-port (default 0.0.0.0)")
         parser.add_argument("--print-config", action="store_true",
                             help="print the effective configuration (secrets redacted) as JSON and exit")
         limits = parser.add_argument_group("limits (see the configuration reference)")
@@ -55,11 +59,30 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
             return
         self._configure_logging(options["verbosity"])
-        harvester = create_harvester(**overrides)
+        registry = instruments = None
+        if options["metrics_port"] is not None:
+            from prometheus_client import CollectorRegistry
+
+            from outbox.metrics import PrometheusInstruments
+
+            registry = CollectorRegistry()
+            instruments = PrometheusInstruments(registry)
+        harvester = create_harvester(instruments=instruments, **overrides)
         try:
             harvester.start()
         except HarvestError as error:
             raise CommandError(str(error)) from None
+        if registry is not None:
+            from outbox.metrics import serve
+
+            try:
+                serve(harvester, registry, options["metrics_port"], options["metrics_address"])
+            except OSError as error:
+                harvester.stop()
+                harvester.wait()
+                raise CommandError(f"cannot serve metrics on port {options['metrics_port']}: {error}") from None
+            logging.getLogger("outbox").info("Metrics on http://%s:%d/metrics", options["metrics_address"],
+                                             options["metrics_port"])
 
         def request_stop(signum: int, _frame: Any) -> None:
             logging.getLogger("outbox").info("%s received: stopping", signal.Signals(signum).name)

@@ -1,0 +1,79 @@
+"""Prometheus metrics for a running harvester: `manage.py harvest --metrics-port 9108`.
+
+Counters and histograms are fed by the engine's Instruments hooks; gauges are read from the
+Harvester when Prometheus scrapes, so the engine pays nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from outbox.harvest.harvester import Harvester
+from outbox.harvest.instruments import Instruments
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class PrometheusInstruments(Instruments):
+    """Mark and purge latency, and resets, as Prometheus metrics in `registry`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.mark_seconds = Histogram("outbox_mark_seconds", "Mark query latency", buckets=LATENCY_BUCKETS,
+                                      registry=registry)
+        self.purge_seconds = Histogram("outbox_purge_seconds", "Purge (batched DELETE) latency",
+                                       buckets=LATENCY_BUCKETS, registry=registry)
+        self.marked_records = Counter("outbox_records_marked", "Rows marked", registry=registry)
+        self.reset_records = Counter("outbox_records_reset", "Rows reset after a failed delivery", registry=registry)
+
+    def marked(self, seconds: float, rows: int) -> None:
+        self.mark_seconds.observe(seconds)
+        self.marked_records.inc(rows)
+
+    def purged(self, seconds: float, rows: int) -> None:
+        self.purge_seconds.observe(seconds)
+
+    def reset(self, rows: int) -> None:
+        self.reset_records.inc(rows)
+
+
+class HarvesterCollector(Collector):
+    """Reads the harvester's state at scrape time."""
+
+    def __init__(self, harvester: Harvester) -> None:
+        self._harvester = harvester
+
+    def collect(self) -> Iterator[Any]:
+        h = self._harvester
+        labels = ["name"]
+        name = [h.config.name]
+        published = CounterMetricFamily("outbox_records_published", "Records published and purged", labels=labels)
+        published.add_metric(name, h.published)
+        yield published
+        failed = CounterMetricFamily("outbox_records_failed", "Records whose delivery failed", labels=labels)
+        failed.add_metric(name, h.failed)
+        yield failed
+        in_flight = GaugeMetricFamily("outbox_in_flight_records", "Records sent and not yet purged", labels=labels)
+        in_flight.add_metric(name, h.in_flight_records)
+        yield in_flight
+        state = h.status().state
+        leader = GaugeMetricFamily("outbox_leader_state", "1 for this replica's current state",
+                                   labels=["name", "state"])
+        for candidate in ("standby", "leader", "fenced", "stopping"):
+            leader.add_metric([h.config.name, candidate], 1.0 if state == candidate else 0.0)
+        yield leader
+        if h.backlog is not None:
+            backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",
+                                        labels=labels)
+            backlog.add_metric(name, h.backlog)
+            yield backlog
+
+
+def serve(harvester: Harvester, registry: CollectorRegistry, port: int, address: str = "0.0.0.0") -> None:
+    """Expose `registry` plus the harvester's gauges on http://address:port/metrics."""
+    registry.register(HarvesterCollector(harvester))
+    start_http_server(port, addr=address, registry=registry)
