@@ -94,7 +94,7 @@ class FakeKafka:
 
     def factories(self) -> dict[str, Any]:
         return {"producer_factory": self.producer, "consumer_factory": self.consumer,
-                "topic_ensurer": lambda *args: None, "listener_factory": None}
+                "topic_ensurer": lambda *args: None, "listener_factory": None, "status_reports": False}
 
     def producer(self, config: dict[str, Any]) -> FakeProducer:
         producer = FakeProducer(self, config)

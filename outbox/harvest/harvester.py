@@ -70,9 +70,10 @@ class Harvester:
                  store_factory: StoreFactory = PostgresStore.open, producer_factory: ProducerFactory = Producer,
                  consumer_factory: ConsumerFactory = Consumer, topic_ensurer: TopicEnsurer = ensure_topic,
                  listener_factory: ListenerFactory | None = Listener, instruments: Instruments | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 status_reports: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._instruments = instruments or Instruments()
+        self._status_reports = status_reports
         self._on_event = on_event
         self._store_factory = store_factory
         self._producer_factory = producer_factory
@@ -203,7 +204,7 @@ class Harvester:
 
     def _status_reporter(self) -> StatusReporter | None:
         config = self.config
-        if not config.status_table or not config.limits.status_interval or not isinstance(self._store, PostgresStore):
+        if not (self._status_reports and config.status_table and config.limits.status_interval):
             return None
         try:
             with psycopg.connect(config.dsn, connect_timeout=5) as conn:
