@@ -65,6 +65,10 @@ class Command(BaseCommand):
         latency.add_argument("--partitions", type=int, default=8)
         latency.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
 
+        page = sub.add_parser("admin", help="admin page times on a big outbox (rows added, then removed)")
+        page.add_argument("--rows", type=int, default=1_000_000)
+        page.add_argument("--repeat", type=int, default=5)
+
     def handle(self, *args: Any, mode: str, **options: Any) -> None:
         getattr(self, f"bench_{mode}")(**options)
 
@@ -162,6 +166,54 @@ class Command(BaseCommand):
         self.stdout.write(f"  harvester peak RSS {harvester.peak_rss / 2**20:.0f} MiB; "
                           f"read back {len(reader.appended):,} of {records:,}")
         self._delete_topic(topic)
+
+    # -- admin ----------------------------------------------------------------------------------
+
+    def bench_admin(self, rows: int, repeat: int, **_: Any) -> None:
+        """Time the dashboard and the records changelist on an outbox of `rows` rows."""
+        from django.contrib.auth.models import User
+        from django.test import Client
+
+        self._require_empty_outbox()
+        table = OutboxRecord._meta.db_table
+        with connections["default"].cursor() as cursor:
+            # Generated server-side: this measures the pages, not stash().
+            cursor.execute(f"""
+                INSERT INTO "{table}" (kafka_topic, kafka_key, kafka_value, leader_id, reset_count, last_error)
+                SELECT 'bench-admin-' || (g %% 7), 'key-' || (g %% 10000), repeat('v', 100),
+                       CASE WHEN g <= 1000 THEN '00000000-0000-0000-0000-00000000dead'::uuid END,
+                       CASE WHEN g %% 50000 = 0 THEN 5 ELSE 0 END,
+                       CASE WHEN g %% 50000 = 0 THEN 'Broker: Message size too large' END
+                FROM generate_series(1, %s) AS g""", [rows])
+            cursor.execute(f'ANALYZE "{table}"')
+        user = User.objects.create_superuser(f"bench-{uuid.uuid4().hex[:8]}", "bench@example.com", None)
+        client = Client()
+        client.force_login(user)
+        pages = [("dashboard", "/admin/outbox/dashboard/"), ("records", "/admin/outbox/outboxrecord/"),
+                 ("records, page 100", "/admin/outbox/outboxrecord/?p=100"),
+                 ("records, stuck", "/admin/outbox/outboxrecord/?state=stuck"),
+                 ("records, topic", "/admin/outbox/outboxrecord/?topic=bench-admin-3"),
+                 ("record detail", f"/admin/outbox/outboxrecord/{self._first_id()}/change/")]
+        self.stdout.write(f"admin benchmark: {rows:,} rows in the outbox; median of {repeat} requests")
+        try:
+            with override_settings(ALLOWED_HOSTS=["testserver"], DEBUG=False):
+                for name, url in pages:
+                    times = []
+                    for _ in range(repeat):
+                        began = time.perf_counter()
+                        response = client.get(url)
+                        times.append((time.perf_counter() - began) * 1000)
+                        if response.status_code != 200:
+                            raise CommandError(f"{url} answered {response.status_code}")
+                    self.stdout.write(f"  {name:<18} {statistics.median(times):7.1f} ms  (max {max(times):.1f} ms)")
+        finally:
+            user.delete()
+            with connections["default"].cursor() as cursor:
+                cursor.execute(f'TRUNCATE "{table}"')
+
+    @staticmethod
+    def _first_id() -> int:
+        return OutboxRecord.objects.order_by("id").values_list("id", flat=True).first()
 
     # -- helpers --------------------------------------------------------------------------------
 
