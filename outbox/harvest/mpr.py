@@ -301,9 +301,10 @@ class AckWorker(threading.Thread):
         reports, self._reports[:] = list(self._reports), []
         delivered = [record.id for record, error in reports if error is None]
         failed = [(record, error) for record, error in reports if error is not None]
-        for record, error in failed:
-            log.warning("Delivery failed for record %d (topic %s, key %r): %s; resetting it",
-                        record.id, record.topic, record.key, error.str())
+        if failed:  # one line per batch: a broker outage fails every record in flight at once
+            record, error = failed[0]
+            log.warning("Delivery failed for %d record(s), e.g. record %d (topic %s, key %r): %s; resetting them",
+                        len(failed), record.id, record.topic, record.key, error.str())
         began = time.perf_counter()
         if delivered and not self._retry("purge", self._store.purge, delivered):
             return
