@@ -94,6 +94,9 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
         "session.timeout.ms": int(3 * config.limits.heartbeat_timeout * 1000),
         "heartbeat.interval.ms": max(100, int(config.limits.heartbeat_timeout * 1000 / 5)),
         "enable.partition.eof": False,
+        # Cooperative rebalancing moves only the partitions that change owner: a standby joining or
+        # leaving does not revoke partition 0 from the leader (eager rebalancing would, every time).
+        "partition.assignment.strategy": "cooperative-sticky",
         "error_cb": _log_client_error,
         "logger": client_log,
     })
