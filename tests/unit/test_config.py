@@ -103,7 +103,7 @@ def test_settings_build_the_engine_config():
 
 
 def test_the_engine_imports_no_django():
-    code = ("import sys, outbox.harvest.config, outbox.harvest; "
+    code = ("import sys, outbox.harvest.harvester, outbox.harvest.fakes, outbox.harvest.status; "
             "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -115,3 +115,17 @@ def test_a_delivery_timeout_too_long_for_safe_fail_over_is_a_warning():
     assert [(m.id, m.level) for m in messages] == [("outbox.W001", checks.WARNING)]
     with override_settings(OUTBOX={"producer_kafka_config": {"delivery.timeout.ms": 7500}}):
         assert checks.run_checks(tags=["outbox"]) == []
+
+
+def test_the_engine_sql_matches_the_models():
+    import re
+
+    from outbox.harvest import status, store
+    from outbox.models import HarvesterStatus, OutboxRecord
+
+    outbox_columns = {f.column for f in OutboxRecord._meta.get_fields()}
+    assert set(store.COLUMNS) | set(store.FAILURE_COLUMNS) == outbox_columns
+    returning = store.MARK.split("RETURNING")[1].replace(" ", "").strip().split(",")
+    assert returning == list(store.COLUMNS)
+    inserted = re.search(r"INSERT INTO \{table\} \((.*?)\)", status.UPSERT, re.S).group(1)
+    assert {c.strip() for c in inserted.split(",")} == {f.column for f in HarvesterStatus._meta.get_fields()}
