@@ -18,7 +18,7 @@ from datetime import datetime
 import psycopg
 from psycopg import sql
 
-from outbox.harvest.store import CONNECT_TIMEOUT, first_line, table_identifier, table_name
+from outbox.harvest.store import close_quietly, connect, first_line, table_identifier, table_name
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,9 @@ class StatusReporter(threading.Thread):
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
-                                         application_name="outbox-harvest-status")
+            self._conn = connect(self._dsn, "status")
         return self._conn
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except psycopg.Error:
-                pass
+        close_quietly(conn)

@@ -120,6 +120,21 @@ WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
 """
 
 
+def connect(dsn: str, purpose: str) -> psycopg.Connection:
+    """An autocommit connection of the engine's own, named in pg_stat_activity by its purpose."""
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
+                           application_name=f"outbox-harvest-{purpose}")
+
+
+def close_quietly(conn: psycopg.Connection | None) -> None:
+    """Close a connection that may already be broken; the caller has given up on it."""
+    if conn is not None:
+        try:
+            conn.close()
+        except psycopg.Error:
+            pass
+
+
 class StoreError(Exception):
     """The outbox table cannot be used; the message is one line for the operator."""
 
@@ -183,19 +198,14 @@ class PostgresStore:
             store._mark_conn = conn
         return store
 
-    def _connect(self) -> psycopg.Connection:
-        conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
-                               application_name="outbox-harvest")
-        return conn
-
     def _mark_connection(self) -> psycopg.Connection:
         if self._mark_conn is None or self._mark_conn.closed:
-            self._mark_conn = self._connect()
+            self._mark_conn = connect(self._dsn, "mark")
         return self._mark_conn
 
     def _ack_connection(self) -> psycopg.Connection:
         if self._ack_conn is None or self._ack_conn.closed:
-            self._ack_conn = self._connect()
+            self._ack_conn = connect(self._dsn, "purge")
         return self._ack_conn
 
     def mark(self, leader_id: uuid.UUID, limit: int) -> list[Record]:
@@ -234,11 +244,7 @@ class PostgresStore:
         """Forget a connection after an error; the next call reconnects."""
         conn = getattr(self, attribute)
         setattr(self, attribute, None)
-        if conn is not None:
-            try:
-                conn.close()
-            except psycopg.Error:
-                pass
+        close_quietly(conn)
 
     def close(self) -> None:
         self._drop("_mark_conn")
@@ -258,8 +264,7 @@ class Listener:
         """The socket to select on, or None while disconnected (the engine then just polls)."""
         if self._conn is None or self._conn.closed:
             try:
-                self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
-                                             application_name="outbox-harvest-listen")
+                self._conn = connect(self._dsn, "listen")
                 self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
             except psycopg.Error as error:
                 log.debug("LISTEN unavailable, polling only: %s", first_line(error))
@@ -279,11 +284,7 @@ class Listener:
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except psycopg.Error:
-                pass
+        close_quietly(conn)
 
 
 def table_name(table: str) -> str:
