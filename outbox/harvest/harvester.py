@@ -42,7 +42,7 @@ from outbox.harvest.kafka import (
 from outbox.harvest.mpr import AckWorker, Marked, Marker, Pipeline, Settled
 from outbox.harvest.neli import Neli, Transition
 from outbox.harvest.status import KEY_SAMPLE, StatusReporter, StatusSnapshot, status_table_exists
-from outbox.harvest.store import Listener, PostgresStore, Record, Store, StoreError, first_line
+from outbox.harvest.store import Listener, PostgresStore, Record, Store, StoreError, connect, first_line
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class Harvester:
         self._marked: list[Marked] = []
         self._mark_pending = False
         self._idle_until = 0.0
+        self._next_queue_check = 0.0
         self._notified = False
         self._wake_read, self._wake_write = -1, -1
         self._store: Store | None = None
@@ -207,7 +208,7 @@ class Harvester:
         if not (self._status_reports and config.status_table and config.limits.status_interval):
             return None
         try:
-            with psycopg.connect(config.dsn, connect_timeout=5) as conn:
+            with connect(config.dsn, "status") as conn:
                 exists = status_table_exists(conn, config.status_table)
         except psycopg.Error as error:
             log.warning("Status rows off: %s", first_line(error))
@@ -315,11 +316,14 @@ class Harvester:
                         self._clock() - self._neli.last_poll)
             pipeline.force_remark = True
             return
-        if pipeline.queued and pipeline.oldest_queued_age() > limits.queue_timeout:
-            log.warning("Queue timeout: a marked record waited more than %.1fs to be sent; re-marking",
-                        limits.queue_timeout)
-            pipeline.force_remark = True
-            return
+        if pipeline.queued and self._clock() >= self._next_queue_check:
+            # Scanning the queue costs O(queued): look a few times per timeout, not every step.
+            self._next_queue_check = self._clock() + min(1.0, limits.queue_timeout / 4)
+            if pipeline.oldest_queued_age() > limits.queue_timeout:
+                log.warning("Queue timeout: a marked record waited more than %.1fs to be sent; re-marking",
+                            limits.queue_timeout)
+                pipeline.force_remark = True
+                return
         pipeline.dispatch()
         wants_mark = pipeline.wants_records() and not self._mark_pending
         if wants_mark and (self._notified or self._clock() >= self._idle_until):
