@@ -33,6 +33,7 @@ DEFAULTS: dict[str, Any] = {
     "notify": True,
     "max_value_bytes": 900_000,
     "max_header_bytes": 64 * 1024,
+    "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
 }
 KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
@@ -73,6 +74,10 @@ def settings_problems() -> list[Problem]:
     for key in ("notify", "listen"):
         if not isinstance(raw.get(key, DEFAULTS[key]), bool):
             found.append(Problem("E003", key, f"must be True or False, got {raw.get(key)!r}"))
+    spark_jars = raw.get("spark_jars")
+    if spark_jars is not None and not (isinstance(spark_jars, str) or (
+            isinstance(spark_jars, list | tuple) and all(isinstance(item, str) for item in spark_jars))):
+        found.append(Problem("E003", "spark_jars", f"must be a path or a list of paths, got {spark_jars!r}"))
     database = raw.get("database", DEFAULTS["database"])
     if database not in settings.DATABASES:
         found.append(Problem("E011", "database", f"must name an entry of DATABASES, got {database!r}"))
