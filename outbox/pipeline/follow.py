@@ -7,8 +7,9 @@ where the last run stopped and a micro-batch that Spark replays is not counted a
 whole checkpoint folder to start over.
 
 A run stops when `once` is set (Spark's availableNow trigger: everything there at start, then
-stop), after `max_batches` folded micro-batches, after `idle_timeout` seconds without a new one,
-or on SIGINT/SIGTERM.
+stop), after `max_batches` folded micro-batches, after `idle_timeout` seconds without a
+micro-batch (counted from the start or the end of the last one, never during one), or on
+SIGINT/SIGTERM (after the micro-batch under way).
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
     """
     store = StateStore(spark, f"{options.checkpoint.rstrip('/')}/state")
     run = FollowRun()
-    last_activity = [time.monotonic()]
+    activity = {"last": time.monotonic(), "busy": False}  # idle time counts from the last batch's end
     failure: list[BaseException] = []
 
     def fold_batch(frame: DataFrame, batch_id: int) -> None:
+        activity["busy"] = True
         try:
             if store.folded(batch_id):
                 run.skipped.append(batch_id)
@@ -74,12 +76,13 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
             finally:
                 folded.release()
             run.folded.append(batch_id)
-            last_activity[0] = time.monotonic()
             log(f"batch {batch_id}: folded in {time.monotonic() - began:.1f}s")
             on_state(saved, run)
         except BaseException as error:  # surfaced by the main thread; Spark would only log it
             failure.append(error)
             raise
+        finally:
+            activity.update(last=time.monotonic(), busy=False)
 
     writer = (sources.read_stream(spark, kafka, topics, options.max_offsets_per_trigger)
               .writeStream.foreachBatch(fold_batch).option("checkpointLocation",
@@ -94,11 +97,13 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
             query.awaitTermination(0.5)
             if failure:
                 break
+            if activity["busy"]:  # never stop a micro-batch half-way
+                continue
             if stop_requested.is_set():
                 run.stopped_because = "signal"
             elif options.max_batches is not None and len(run.folded) >= options.max_batches:
                 run.stopped_because = f"{options.max_batches} batches folded"
-            elif options.idle_timeout is not None and time.monotonic() - last_activity[0] >= options.idle_timeout:
+            elif options.idle_timeout is not None and time.monotonic() - activity["last"] >= options.idle_timeout:
                 run.stopped_because = f"idle for {options.idle_timeout:g}s"
             else:
                 continue
