@@ -44,14 +44,28 @@ def _header(name: str) -> Column:
     return F.try_element_at(matching, F.lit(-1))["value"].cast("string")
 
 
+def _harvester_headers() -> tuple[Column, Column]:
+    """`outbox-id` and `outbox-create-time` as text: fast where the harvester put them, else searched.
+
+    The harvester appends the two after the record's own headers, so they are nearly always the
+    last two; reading those by position costs a fraction of scanning the array with a lambda
+    (which Spark evaluates without code generation), and the search remains for anything else.
+    """
+    last, second_last = F.try_element_at("headers", F.lit(-1)), F.try_element_at("headers", F.lit(-2))
+    time_last = last["key"] == F.lit(CREATE_TIME_HEADER)
+    id_second_last = time_last & (second_last["key"] == F.lit(ID_HEADER))
+    id_text = F.when(id_second_last, second_last["value"].cast("string")).otherwise(_header(ID_HEADER))
+    time_text = F.when(time_last, last["value"].cast("string")).otherwise(_header(CREATE_TIME_HEADER))
+    return id_text, time_text
+
+
 def normalize(raw: DataFrame) -> DataFrame:
     """Kafka source rows (binary key/value, headers) to typed rows the checks work on.
 
     Never drops a row: a message whose headers are missing or unparsable keeps a null
     `outbox_id` / `create_time` and a `problem` saying what is wrong, so it is counted.
     """
-    id_text = _header(ID_HEADER)
-    time_text = _header(CREATE_TIME_HEADER)
+    id_text, time_text = _harvester_headers()
     outbox_id = F.trim(id_text).try_cast("bigint")
     create_time = F.trim(time_text).try_cast("timestamp")
     problem = (
@@ -167,11 +181,13 @@ def fold(state: AuditState | None, batch: DataFrame, *, batch_id: int = 0, examp
         F.sum(_flag(F.col("reversal"))).cast("bigint").alias("reversals"),
     )
     first_place = F.min(F.struct("partition", "offset", "key"))
-    ids = with_id.groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("occurrences"),
-                                                    first_place.alias("first"))
+    batch_ids = with_id.groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("occurrences"),
+                                                          first_place.alias("first")).persist()
+    ids = batch_ids
     keys = with_id.groupBy("topic", "partition", "key").agg(F.max("outbox_id").alias("max_id"))
     latency = marked.where(F.col("latency_ms").isNotNull()).groupBy("topic", "latency_ms").agg(
         F.count(F.lit(1)).alias("messages"))
+    earlier_ids = None
     if state is not None:
         counters = counters.unionByName(state.counters).groupBy("topic").agg(
             *(F.sum(name).cast("bigint").alias(name) for name in ("messages", "without_headers", "reversals")))
@@ -192,23 +208,35 @@ def fold(state: AuditState | None, batch: DataFrame, *, batch_id: int = 0, examp
         _first(_example(marked.where("reversal"), "reversals", batch_id, previous_id=F.col("previous_id")), examples),
         _first(_example(marked.where(F.col("problem").isNotNull()), "without_headers", batch_id,
                         detail=F.col("problem")), examples),
-        _first(_duplicate_examples(with_id, ids, batch_id, examples), examples),
+        _first(_duplicate_examples(with_id, batch_ids, earlier_ids, batch_id, examples), examples),
     ]
     new_examples = found[0].unionByName(found[1]).unionByName(found[2])
     if state is not None:
         new_examples = state.examples.unionByName(new_examples)
     keep = Window.partitionBy("kind").orderBy("batch", "topic", "partition", "offset")
     kept = new_examples.withColumn("_n", F.row_number().over(keep)).where(F.col("_n") <= examples).drop("_n")
-    return AuditState(counters=counters, ids=ids, keys=keys, latency=latency, examples=kept, cached=[marked])
+    return AuditState(counters=counters, ids=ids, keys=keys, latency=latency, examples=kept,
+                      cached=[marked, batch_ids])
 
 
-def _duplicate_examples(with_id: DataFrame, ids: DataFrame, batch_id: int, limit: int) -> DataFrame:
-    """Messages of this batch that repeat an id first seen elsewhere (the first `limit` repeated ids)."""
-    repeated = (ids.where(F.col("occurrences") > 1)
-                .join(with_id.select("topic", "outbox_id").distinct(), ["topic", "outbox_id"], "left_semi")
-                .orderBy("topic", "outbox_id").limit(limit)
-                .select("topic", "outbox_id", "first_partition", "first_offset"))
-    repeats = (with_id.join(F.broadcast(repeated), ["topic", "outbox_id"])
+def _duplicate_examples(with_id: DataFrame, batch_ids: DataFrame, earlier_ids: DataFrame | None, batch_id: int,
+                        limit: int) -> DataFrame:
+    """Messages of this batch that repeat an id first seen elsewhere (the first `limit` such ids).
+
+    Works from this batch's id counts (and the earlier ids, in follow mode) so that finding a few
+    examples never costs another pass over all ids.
+    """
+    if earlier_ids is None:
+        repeated = batch_ids.where(F.col("occurrences") > 1)
+    else:
+        earlier = earlier_ids.select("topic", "outbox_id", F.col("first").alias("_earlier_first"))
+        repeated = (batch_ids.join(earlier, ["topic", "outbox_id"], "left")
+                    .where((F.col("occurrences") > 1) | F.col("_earlier_first").isNotNull())
+                    .withColumn("first", F.least("first", "_earlier_first")))
+    chosen = (repeated.orderBy("topic", "outbox_id").limit(limit)
+              .select("topic", "outbox_id", F.col("first.partition").alias("first_partition"),
+                      F.col("first.offset").alias("first_offset")))
+    repeats = (with_id.join(F.broadcast(chosen), ["topic", "outbox_id"])
                .where((F.col("partition") != F.col("first_partition")) | (F.col("offset") != F.col("first_offset"))))
     return _example(repeats, "duplicates", batch_id, first_partition=F.col("first_partition"),
                     first_offset=F.col("first_offset"))
