@@ -175,8 +175,9 @@ def _submitted_jars() -> str:
     """Jars given to spark-submit itself (--jars/--packages), when this runs under spark-submit."""
     if "PYSPARK_GATEWAY_PORT" not in os.environ:
         return ""
-    from pyspark import SparkConf
+    from pyspark import SparkConf, SparkContext
 
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM, whose system properties hold its settings
     conf = SparkConf()
     return ",".join(filter(None, [conf.get("spark.jars", ""), conf.get("spark.jars.packages", "")]))
 
@@ -249,6 +250,7 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
                                for topic, parts in offsets.items()}
     progress(f"starting Spark ({master or 'from spark-submit'})")
     with session.spark_session(master, dict(args.conf), jar_list) as spark:
+        run_info["master"] = spark.sparkContext.master
         ledger_frame, ledger_label = _ledger(spark, args, defaults)
         if args.follow:
             findings = _follow(spark, args, kafka, ledger_frame, ledger_label, run_info, progress, stdout)
