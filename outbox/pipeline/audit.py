@@ -13,6 +13,11 @@ What is checked, per topic:
   highest id seen before it for that key (R0 R1 R1 R2 is fine, R0 R1 R2 R0 is one reversal);
 - latency: the Kafka message timestamp minus `outbox-create-time`, kept as a histogram of whole
   milliseconds so that percentiles are exact to the millisecond and state stays small.
+
+The ids seen are kept as Spark bitmaps (`bitmap_construct_agg`: one 4 KiB bitmap per 32,768
+consecutive ids). Outbox ids come from one sequence, so they are dense: five million ids fit in
+~150 bitmaps, counting distinct ids needs no shuffle of the ids, merging batches is an OR, and
+ids missing from a ledger are a bitmap difference. Exact, like the rest.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ CREATE_TIME_HEADER = "outbox-create-time"
 PERCENTILES = (0.5, 0.95, 0.99)
 EXAMPLE_KINDS = ("duplicates", "reversals", "without_headers")
 
-COUNTERS_SCHEMA = "topic string, messages long, without_headers long, reversals long"
-IDS_SCHEMA = "topic string, outbox_id long, occurrences long, first_partition int, first_offset long, key string"
-KEYS_SCHEMA = "topic string, partition int, key string, max_id long"
+COUNTERS_SCHEMA = ("topic string, messages long, with_id long, without_headers long, reversals long, "
+                   "key_repeats long")
+COUNTER_NAMES = ("messages", "with_id", "without_headers", "reversals", "key_repeats")
+IDS_SCHEMA = "topic string, bucket long, bitmap binary"
+KEYS_SCHEMA = "topic string, partition int, key string, max_id long, max_id_offset long"
 LATENCY_SCHEMA = "topic string, latency_ms long, messages long"
 EXAMPLES_SCHEMA = ("kind string, batch long, topic string, partition int, offset long, key string, outbox_id long, "
                    "previous_id long, first_partition int, first_offset long, detail string")
@@ -97,9 +104,11 @@ def normalize(raw: DataFrame) -> DataFrame:
 class AuditState:
     """What the audit knows after some batches: small DataFrames, each keyed as its schema says.
 
-    `counters` (per topic), `ids` (per topic and id: occurrences and first place), `keys` (per topic,
-    partition and key: highest id so far), `latency` (histogram per topic), `examples` (capped).
-    `cached` holds DataFrames persisted while folding; `release()` frees them.
+    `counters` (per topic), `ids` (per topic and bucket: a bitmap of the ids seen), `keys` (per
+    topic, partition and key: the highest id so far and the offset it first had), `latency`
+    (histogram per topic), `examples` (capped). `messages` is the last batch's messages, kept
+    for the rare look-up that needs them (examples of duplicates under different keys) and only
+    while `cached` (persisted frames) is not released.
     """
 
     counters: DataFrame
@@ -107,6 +116,7 @@ class AuditState:
     keys: DataFrame
     latency: DataFrame
     examples: DataFrame
+    messages: DataFrame | None = None
     cached: list[DataFrame] = field(default_factory=list)
 
     TABLES = ("counters", "ids", "keys", "latency", "examples")
@@ -120,6 +130,7 @@ class AuditState:
         for frame in self.cached:
             frame.unpersist()
         self.cached.clear()
+        self.messages = None
 
 
 def empty_state(spark: SparkSession) -> AuditState:
@@ -130,20 +141,54 @@ def _flag(condition: Column) -> Column:
     return F.when(condition, F.lit(1)).otherwise(F.lit(0))
 
 
+def id_bitmaps(frame: DataFrame, *group: str) -> DataFrame:
+    """Bitmaps of the non-null `outbox_id`s of `frame`, per `group` columns and bucket."""
+    ids = frame.where(F.col("outbox_id").isNotNull())
+    return ids.groupBy(*group, F.bitmap_bucket_number("outbox_id").alias("bucket")).agg(
+        F.bitmap_construct_agg(F.bitmap_bit_position("outbox_id")).alias("bitmap"))
+
+
+def _merge_bitmaps(frame: DataFrame, *group: str) -> DataFrame:
+    return frame.groupBy(*group, "bucket").agg(F.bitmap_or_agg("bitmap").alias("bitmap"))
+
+
+def _bitmap_total() -> Column:
+    """How many ids the `bitmap` column's rows hold, as an aggregate."""
+    return F.coalesce(F.sum(F.bitmap_count("bitmap")), F.lit(0)).cast("bigint")
+
+
+def _in_bitmap(outbox_id: Column, bitmap: Column) -> Column:
+    """Whether `bitmap` (of the id's bucket) has `outbox_id`: bit position % 8 of byte position / 8."""
+    position = F.bitmap_bit_position(outbox_id)
+    byte = bitmap.substr((position / 8).cast("int") + 1, F.lit(1))
+    value = F.conv(F.hex(byte), 16, 10).cast("int")
+    mask = F.pow(F.lit(2), position % 8).cast("int")
+    return F.coalesce(value.bitwiseAND(mask) != 0, F.lit(False))
+
+
 def mark_reversals(batch: DataFrame, keys: DataFrame | None = None) -> DataFrame:
-    """Adds `previous_id` (highest id before this message for its key) and `reversal`.
+    """Adds `previous_id` (highest id before this message for its key), `previous_offset` (where
+    that id first was), `reversal` (id below it) and `key_repeat` (id equal to it: a repeat).
 
     "Before" is offset order within the message's partition, starting from `keys` (the highest
     ids of earlier batches) when given. Messages without an id carry them along but never count.
     """
     before = Window.partitionBy("topic", "partition", "key").orderBy("offset").rowsBetween(
         Window.unboundedPreceding, -1)
-    marked = batch.withColumn("previous_id", F.max("outbox_id").over(before))
+    # The highest id and, among its messages, the lowest offset: max of (id, -offset).
+    previous = F.max(F.when(F.col("outbox_id").isNotNull(),
+                            F.struct(F.col("outbox_id").alias("id"), (-F.col("offset")).alias("neg_offset"))))
+    marked = batch.withColumn("_previous", previous.over(before))
     if keys is not None:
-        earlier = keys.select("topic", "partition", "key", F.col("max_id").alias("_earlier_max"))
+        earlier = keys.select("topic", "partition", "key",
+                              F.struct(F.col("max_id").alias("id"),
+                                       (-F.col("max_id_offset")).alias("neg_offset")).alias("_earlier"))
         marked = (marked.join(earlier, ["topic", "partition", "key"], "left")
-                  .withColumn("previous_id", F.greatest("previous_id", "_earlier_max")).drop("_earlier_max"))
-    return marked.withColumn("reversal", F.coalesce(F.col("outbox_id") < F.col("previous_id"), F.lit(False)))
+                  .withColumn("_previous", F.greatest("_previous", "_earlier")).drop("_earlier"))
+    return (marked.withColumn("previous_id", F.col("_previous.id"))
+            .withColumn("previous_offset", -F.col("_previous.neg_offset")).drop("_previous")
+            .withColumn("reversal", F.coalesce(F.col("outbox_id") < F.col("previous_id"), F.lit(False)))
+            .withColumn("key_repeat", F.coalesce(F.col("outbox_id") == F.col("previous_id"), F.lit(False))))
 
 
 def _example(frame: DataFrame, kind: str, batch_id: int, **columns: Column) -> DataFrame:
@@ -163,83 +208,77 @@ def _first(frame: DataFrame, limit: int) -> DataFrame:
     return frame.orderBy("topic", "partition", "offset").limit(limit)
 
 
+def _keep_examples(frame: DataFrame, limit: int) -> DataFrame:
+    keep = Window.partitionBy("kind").orderBy("batch", "topic", "partition", "offset")
+    return frame.withColumn("_n", F.row_number().over(keep)).where(F.col("_n") <= limit).drop("_n")
+
+
 def fold(state: AuditState | None, batch: DataFrame, *, batch_id: int = 0, examples: int = 10) -> AuditState:
     """The state after `batch` (normalized messages) on top of `state` (None: nothing seen yet).
 
-    The batch is scanned once into a persisted frame (listed in the result's `cached`); every
-    other frame of the result is derived from it and from `state`, lazily.
+    The batch is scanned once (Kafka read, one shuffle for the per-key order) into a persisted
+    frame, listed in the result's `cached`; every other frame of the result is derived from it
+    and from `state`, lazily.
     """
     marked = mark_reversals(batch.select("topic", "partition", "offset", "key", "outbox_id", "latency_ms",
                                          "problem"),
-                            state.keys if state is not None else None)
-    marked = marked.persist()
-    with_id = marked.where(F.col("outbox_id").isNotNull())
-
+                            state.keys if state is not None else None).persist()
     counters = marked.groupBy("topic").agg(
         F.count(F.lit(1)).alias("messages"),
+        F.count("outbox_id").alias("with_id"),
         F.sum(_flag(F.col("problem").isNotNull())).cast("bigint").alias("without_headers"),
         F.sum(_flag(F.col("reversal"))).cast("bigint").alias("reversals"),
+        F.sum(_flag(F.col("key_repeat"))).cast("bigint").alias("key_repeats"),
     )
-    first_place = F.min(F.struct("partition", "offset", "key"))
-    batch_ids = with_id.groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("occurrences"),
-                                                          first_place.alias("first")).persist()
-    ids = batch_ids
-    keys = with_id.groupBy("topic", "partition", "key").agg(F.max("outbox_id").alias("max_id"))
+    ids = id_bitmaps(marked, "topic")
+    with_id = marked.where(F.col("outbox_id").isNotNull())
+    highest = F.max(F.struct(F.col("outbox_id").alias("id"), (-F.col("offset")).alias("neg_offset")))
+    keys = with_id.groupBy("topic", "partition", "key").agg(highest.alias("_max"))
     latency = marked.where(F.col("latency_ms").isNotNull()).groupBy("topic", "latency_ms").agg(
         F.count(F.lit(1)).alias("messages"))
-    earlier_ids = None
     if state is not None:
         counters = counters.unionByName(state.counters).groupBy("topic").agg(
-            *(F.sum(name).cast("bigint").alias(name) for name in ("messages", "without_headers", "reversals")))
-        earlier_ids = state.ids.select("topic", "outbox_id", "occurrences",
-                                       F.struct(F.col("first_partition").alias("partition"),
-                                                F.col("first_offset").alias("offset"), "key").alias("first"))
-        ids = ids.unionByName(earlier_ids).groupBy("topic", "outbox_id").agg(
-            F.sum("occurrences").alias("occurrences"), F.min("first").alias("first"))
-        keys = keys.unionByName(state.keys).groupBy("topic", "partition", "key").agg(F.max("max_id").alias("max_id"))
+            *(F.sum(name).cast("bigint").alias(name) for name in COUNTER_NAMES))
+        ids = _merge_bitmaps(ids.unionByName(state.ids), "topic")
+        earlier_keys = state.keys.select("topic", "partition", "key", F.struct(
+            F.col("max_id").alias("id"), (-F.col("max_id_offset")).alias("neg_offset")).alias("_max"))
+        keys = keys.unionByName(earlier_keys).groupBy("topic", "partition", "key").agg(F.max("_max").alias("_max"))
         latency = latency.unionByName(state.latency).groupBy("topic", "latency_ms").agg(
             F.sum("messages").alias("messages"))
-    ids = ids.select("topic", "outbox_id", F.col("occurrences").cast("bigint").alias("occurrences"),
-                     F.col("first.partition").alias("first_partition"), F.col("first.offset").alias("first_offset"),
-                     F.col("first.key").alias("key"))
+    keys = keys.select("topic", "partition", "key", F.col("_max.id").alias("max_id"),
+                       (-F.col("_max.neg_offset")).alias("max_id_offset"))
+    counters = counters.select("topic", *(F.col(name).cast("bigint").alias(name) for name in COUNTER_NAMES))
     latency = latency.withColumn("messages", F.col("messages").cast("bigint"))
 
-    found = [
-        _first(_example(marked.where("reversal"), "reversals", batch_id, previous_id=F.col("previous_id")), examples),
+    found = _first(_example(marked.where("reversal"), "reversals", batch_id, previous_id=F.col("previous_id")),
+                   examples).unionByName(
         _first(_example(marked.where(F.col("problem").isNotNull()), "without_headers", batch_id,
-                        detail=F.col("problem")), examples),
-        _first(_duplicate_examples(with_id, batch_ids, earlier_ids, batch_id, examples), examples),
-    ]
-    new_examples = found[0].unionByName(found[1]).unionByName(found[2])
+                        detail=F.col("problem")), examples)).unionByName(
+        _first(_example(marked.where("key_repeat"), "duplicates", batch_id, first_partition=F.col("partition"),
+                        first_offset=F.col("previous_offset")), examples))
     if state is not None:
-        new_examples = state.examples.unionByName(new_examples)
-    keep = Window.partitionBy("kind").orderBy("batch", "topic", "partition", "offset")
-    kept = new_examples.withColumn("_n", F.row_number().over(keep)).where(F.col("_n") <= examples).drop("_n")
-    return AuditState(counters=counters, ids=ids, keys=keys, latency=latency, examples=kept,
-                      cached=[marked, batch_ids])
+        found = state.examples.unionByName(found)
+    return AuditState(counters=counters, ids=ids, keys=keys, latency=latency,
+                      examples=_keep_examples(found, examples), messages=marked, cached=[marked])
 
 
-def _duplicate_examples(with_id: DataFrame, batch_ids: DataFrame, earlier_ids: DataFrame | None, batch_id: int,
-                        limit: int) -> DataFrame:
-    """Messages of this batch that repeat an id first seen elsewhere (the first `limit` such ids).
-
-    Works from this batch's id counts (and the earlier ids, in follow mode) so that finding a few
-    examples never costs another pass over all ids.
+def other_duplicates(messages: DataFrame, limit: int, batch_id: int = 0) -> DataFrame:
+    """Examples of repeats that are not a key's latest id again (the id under another key or
+    partition, or repeated after a higher one): the first `limit` ids with more than one message,
+    each message after the id's first (lowest partition, then offset). Costs a pass over the ids.
     """
-    if earlier_ids is None:
-        repeated = batch_ids.where(F.col("occurrences") > 1)
-    else:
-        earlier = earlier_ids.select("topic", "outbox_id", F.col("first").alias("_earlier_first"))
-        repeated = (batch_ids.join(earlier, ["topic", "outbox_id"], "left")
-                    .where((F.col("occurrences") > 1) | F.col("_earlier_first").isNotNull())
-                    .withColumn("first", F.least("first", "_earlier_first")))
-    chosen = (repeated.orderBy("topic", "outbox_id").limit(limit)
-              .select("topic", "outbox_id", F.col("first.partition").alias("first_partition"),
-                      F.col("first.offset").alias("first_offset")))
-    repeats = (with_id.join(F.broadcast(chosen), ["topic", "outbox_id"])
+    with_id = messages.where(F.col("outbox_id").isNotNull() & ~F.col("key_repeat"))
+    repeated = (messages.where(F.col("outbox_id").isNotNull())
+                .groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("n"),
+                                                   F.sum(_flag(F.col("key_repeat"))).alias("key_repeats"),
+                                                   F.min(F.struct("partition", "offset")).alias("first"))
+                .where(F.col("n") - F.col("key_repeats") > 1).orderBy("topic", "outbox_id").limit(limit)
+                .select("topic", "outbox_id", F.col("first.partition").alias("first_partition"),
+                        F.col("first.offset").alias("first_offset")))
+    repeats = (with_id.join(F.broadcast(repeated), ["topic", "outbox_id"])
                .where((F.col("partition") != F.col("first_partition")) | (F.col("offset") != F.col("first_offset"))))
-    return _example(repeats, "duplicates", batch_id, first_partition=F.col("first_partition"),
-                    first_offset=F.col("first_offset"))
+    return _first(_example(repeats, "duplicates", batch_id, first_partition=F.col("first_partition"),
+                           first_offset=F.col("first_offset")), limit)
 
 
 def first_occurrences(batch: DataFrame) -> DataFrame:
@@ -283,18 +322,20 @@ def summarize(state: AuditState, *, ledger: DataFrame | None = None, examples: i
     say = progress or (lambda _message: None)
     topics: dict[str, dict[str, Any]] = {}
     say("counting messages, headers and reversals")
+    key_repeats = 0
     for row in state.counters.collect():
         topics[row["topic"]] = {"messages": row["messages"], "without_headers": row["without_headers"],
-                                "reversals": row["reversals"], "distinct_ids": 0, "duplicates": 0,
+                                "reversals": row["reversals"], "distinct_ids": 0, "duplicates": row["with_id"],
                                 "latency_ms": _percentiles(None)}
-    per_topic_ids = state.ids.groupBy("topic").agg(
-        F.count(F.lit(1)).alias("distinct_ids"), F.sum(F.col("occurrences") - 1).alias("duplicates"))
+        key_repeats += row["key_repeats"]
     say("counting distinct ids and duplicates")
-    for row in per_topic_ids.collect():
-        topics.setdefault(row["topic"], {}).update(distinct_ids=row["distinct_ids"], duplicates=row["duplicates"])
+    for row in state.ids.groupBy("topic").agg(_bitmap_total().alias("distinct")).collect():
+        detail = topics.setdefault(row["topic"], {"duplicates": 0})
+        detail["distinct_ids"] = row["distinct"]
+        detail["duplicates"] = detail["duplicates"] - row["distinct"]
+    say("latency percentiles")
     wanted = F.array(*(F.lit(p) for p in PERCENTILES))
     percentile = F.percentile(F.col("latency_ms"), wanted, F.col("messages")).alias("p")
-    say("latency percentiles")
     for row in state.latency.groupBy("topic").agg(percentile).collect():
         topics.setdefault(row["topic"], {})["latency_ms"] = _percentiles(row["p"])
     overall = state.latency.agg(percentile).collect()[0]["p"]
@@ -303,20 +344,36 @@ def summarize(state: AuditState, *, ledger: DataFrame | None = None, examples: i
     found: dict[str, list[dict[str, Any]]] = {kind: [] for kind in EXAMPLE_KINDS}
     for row in state.examples.orderBy("kind", "batch", "topic", "partition", "offset").collect():
         found[row["kind"]].append(_example_dict(row))
+    duplicates = sum(detail.get("duplicates", 0) for detail in topics.values())
+    if duplicates > key_repeats and len(found["duplicates"]) < examples and state.messages is not None:
+        say("looking for examples of the other duplicates")
+        extra = other_duplicates(state.messages, examples - len(found["duplicates"])).collect()
+        found["duplicates"].extend(_example_dict(row) for row in extra)
 
     findings = Findings(topics=topics, latency_ms=_percentiles(overall), examples=found)
     if ledger is not None:
         say("comparing with the ledger")
-        expected = ledger.select("outbox_id").where(F.col("outbox_id").isNotNull()).distinct()
-        absent = expected.join(state.ids.select("outbox_id"), "outbox_id", "left_anti").persist()
-        try:
-            findings.ledger_ids = expected.count()
-            findings.missing = absent.count()
-            findings.missing_examples = [row["outbox_id"] for row in
-                                         absent.orderBy("outbox_id").limit(examples).collect()]
-        finally:
-            absent.unpersist()
+        findings.ledger_ids, findings.missing, findings.missing_examples = _missing(state.ids, ledger, examples)
     return findings
+
+
+def _missing(ids: DataFrame, ledger: DataFrame, examples: int) -> tuple[int, int, list[int]]:
+    """(ledger's distinct ids, how many of them are in no topic, the lowest of those)."""
+    seen = _merge_bitmaps(ids.select("bucket", "bitmap"))
+    expected = id_bitmaps(ledger)
+    union = _merge_bitmaps(seen.unionByName(expected))
+    row = (expected.agg(_bitmap_total().alias("expected"))
+           .crossJoin(seen.agg(_bitmap_total().alias("seen")))
+           .crossJoin(union.agg(_bitmap_total().alias("union"))).collect()[0])
+    missing = row["union"] - row["seen"]  # |expected - seen| = |expected | seen| - |seen|
+    lowest: list[int] = []
+    if missing:
+        candidates = ledger.select("outbox_id").where(F.col("outbox_id").isNotNull()).distinct()
+        candidates = candidates.withColumn("bucket", F.bitmap_bucket_number("outbox_id"))
+        absent = (candidates.join(F.broadcast(seen), "bucket", "left")
+                  .where(~_in_bitmap(F.col("outbox_id"), F.col("bitmap"))))
+        lowest = [r["outbox_id"] for r in absent.orderBy("outbox_id").limit(examples).collect()]
+    return row["expected"], missing, lowest
 
 
 def _example_dict(row: Any) -> dict[str, Any]:

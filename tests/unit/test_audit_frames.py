@@ -148,3 +148,21 @@ def test_examples_are_capped(spark):
     found = audit.summarize(state, examples=3)
     assert found.topics["t"]["reversals"] == 8
     assert len(found.examples["reversals"]) == 3
+
+
+def test_missing_ids_across_bitmap_buckets(spark):
+    seen = [1, 32_767, 32_768, 40_000, 70_000, 5_000_000]
+    expected = [*seen, 2, 32_769, 65_536, 65_537, 4_999_999]
+    found = figures(spark, ids_in_order("k", *seen), ledger=expected)
+    assert (found.missing, found.missing_examples) == (5, [2, 32_769, 65_536, 65_537, 4_999_999])
+    assert found.topics["t"]["distinct_ids"] == 6
+
+
+def test_repeats_under_another_partition_are_found_too(spark):
+    rows = [message(0, "k", 1, partition=0), message(1, "k", 2, partition=0), message(0, "k", 1, partition=1),
+            message(2, "k", 2, partition=0)]  # id 1 again in partition 1; id 2 again in its key
+    found = figures(spark, rows)
+    assert (found.topics["t"]["duplicates"], found.topics["t"]["reversals"]) == (2, 0)
+    assert sorted((e["partition"], e["offset"], e["outbox_id"], e["first_seen"]["partition"],
+                   e["first_seen"]["offset"]) for e in found.examples["duplicates"]) == [(0, 2, 2, 0, 1),
+                                                                                        (1, 0, 1, 0, 0)]
