@@ -41,6 +41,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         namespace = argparse.Namespace(**options)
+        self.stderr.style_func = None  # progress lines are not errors: no red in a terminal
         code = cli.run(namespace, defaults=self._defaults(), stdout=self.stdout, stderr=self.stderr, prog=PROG)
         if code:
             sys.exit(code)
