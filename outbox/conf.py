@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     # The dashboard's stuck records: pending longer than this, or reset at least this often.
     "stuck_after": 300.0,
     "stuck_reset_count": 3,
+    "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
 }
 KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
@@ -87,6 +88,10 @@ def settings_problems() -> list[Problem]:
     value = raw.get("stuck_reset_count", DEFAULTS["stuck_reset_count"])
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         found.append(Problem("E003", "stuck_reset_count", f"must be a positive integer, got {value!r}"))
+    spark_jars = raw.get("spark_jars")
+    if spark_jars is not None and not (isinstance(spark_jars, str) or (
+            isinstance(spark_jars, list | tuple) and all(isinstance(item, str) for item in spark_jars))):
+        found.append(Problem("E003", "spark_jars", f"must be a path or a list of paths, got {spark_jars!r}"))
     database = raw.get("database", DEFAULTS["database"])
     if database not in settings.DATABASES:
         found.append(Problem("E011", "database", f"must name an entry of DATABASES, got {database!r}"))

@@ -1,0 +1,330 @@
+"""The audit's command line: `python -m outbox.pipeline`, `spark-submit .../outbox/pipeline/cli.py`, and
+`manage.py outbox_audit` (which adds defaults from Django settings and calls `run()`).
+
+Exit status: 0 clean, 1 reversals or missing ids, 2 bad arguments or Kafka/jars/ledger not
+usable (one line on stderr), 3 the audit started but Spark failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from outbox.harvest.config import TOPIC_PATTERN
+from outbox.pipeline import jars as jar_lookup
+from outbox.pipeline import report as reports
+from outbox.pipeline import sources
+
+EXIT_FAILED = 3
+DEFAULT_MASTER = "local[*]"
+DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
+
+
+class UsageError(Exception):
+    """Bad arguments: one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise UsageError(message)
+
+
+@dataclass
+class Defaults:
+    """What the caller knows better than the command line's defaults (the management command: settings)."""
+
+    bootstrap_servers: str | None = None
+    spark_jars: str | Sequence[str] | None = None
+    ledger_url: str | None = None
+    ledger_properties: dict[str, str] = field(default_factory=dict)
+
+
+def _pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _topics(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected one or more topic names, comma-separated")
+    for name in names:
+        if not TOPIC_PATTERN.fullmatch(name) or name in {".", ".."}:
+            raise argparse.ArgumentTypeError(f"not a Kafka topic name: {name!r}")
+    return list(dict.fromkeys(names))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The audit's options, shared by the plain command line and the management command."""
+    parser.add_argument("--topics", type=_topics, required=True, metavar="T1,T2", help="topics to audit")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for report.json (created)")
+    parser.add_argument("--bootstrap-servers", metavar="HOSTS",
+                        help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS, else localhost:9092)")
+    parser.add_argument("--kafka-option", type=_pair, action="append", default=[], metavar="KEY=VALUE",
+                        help="option for Spark's Kafka source, e.g. kafka.security.protocol=SSL (repeatable)")
+    ledger = parser.add_argument_group("ledger of expected ids (for `missing`)")
+    ledger.add_argument("--ledger", metavar="FILE", help="text file, one outbox id a line")
+    ledger.add_argument("--ledger-table", metavar="TABLE", help="table (or `(SELECT ...) AS t`) read through JDBC")
+    ledger.add_argument("--ledger-url", metavar="JDBC_URL", help="e.g. jdbc:postgresql://host:5432/db")
+    ledger.add_argument("--ledger-column", default="id", metavar="COLUMN", help="id column (default: id)")
+    ledger.add_argument("--ledger-property", type=_pair, action="append", default=[], metavar="KEY=VALUE",
+                        help="JDBC connection property such as user=... (repeatable)")
+    parser.add_argument("--sink", metavar="DIR", help="write the de-duplicated records as Parquet (batch mode)")
+    parser.add_argument("--examples", type=_non_negative_int, default=10, metavar="N",
+                        help="examples kept of each kind of violation (default: 10)")
+    spark = parser.add_argument_group("Spark")
+    spark.add_argument("--master", help=f"Spark master (default: {DEFAULT_MASTER}, or spark-submit's)")
+    spark.add_argument("--conf", type=_pair, action="append", default=[], metavar="KEY=VALUE",
+                       help="Spark setting (repeatable), e.g. spark.driver.memory=8g")
+    spark.add_argument("--jars", metavar="DIR|JAR,JAR",
+                       help=f"Kafka connector jars (default: ${jar_lookup.ENV_VAR}, OUTBOX['spark_jars'], "
+                            f".services/spark/jars-{jar_lookup.SPARK_VERSION})")
+    follow = parser.add_argument_group("follow mode (Structured Streaming)")
+    follow.add_argument("--follow", action="store_true", help="keep reading; resumable from --checkpoint")
+    follow.add_argument("--checkpoint", metavar="DIR", help="checkpoint and state folder (default: OUT/checkpoint)")
+    follow.add_argument("--once", action="store_true", help="read what is there now, then stop (availableNow)")
+    follow.add_argument("--max-batches", type=_positive_int, metavar="N", help="stop after N folded micro-batches")
+    follow.add_argument("--idle-timeout", type=_seconds, metavar="SECONDS",
+                        help="stop after this long without a new micro-batch")
+    follow.add_argument("--trigger-interval", default="5 seconds", metavar="INTERVAL",
+                        help="micro-batch interval (default: '5 seconds')")
+    follow.add_argument("--max-offsets-per-trigger", type=_positive_int, metavar="N",
+                        help="at most N messages a micro-batch")
+    parser.add_argument("--kafka-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                        help="how long to wait for Kafka's metadata before giving up (default: 10)")
+
+
+def build_parser(prog: str = "python -m outbox.pipeline") -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog, description="Audit and de-duplicate topics written by the outbox harvester.")
+    add_arguments(parser)
+    return parser
+
+
+def validate(args: argparse.Namespace, defaults: Defaults) -> None:
+    """Combinations argparse cannot check; raises UsageError."""
+    if args.ledger and args.ledger_table:
+        raise UsageError("give --ledger or --ledger-table, not both")
+    if args.ledger_table and not (args.ledger_url or defaults.ledger_url):
+        raise UsageError("--ledger-table needs --ledger-url")
+    if (args.ledger_url or args.ledger_property) and not args.ledger_table:
+        raise UsageError("--ledger-url and --ledger-property go with --ledger-table")
+    if args.ledger and "://" not in args.ledger and not Path(args.ledger).is_file():
+        raise UsageError(f"--ledger: no such file: {args.ledger}")
+    follow_only = [name for name in ("checkpoint", "once", "max_batches", "idle_timeout", "max_offsets_per_trigger")
+                   if getattr(args, name)]
+    if follow_only and not args.follow:
+        flags = ", ".join("--" + name.replace("_", "-") for name in follow_only)
+        raise UsageError(f"{flags} only go with --follow")
+    if args.follow and args.sink:
+        raise UsageError("--sink works in batch mode only (run a batch audit to write the de-duplicated records)")
+    if args.follow and args.once and args.max_batches:
+        raise UsageError("give --once or --max-batches, not both")
+    for key, _ in args.conf:
+        if not key.startswith("spark."):
+            raise UsageError(f"--conf {key}: Spark settings start with 'spark.'")
+
+
+class Progress:
+    """Log lines a person can follow on a long run: elapsed time and what is happening."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.started = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        self.stream.write(f"audit [{time.monotonic() - self.started:7.1f}s] {message}\n")
+        self.stream.flush()
+
+
+def _submitted_jars() -> str:
+    """Jars given to spark-submit itself (--jars/--packages), when this runs under spark-submit."""
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return ""
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM, whose system properties hold its settings
+    conf = SparkConf()
+    return ",".join(filter(None, [conf.get("spark.jars", ""), conf.get("spark.jars.packages", "")]))
+
+
+def main(argv: Sequence[str] | None = None, *, defaults: Defaults | None = None, stdout: TextIO | None = None,
+         stderr: TextIO | None = None, prog: str = "python -m outbox.pipeline") -> int:
+    """Parse `argv` and run the audit; returns the exit status."""
+    stderr = stderr or sys.stderr
+    try:
+        args = build_parser(prog).parse_args(argv)
+    except UsageError as error:
+        stderr.write(f"{prog}: error: {error} (see --help)\n")
+        return reports.EXIT_USAGE
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
+    return run(args, defaults=defaults, stdout=stdout, stderr=stderr, prog=prog)
+
+
+def run(args: argparse.Namespace, *, defaults: Defaults | None = None, stdout: TextIO | None = None,
+        stderr: TextIO | None = None, prog: str = "outbox_audit") -> int:
+    """Run the audit for parsed arguments; returns the exit status. Errors are one line on `stderr`."""
+    defaults = defaults or Defaults()
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    try:
+        validate(args, defaults)
+        submitted = _submitted_jars()
+        if "spark-sql-kafka" in submitted:
+            jar_list: list[str] = []
+        else:
+            jar_list = jar_lookup.resolve(args.jars, defaults.spark_jars)
+        bootstrap = (args.bootstrap_servers or defaults.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+                     or DEFAULT_BOOTSTRAP_SERVERS)
+        kafka = sources.Kafka(bootstrap, dict(args.kafka_option))
+        partitions = sources.partitions(kafka, args.topics, timeout=args.kafka_timeout)
+    except (UsageError, jar_lookup.JarsNotFound, sources.SourceError) as error:
+        stderr.write(f"{prog}: error: {error}\n")
+        return reports.EXIT_USAGE
+    from outbox.pipeline.ledger import LedgerError
+
+    progress = Progress(stderr)
+    try:
+        return _audit(args, defaults, kafka, partitions, jar_list, progress, stdout)
+    except (sources.SourceError, LedgerError) as error:
+        stderr.write(f"{prog}: error: {error}\n")
+        return reports.EXIT_USAGE
+    except KeyboardInterrupt:
+        stderr.write(f"{prog}: interrupted\n")
+        return EXIT_FAILED
+    except Exception as error:  # Spark's own failures: one line here, the details are in Spark's log above
+        text = str(error).strip().splitlines()
+        stderr.write(f"{prog}: failed: {type(error).__name__}: {text[0] if text else ''}\n")
+        return EXIT_FAILED
+
+
+def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, partitions: dict[str, list[int]],
+           jar_list: list[str], progress: Callable[[str], None], stdout: TextIO) -> int:
+    from outbox.pipeline import audit, session
+
+    started = datetime.now(UTC)
+    master = args.master or (None if "PYSPARK_GATEWAY_PORT" in os.environ else DEFAULT_MASTER)
+    run_info: dict[str, Any] = {"mode": "follow" if args.follow else "batch", "started": started.isoformat(),
+                                "bootstrap_servers": kafka.bootstrap_servers, "master": master}
+    offsets = None
+    if not args.follow:
+        offsets = sources.watermarks(kafka, partitions, timeout=args.kafka_timeout)
+        total = sum(high - low for parts in offsets.values() for low, high in parts.values())
+        progress(f"{total:,} messages in {len(args.topics)} topic(s), "
+                 f"{sum(len(p) for p in partitions.values())} partition(s); offsets pinned")
+        run_info["offsets"] = {topic: {str(p): [low, high] for p, (low, high) in parts.items()}
+                               for topic, parts in offsets.items()}
+    progress(f"starting Spark ({master or 'from spark-submit'})")
+    with session.spark_session(master, dict(args.conf), jar_list) as spark:
+        run_info["master"] = spark.sparkContext.master
+        ledger_frame, ledger_label = _ledger(spark, args, defaults)
+        if args.follow:
+            findings = _follow(spark, args, kafka, ledger_frame, ledger_label, run_info, progress, stdout)
+        else:
+            assert offsets is not None
+            batch = audit.normalize(sources.read_batch(spark, kafka, offsets))
+            progress("reading the messages and checking them (Spark's stages below)")
+            state = audit.fold(None, batch, examples=args.examples)
+            try:
+                findings = audit.summarize(state, ledger=ledger_frame, examples=args.examples, progress=progress)
+            finally:
+                state.release()
+            if args.sink:
+                progress(f"writing the de-duplicated records to {args.sink}")
+                from outbox.pipeline import sink
+
+                sink.write(batch, args.sink)
+                run_info["sink"] = args.sink
+    run_info["seconds"] = round((datetime.now(UTC) - started).total_seconds(), 3)
+    built = reports.build(findings, args.topics, ledger=ledger_label, run=run_info)
+    path = reports.write(built, args.out)
+    progress("done")
+    stdout.write(reports.summary(built, path) + "\n")
+    stdout.flush()
+    return reports.exit_code(built)
+
+
+def _ledger(spark: Any, args: argparse.Namespace, defaults: Defaults) -> tuple[Any, str | None]:
+    from outbox.pipeline import ledger
+
+    if args.ledger:
+        return ledger.from_file(spark, args.ledger), args.ledger
+    if args.ledger_table:
+        url = args.ledger_url or defaults.ledger_url
+        properties = {**(defaults.ledger_properties if not args.ledger_url else {}), **dict(args.ledger_property)}
+        return ledger.from_jdbc(spark, url, args.ledger_table, args.ledger_column, properties), args.ledger_table
+    return None, None
+
+
+def _follow(spark: Any, args: argparse.Namespace, kafka: sources.Kafka, ledger_frame: Any, ledger_label: str | None,
+            run_info: dict[str, Any], progress: Callable[[str], None], stdout: TextIO) -> Any:
+    from outbox.pipeline import audit
+    from outbox.pipeline.follow import FollowOptions, FollowRun, follow
+
+    checkpoint = args.checkpoint or str(Path(args.out) / "checkpoint")
+    options = FollowOptions(checkpoint=checkpoint, once=args.once, max_batches=args.max_batches,
+                            idle_timeout=args.idle_timeout, trigger_interval=args.trigger_interval,
+                            max_offsets_per_trigger=args.max_offsets_per_trigger, examples=args.examples)
+    run_info["checkpoint"] = checkpoint
+    latest: list[Any] = []
+
+    def on_state(state: audit.AuditState, run: FollowRun) -> None:
+        findings = audit.summarize(state, ledger=ledger_frame, examples=args.examples)
+        latest[:] = [findings]
+        info = {**run_info, "batches_folded": list(run.folded), "batches_skipped": list(run.skipped)}
+        built = reports.build(findings, args.topics, ledger=ledger_label, run=info)
+        reports.write(built, args.out)
+        progress(f"{built['messages']:,} messages so far, {built['duplicates']:,} duplicates, "
+                 f"{built['reversals']:,} reversals, {built['missing']:,} missing; report.json updated")
+
+    progress(f"following {', '.join(args.topics)} (checkpoint {checkpoint})")
+    state, run = follow(spark, kafka, args.topics, options, on_state, progress)
+    progress(f"stopped: {run.stopped_because}; {len(run.folded)} batch(es) folded, {len(run.skipped)} skipped")
+    run_info.update(batches_folded=run.folded, batches_skipped=run.skipped, stopped=run.stopped_because)
+    if run.last_progress:
+        run_info["offsets"] = {str(source.get("description")): source.get("endOffset")
+                               for source in run.last_progress.get("sources", [])}
+    if latest and run.folded:
+        return latest[0]
+    if state is None:
+        return audit.Findings(topics={}, latency_ms={"p50": None, "p95": None, "p99": None},
+                              examples={kind: [] for kind in audit.EXAMPLE_KINDS})
+    return audit.summarize(state, ledger=ledger_frame, examples=args.examples)
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog=os.path.basename(sys.argv[0])))

