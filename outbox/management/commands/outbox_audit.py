@@ -10,6 +10,7 @@ unreachable Kafka, 3 Spark failed. See docs/audit.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -55,5 +56,6 @@ class Command(BaseCommand):
         url = f"jdbc:postgresql://{host}:{port}/{database.get('NAME') or ''}"
         properties = {key: str(database[name]) for key, name in (("user", "USER"), ("password", "PASSWORD"))
                       if database.get(name)}
-        return cli.Defaults(bootstrap_servers=base.get("bootstrap.servers"), spark_jars=conf.setting("spark_jars"),
+        bootstrap = base.get("bootstrap.servers") or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")  # as harvest does
+        return cli.Defaults(bootstrap_servers=bootstrap, spark_jars=conf.setting("spark_jars"),
                             ledger_url=url, ledger_properties=properties)
