@@ -38,8 +38,9 @@ def test_unreachable_postgres_is_one_line_and_non_zero():
 
 
 @pytest.mark.integration
-def test_unreachable_kafka_is_one_line_and_non_zero(services):
-    result = manage("harvest", env={"DATABASE_URL": services.database_url, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
+@pytest.mark.django_db
+def test_unreachable_kafka_is_one_line_and_non_zero(database_url):
+    result = manage("harvest", env={"DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("CommandError: Kafka is unreachable at 127.0.0.1:1"), lines
