@@ -43,10 +43,6 @@ class Record:
     #: When this record was marked (engine clock); a queue timeout is measured from here.
     marked_at: float = field(default=0.0, compare=False)
 
-    @property
-    def headers(self) -> list[tuple[str, str]]:
-        return list(zip(self.header_keys, self.header_values, strict=False))
-
 
 class Store(Protocol):
     """What the engine needs from the database."""
