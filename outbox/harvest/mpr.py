@@ -106,12 +106,10 @@ class Pipeline:
     def can_send(self) -> bool:
         return bool(self._ready) and not self.force_remark and len(self.in_flight) < self._limits.max_in_flight_records
 
-    def dispatch(self) -> int:
-        """Send ready records while the throttle allows; returns how many were sent."""
-        sent = 0
-        max_in_flight = self._limits.max_in_flight_records
+    def dispatch(self) -> None:
+        """Send ready records while the throttle allows."""
         ready = self._ready
-        while ready and not self.force_remark and len(self.in_flight) < max_in_flight:
+        while self.can_send():
             record = ready.popleft()
             self.queued -= 1
             poisoned = self._poisoned.get(record.id)
@@ -131,8 +129,6 @@ class Pipeline:
                 self.poison(record, kafka_error_text(error))
                 continue
             self.in_flight[record.key] = record
-            sent += 1
-        return sent
 
     def _produce(self, record: Record) -> None:
         created = record.create_time

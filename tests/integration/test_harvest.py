@@ -87,7 +87,6 @@ def test_four_replicas_with_leaders_killed_repeatedly(database_url, bootstrap_se
         generator.start()
         for number, signum in enumerate(kills, start=4):
             leader = wait_until(lambda: next((r for r in replicas if r.is_leading()), None), 60, "a leader")
-            published_before = outbox_count(database_url)
             time.sleep(2)  # let the leader get well into the backlog, records in flight
             leader.signal(signum)
             code = leader.wait(timeout=60)
@@ -95,7 +94,6 @@ def test_four_replicas_with_leaders_killed_repeatedly(database_url, bootstrap_se
                 assert code == 0, f"graceful stop exits 0, got {code}:\n{leader.log()[-2000:]}"
             replicas.remove(leader)
             replicas.append(Replica(f"replica-{number}", env, tmp_path, args))
-            assert published_before >= 0
         stashed = generator.stop()
         wait_until(lambda: outbox_count(database_url) == 0, 120, "the outbox to drain after the last kill")
         leaders = [r for r in replicas if r.is_leading()]
