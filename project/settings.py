@@ -33,6 +33,7 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "outbox",
     "project.shop",
+    "project.bench",
 ]
 
 MIDDLEWARE = [

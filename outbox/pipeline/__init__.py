@@ -16,5 +16,4 @@ management command is a thin wrapper that fills defaults from settings. See docs
 - `jars`: where the Kafka connector's jars come from
 - `session`: the SparkSession
 - `cli`: the command line (`python -m outbox.pipeline`, `spark-submit outbox/pipeline/cli.py`)
-- `bench`: the benchmark (`manage.py outbox_audit_bench`, `python -m outbox.pipeline.bench`)
 """

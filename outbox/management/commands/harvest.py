@@ -61,7 +61,11 @@ class Command(BaseCommand):
         self._configure_logging(options["verbosity"])
         registry = instruments = None
         if options["metrics_port"] is not None:
-            from prometheus_client import CollectorRegistry
+            try:
+                from prometheus_client import CollectorRegistry
+            except ImportError:
+                raise CommandError("--metrics-port needs prometheus-client: "
+                                   "pip install 'django-outbox-harvest[metrics]'") from None
 
             from outbox.metrics import PrometheusInstruments
 

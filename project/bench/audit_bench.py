@@ -1,6 +1,6 @@
 """The audit's benchmark: publish N harvested-format messages over K keys, audit them, print figures.
 
-`manage.py outbox_audit_bench --messages 5000000 --keys 10000` (or `python -m outbox.pipeline.bench`).
+`manage.py outbox_audit_bench --messages 5000000 --keys 10000` (or `python -m project.bench.audit_bench`).
 Prints producer messages/s, the audit's records/s (whole run, JVM start included, and the scan
 alone) and the peak resident memory of this process and its children (the JVM), sampled with
 psutil. Figures only, never asserted; results are in docs/benchmarks.md.
@@ -167,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     import os
 
-    parser = argparse.ArgumentParser(prog="python -m outbox.pipeline.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m project.bench.audit_bench", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     bootstrap = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or "localhost:9092"

@@ -31,9 +31,9 @@ from django.db import connections, transaction
 from django.test import override_settings
 
 from outbox import conf
-from outbox.management.commands.outbox_pump import pump
 from outbox.models import OutboxRecord
 from outbox.stasher import stash, stash_many
+from project.bench.management.commands.outbox_pump import pump
 
 BENCH_TOPIC = "outbox-bench"
 

@@ -1,6 +1,6 @@
 """`manage.py outbox_audit_bench --messages 5000000 --keys 10000`: publish, audit, print figures.
 
-A thin wrapper over `outbox.pipeline.bench` (also `python -m outbox.pipeline.bench`) that takes
+A thin wrapper over `project.bench.audit_bench` (also `python -m project.bench.audit_bench`) that takes
 Kafka from OUTBOX["base_kafka_config"] and the jars from OUTBOX["spark_jars"]. Figures only;
 results are in docs/benchmarks.md.
 """
@@ -13,7 +13,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 
 from outbox import conf
-from outbox.pipeline import bench
+from project.bench import audit_bench as bench
 
 
 class Command(BaseCommand):
