@@ -1,13 +1,21 @@
 """Django settings (`OUTBOX = {...}` and the environment) to the engine's one frozen config.
 
-Every key of OUTBOX is known here; a typo is a system-check error, not a silent default.
+Every key of OUTBOX is known here; a typo is a system-check error, not a silent default. The
+engine's own settings take their defaults from `HarvestConfig` and `Limits` (one place); this
+module adds only what belongs to Django: which database, stash()'s limits, the admin's thresholds.
+
+`database` means the same everywhere: stash() writes there by default, the admin and health probe
+read there, the harvester harvests there. `table` is the harvester's: stash() and the admin always
+use the model's table (`outbox`), and a check warns when the two differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -16,83 +24,90 @@ from django.conf import settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
-from outbox.harvest.config import HarvestConfig, Limits, Problem, default_name, notify_channel
+from outbox.harvest.config import HarvestConfig, Limits, Problem, default_name
 
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(Limits))
-
-#: Defaults for every OUTBOX key that is not a goharvest limit (those default in Limits).
-DEFAULTS: dict[str, Any] = {
+#: HarvestConfig fields a user sets through OUTBOX (dsn, name and limits come other ways).
+ENGINE_KEYS = ("table", "base_kafka_config", "producer_kafka_config", "leader_topic", "leader_group", "name",
+               "listen", "status_table", "status_prune_after", "dead_letter_topic", "park_after")
+#: Settings that belong to the Django side, with their defaults.
+DJANGO_DEFAULTS: dict[str, Any] = {
     "database": "default",
-    "table": "outbox",
-    "base_kafka_config": {},
-    "producer_kafka_config": {},
-    "leader_topic": None,  # derived from the project's name
-    "leader_group": None,  # derived from the project's name
-    "name": None,  # host_pid_starttime
-    "listen": True,
-    "notify": True,
     "max_value_bytes": 900_000,
     "max_header_bytes": 64 * 1024,
-    "status_table": "outbox_harvester",
-    "status_prune_after": 3600.0,
     # The dashboard and harvest_health: a replica not seen for this long is gone.
     "status_gone_after": 20.0,
-    # The dashboard's stuck records: pending longer than this, or reset at least this often.
+    # Records waiting longer than this (or failed this often) are shown as stuck.
     "stuck_after": 300.0,
     "stuck_reset_count": 3,
     "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
 }
-KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
+#: Keys other parts of the app register (outbox.queue adds "queues").
+EXTRA_KEYS: set[str] = set()
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 # Keys of a Django DATABASES OPTIONS dict that configure Django or psycopg objects, not libpq.
 _NON_LIBPQ_OPTIONS = {"pool", "isolation_level", "server_side_binding", "assume_role", "cursor_factory", "context"}
+_ENGINE_DEFAULTS = {f.name: f for f in dataclasses.fields(HarvestConfig)}
 
 
-def raw_settings() -> dict[str, Any]:
+def known_keys() -> frozenset[str]:
+    return frozenset(DJANGO_DEFAULTS) | frozenset(ENGINE_KEYS) | frozenset(LIMIT_NAMES) | frozenset(EXTRA_KEYS)
+
+
+def raw_settings() -> Any:
     value = getattr(settings, "OUTBOX", {})
     return dict(value) if isinstance(value, Mapping) else value
 
 
 def setting(name: str) -> Any:
-    """One OUTBOX value with its default (for keys that are not engine limits)."""
+    """One OUTBOX value with its default."""
     raw = raw_settings()
-    return raw.get(name, DEFAULTS[name]) if isinstance(raw, dict) else DEFAULTS[name]
+    raw = raw if isinstance(raw, dict) else {}
+    if name in raw:
+        return _seconds(raw[name])
+    if name in DJANGO_DEFAULTS:
+        return DJANGO_DEFAULTS[name]
+    spec = _ENGINE_DEFAULTS[name]
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
-def project_name() -> str:
-    module = os.environ.get("DJANGO_SETTINGS_MODULE") or getattr(settings, "SETTINGS_MODULE", None) or "django"
-    return module.split(".")[0]
+def kafka_config() -> dict[str, Any]:
+    """librdkafka settings every client shares: OUTBOX["base_kafka_config"], with bootstrap.servers
+    from KAFKA_BOOTSTRAP_SERVERS (else localhost:9092) when it does not set them."""
+    base = setting("base_kafka_config")
+    merged = dict(base) if isinstance(base, Mapping) else {}
+    merged.setdefault("bootstrap.servers", os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or DEFAULT_BOOTSTRAP_SERVERS)
+    return merged
+
+
+def database_alias() -> str:
+    return setting("database")
 
 
 def settings_problems() -> list[Problem]:
-    """Problems with the shape of OUTBOX itself: not a dict, unknown keys, bad stash limits."""
+    """Problems with OUTBOX itself and its Django-side keys (the engine's are HarvestConfig's)."""
     raw = raw_settings()
     if not isinstance(raw, dict):
         return [Problem("E001", "OUTBOX", f"must be a dict, got {type(raw).__name__}")]
     found = []
-    for key in sorted(set(raw) - KNOWN_KEYS, key=str):
-        close = difflib.get_close_matches(str(key), sorted(KNOWN_KEYS), n=1)
+    known = known_keys()
+    for key in sorted(set(raw) - known, key=str):
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        found.append(Problem("E002", f"OUTBOX[{key!r}]", f"is not a known setting{hint}"))
-    for key in ("max_value_bytes", "max_header_bytes"):
-        value = raw.get(key, DEFAULTS[key])
+        found.append(Problem("E002", str(key), f"is not a known setting{hint}"))
+    for key in ("max_value_bytes", "max_header_bytes", "stuck_reset_count"):
+        value = raw.get(key, DJANGO_DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             found.append(Problem("E003", key, f"must be a positive integer, got {value!r}"))
-    for key in ("notify", "listen"):
-        if not isinstance(raw.get(key, DEFAULTS[key]), bool):
-            found.append(Problem("E003", key, f"must be True or False, got {raw.get(key)!r}"))
     for key in ("status_gone_after", "stuck_after"):
-        value = _seconds(raw.get(key, DEFAULTS[key]))
+        value = _seconds(raw.get(key, DJANGO_DEFAULTS[key]))
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))
-    value = raw.get("stuck_reset_count", DEFAULTS["stuck_reset_count"])
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        found.append(Problem("E003", "stuck_reset_count", f"must be a positive integer, got {value!r}"))
     spark_jars = raw.get("spark_jars")
     if spark_jars is not None and not (isinstance(spark_jars, str) or (
             isinstance(spark_jars, list | tuple) and all(isinstance(item, str) for item in spark_jars))):
         found.append(Problem("E003", "spark_jars", f"must be a path or a list of paths, got {spark_jars!r}"))
-    database = raw.get("database", DEFAULTS["database"])
+    database = raw.get("database", DJANGO_DEFAULTS["database"])
     if database not in settings.DATABASES:
         found.append(Problem("E011", "database", f"must name an entry of DATABASES, got {database!r}"))
     elif "postgresql" not in settings.DATABASES[database].get("ENGINE", ""):
@@ -105,21 +120,29 @@ def problems() -> list[Problem]:
     found = settings_problems()
     if any(p.code in {"E001", "E011", "E012"} for p in found):
         return found
-    try:
-        config = harvest_config()
-    except (TypeError, ValueError) as error:  # a value too malformed to build the config from
-        return [*found, Problem("E003", "OUTBOX", str(error))]
-    return found + [p for p in config.validate() if p not in found]
+    config, given = _build()
+    engine = config.validate(given_limits=given)
+    if not engine:
+        from outbox.harvest.kafka import client_config_problems
+
+        engine = client_config_problems(config)
+    return found + engine
 
 
 def warnings() -> list[Problem]:
     """Settings that work but weaken a guarantee, for `manage.py check`."""
     if settings_problems():
         return []
-    try:
-        return harvest_config().warnings()
-    except (TypeError, ValueError):
+    config, given = _build()
+    if config.validate(given_limits=given):
         return []
+    found = config.warnings()
+    from outbox.models import OutboxRecord
+
+    if config.table != OutboxRecord._meta.db_table:
+        found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
+                                              f"use the model's table {OutboxRecord._meta.db_table!r}"))
+    return found
 
 
 def dsn_for(alias: str) -> str:
@@ -138,8 +161,39 @@ def dsn_for(alias: str) -> str:
     return make_conninfo(**{k: v for k, v in params.items() if v is not None})
 
 
+def default_leader_name(alias: str, table: str) -> str:
+    """The leader topic and group when OUTBOX does not name them: one per database and table, so two
+    outboxes sharing a Kafka cluster never share a group (which would leave one unharvested)."""
+    conf = connections[alias].settings_dict
+    where = f"{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 5432}/{conf.get('NAME') or ''}/{table}"
+    readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{conf.get('NAME') or 'db'}.{table}")[:180]
+    return f"outbox-leader.{readable}.{hashlib.sha1(where.encode()).hexdigest()[:8]}"
+
+
 def _seconds(value: Any) -> Any:
     return value.total_seconds() if isinstance(value, timedelta) else value
+
+
+def _build(**overrides: Any) -> tuple[HarvestConfig, set[str]]:
+    raw = raw_settings()
+    raw = raw if isinstance(raw, dict) else {}
+    values = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+    given = {name for name in LIMIT_NAMES if name in values}
+    limits = Limits(**{name: _seconds(values[name]) for name in given})
+    engine = {key: _seconds(values[key]) for key in ENGINE_KEYS if key in values}
+    alias = values.get("database", DJANGO_DEFAULTS["database"])
+    base = engine.get("base_kafka_config", {})
+    if isinstance(base, Mapping):
+        engine["base_kafka_config"] = {**kafka_config(), **base}
+    table = engine.get("table", _ENGINE_DEFAULTS["table"].default)
+    derived = default_leader_name(alias, table) if isinstance(table, str) and alias in settings.DATABASES else None
+    config = HarvestConfig(
+        dsn=values.get("dsn") or (dsn_for(alias) if alias in settings.DATABASES else ""),
+        **{**engine, "leader_topic": engine.get("leader_topic") or derived or "outbox-leader",
+           "leader_group": engine.get("leader_group") or derived or "outbox-leader",
+           "name": engine.get("name") or default_name(), "limits": limits},
+    )
+    return config, given
 
 
 def harvest_config(**overrides: Any) -> HarvestConfig:
@@ -147,29 +201,4 @@ def harvest_config(**overrides: Any) -> HarvestConfig:
 
     Overrides whose value is None are ignored, so argparse defaults can be passed straight through.
     """
-    raw = raw_settings()
-    raw = raw if isinstance(raw, dict) else {}
-    values = {**DEFAULTS, **raw, **{k: v for k, v in overrides.items() if v is not None}}
-    limits = Limits(**{name: _seconds(values[name]) for name in LIMIT_NAMES if name in values})
-    base = dict(values["base_kafka_config"] or {}) if isinstance(values["base_kafka_config"], Mapping) else {}
-    base.setdefault("bootstrap.servers", os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or DEFAULT_BOOTSTRAP_SERVERS)
-    producer = values["producer_kafka_config"]
-    derived = f"{project_name()}-outbox-leader"
-    return HarvestConfig(
-        dsn=values.get("dsn") or dsn_for(values["database"]),
-        table=values["table"],
-        base_kafka_config=base,
-        producer_kafka_config=dict(producer) if isinstance(producer, Mapping) else producer,
-        leader_topic=values["leader_topic"] or derived,
-        leader_group=values["leader_group"] or derived,
-        name=values["name"] or default_name(),
-        limits=limits,
-        listen=values["listen"],
-        status_table=values["status_table"],
-        status_prune_after=_seconds(values["status_prune_after"]),
-    )
-
-
-def stash_channel(table: str) -> str | None:
-    """The NOTIFY channel stash() signals for `table`, or None when notifying is off."""
-    return notify_channel(table) if setting("notify") else None
+    return _build(**overrides)[0]

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
 
@@ -63,9 +64,13 @@ class HarvesterCollector(Collector):
         state = h.status().state
         leader = GaugeMetricFamily("outbox_leader_state", "1 for this replica's current state",
                                    labels=["name", "state"])
-        for candidate in ("standby", "leader", "fenced", "stopping"):
-            leader.add_metric([h.config.name, candidate], 1.0 if state == candidate else 0.0)
+        for candidate in ReplicaState:
+            leader.add_metric([h.config.name, candidate.value], 1.0 if state is candidate else 0.0)
         yield leader
+        held = GaugeMetricFamily("outbox_held_records", "Records held by this leader: they fail on their own, and "
+                                                        "their keys wait", labels=labels)
+        held.add_metric(name, len(h.held))
+        yield held
         if h.backlog is not None:
             backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",
                                         labels=labels)

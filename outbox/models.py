@@ -6,6 +6,8 @@ from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models.functions import Now
 
+from outbox.harvest.contract import ReplicaState
+
 #: Kafka's limit on topic names.
 MAX_TOPIC_LENGTH = 249
 #: The key column's width, in characters; stash() enforces it before any SQL runs.
@@ -52,7 +54,7 @@ class OutboxRecord(models.Model):
 class HarvesterStatus(models.Model):
     """One running harvester replica, upserted by the replica every `status_interval` seconds."""
 
-    STATES = [("standby", "standby"), ("leader", "leader"), ("fenced", "fenced"), ("stopping", "stopping")]
+    STATES = [(state.value, state.value) for state in ReplicaState]
 
     name = models.CharField(max_length=200, primary_key=True)
     host = models.CharField(max_length=255)
@@ -66,12 +68,19 @@ class HarvesterStatus(models.Model):
     harvested_table = models.CharField(max_length=200)
     leader_topic = models.CharField(max_length=249)
     leader_group = models.CharField(max_length=255)
+    #: Records sent and not yet acknowledged and purged.
     in_flight = models.IntegerField(default=0)
+    #: Records marked by the leader, waiting to be sent (not counting those behind a held record).
+    queued = models.IntegerField(default=0)
     #: A bounded sample of the keys in flight; in_flight_key_count is the total.
     in_flight_keys = ArrayField(models.TextField(), default=list, blank=True)
     in_flight_key_count = models.IntegerField(default=0)
-    #: Keys held because a record of theirs cannot be published (poison), with a sample of reasons.
+    #: Keys held because a record of theirs cannot be published (poison), as "key: reason".
     held_keys = ArrayField(models.TextField(), default=list, blank=True)
+    #: The held records themselves: [{"id": ..., "key": ..., "reason": ...}].
+    held = models.JSONField(default=list, blank=True)
+    #: Set while the replica leads its group but another replica holds the table's database fence.
+    blocked_by = models.TextField(null=True, blank=True)
     throughput = models.FloatField(default=0.0)
     published = models.BigIntegerField(default=0)
     failed = models.BigIntegerField(default=0)
@@ -83,6 +92,39 @@ class HarvesterStatus(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.state})"
+
+
+class DeadLetter(models.Model):
+    """A parked record: moved out of the outbox (by an operator, or after `park_after` failures) so the
+    records of its key behind it could go on. Republishing puts it back in the outbox with a new id,
+    so it is published after the key's later records."""
+
+    id = models.BigAutoField(primary_key=True)
+    outbox_id = models.BigIntegerField(help_text="Its id in the outbox when it was parked.")
+    create_time = models.DateTimeField()
+    kafka_topic = models.CharField(max_length=MAX_TOPIC_LENGTH)
+    kafka_key = models.CharField(max_length=MAX_KEY_LENGTH)
+    kafka_value = models.TextField(null=True, blank=True)
+    kafka_header_keys = ArrayField(models.TextField(), default=list, blank=True)
+    kafka_header_values = ArrayField(models.TextField(), default=list, blank=True)
+    reason = models.TextField()
+    attempts = models.IntegerField(default=0, help_text="Times it failed on its own before it was parked.")
+    parked_at = models.DateTimeField(db_default=Now())
+    parked_by = models.TextField(help_text="The harvester replica, or the admin user, that parked it.")
+    dead_letter_topic = models.CharField(max_length=MAX_TOPIC_LENGTH, null=True, blank=True,
+                                         help_text="Also published to this topic when parked.")
+
+    class Meta:
+        db_table = "outbox_dead_letter"
+        verbose_name = "parked record"
+        ordering = ["-parked_at"]
+
+    def __str__(self) -> str:
+        return f"#{self.outbox_id} {self.kafka_topic}/{self.kafka_key}"
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        return list(zip(self.kafka_header_keys, self.kafka_header_values, strict=True))
 
 
 class Dashboard(HarvesterStatus):

@@ -1,4 +1,8 @@
-"""Transaction-aware writes to the outbox: the record commits or rolls back with the caller's changes."""
+"""Transaction-aware writes to the outbox: the record commits or rolls back with the caller's changes.
+
+The table's trigger (migration 0003) sends the NOTIFY that wakes a listening harvester, for these
+writes and for any other writer's alike; like the rows, it is only delivered if the caller commits.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ from django.db import connections
 
 from outbox import conf
 from outbox.errors import InvalidRecord, OutsideTransaction
+from outbox.harvest.contract import Record
 from outbox.models import OutboxRecord
-from outbox.validation import Row, clean
+from outbox.validation import clean
 
 #: Rows per INSERT statement in stash_many(); larger batches are split.
 BATCH_SIZE = 1000
@@ -20,24 +25,27 @@ RECORD_FIELDS = frozenset({"topic", "key", "value", "headers"})
 
 
 def stash(topic: str, key: str, value: Any = None,
-          headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None, *, using: str = "default") -> int:
-    """Write one record in the caller's transaction on database `using`; returns its outbox id.
+          headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None, *, using: str | None = None) -> int:
+    """Write one record in the caller's transaction on database `using` (default OUTBOX["database"]);
+    returns its outbox id.
 
     `value` is str, bytes (UTF-8), None (a tombstone), or a dict/list sent as JSON.
     `headers` is a mapping or a sequence of (name, value) string pairs; order and repeats are kept.
     """
+    using = using or conf.database_alias()
     _require_transaction(using)
     limits = _limits()
     row = clean(topic, key, value, headers, **limits)
     return _insert(using, [row])[0]
 
 
-def stash_many(records: Iterable[Mapping[str, Any]], *, using: str = "default") -> list[int]:
+def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None) -> list[int]:
     """Write many records (mappings with stash()'s parameter names) in the caller's transaction.
 
     Records are validated first, all of them, so a bad one writes nothing. Returns the outbox
     ids in the order given; ids increase in that order, so one key's records keep their order.
     """
+    using = using or conf.database_alias()
     _require_transaction(using)
     limits = _limits()
     rows = [_clean_mapping(record, index, limits) for index, record in enumerate(records)]
@@ -48,7 +56,7 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str = "default") 
     return ids
 
 
-def _clean_mapping(record: Any, index: int, limits: dict[str, int]) -> Row:
+def _clean_mapping(record: Any, index: int, limits: dict[str, int]) -> Record:
     prefix = f"records[{index}]."
     if not isinstance(record, Mapping):
         raise InvalidRecord(f"records[{index}]", f"must be a mapping with keys topic, key, value, headers, "
@@ -76,25 +84,22 @@ def _require_transaction(using: str) -> None:
         )
 
 
-def _insert(using: str, rows: Sequence[Row]) -> list[int]:
+def _insert(using: str, rows: Sequence[Record]) -> list[int]:
     table = OutboxRecord._meta.db_table
-    channel = conf.stash_channel(table)
-    params: list[Any] = [channel] if channel else []
     if len(rows) == 1:
         row = rows[0]
-        params.extend((row.topic, row.key, row.value, row.header_keys, row.header_values))
         with connections[using].cursor() as cursor:
-            cursor.execute(_insert_one_sql(table, channel is not None), params)
+            cursor.execute(_insert_one_sql(table), (row.topic, row.key, row.value, row.header_keys, row.header_values))
             return [cursor.fetchone()[0]]
-    params.extend((
+    params = (
         [row.topic for row in rows],
         [row.key for row in rows],
         [row.value for row in rows],
         [array_literal(row.header_keys) for row in rows],
         [array_literal(row.header_values) for row in rows],
-    ))
+    )
     with connections[using].cursor() as cursor:
-        cursor.execute(_insert_sql(table, channel is not None), params)
+        cursor.execute(_insert_sql(table), params)
         return [row_id for (row_id,) in cursor.fetchall()]
 
 
@@ -106,34 +111,26 @@ def array_literal(items: list[str]) -> str:
 
 
 @lru_cache(maxsize=8)
-def _insert_one_sql(table: str, notify: bool) -> str:
+def _insert_one_sql(table: str) -> str:
     """stash()'s single row: plain VALUES plan faster than the array form below."""
     columns = "kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values"
-    if not notify:
-        return f'INSERT INTO "{table}" ({columns}) VALUES (%s, %s, %s, %s::text[], %s::text[]) RETURNING id'
-    return (f"WITH wake AS (SELECT pg_notify(%s, '')) "
-            f'INSERT INTO "{table}" ({columns}) SELECT %s, %s, %s, %s::text[], %s::text[] FROM wake RETURNING id')
+    return f'INSERT INTO "{table}" ({columns}) VALUES (%s, %s, %s, %s::text[], %s::text[]) RETURNING id'
 
 
 @lru_cache(maxsize=8)
-def _insert_sql(table: str, notify: bool) -> str:
+def _insert_sql(table: str) -> str:
     """One INSERT for any number of rows: five array parameters, whatever the row count.
 
     Parsing thousands of placeholders cost more than the insert itself, so columns travel as
     arrays and are unnested server-side; header lists (ragged, so not a 2-D array) travel as
     array literals cast to text[] per row, which measured cheaper than JSON. WITH
-    ORDINALITY ... ORDER BY assigns ids in the caller's order. With `notify`, the statement
-    also signals the harvester's LISTEN, with no extra round trip; like the rows, the signal is
-    only delivered if the caller's transaction commits, and Postgres folds repeats within it.
+    ORDINALITY ... ORDER BY assigns ids in the caller's order.
     """
-    wake = "WITH wake AS (SELECT pg_notify(%s, '')) " if notify else ""
-    join = "CROSS JOIN wake " if notify else ""
     return (
-        f"{wake}"
         f'INSERT INTO "{table}" (kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values) '
         f"SELECT r.topic, r.key, r.value, "
         f"r.header_keys::text[], r.header_values::text[] "
         f"FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[]) "
         f"WITH ORDINALITY AS r(topic, key, value, header_keys, header_values, n) "
-        f"{join}ORDER BY r.n RETURNING id"
+        f"ORDER BY r.n RETURNING id"
     )

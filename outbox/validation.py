@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
 from outbox.errors import InvalidRecord
 from outbox.harvest.config import MAX_TOPIC_LENGTH, TOPIC_PATTERN
+from outbox.harvest.contract import RESERVED_HEADERS, Record
 from outbox.models import MAX_KEY_LENGTH
-
-#: Headers the harvester adds to every message; an application may not set them itself.
-RESERVED_HEADERS = frozenset({"outbox-id", "outbox-create-time"})
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """A validated record, in the outbox table's column order."""
-
-    topic: str
-    key: str
-    value: str | None
-    header_keys: list[str]
-    header_values: list[str]
 
 
 def clean(topic: Any, key: Any, value: Any, headers: Any, *, max_value_bytes: int, max_header_bytes: int,
-          prefix: str = "") -> Row:
+          prefix: str = "") -> Record:
     """Validate one record; raise InvalidRecord naming the field (with `prefix`) and the limit."""
     if type(topic) is not str or topic not in _valid_topics:
         _check_topic(topic, prefix)
@@ -48,7 +34,7 @@ def clean(topic: Any, key: Any, value: Any, headers: Any, *, max_value_bytes: in
             raise InvalidRecord(f"{prefix}value", f"must be at most {max_value_bytes} bytes in UTF-8, got {size}")
         _no_nul(f"{prefix}value", text)
     header_keys, header_values = _headers(headers, max_header_bytes, prefix)
-    return Row(topic, key, text, header_keys, header_values)
+    return Record(None, None, topic, key, text, header_keys, header_values)
 
 
 #: Topic names already checked; applications use few, so most records skip the regex.

@@ -13,6 +13,25 @@ import pytest
 from tests.services import Services, resolve
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("simulation")
+    group.addoption("--sim-seeds", type=int, default=2000, help="simulated runs to check (default 2000)")
+    group.addoption("--sim-seed", type=int, default=None, help="check this one seed, printing its trace")
+
+
+@pytest.fixture
+def sim_seeds(request: pytest.FixtureRequest) -> list[int]:
+    seed = request.config.getoption("--sim-seed")
+    if seed is not None:
+        from tests.sim import scenario
+
+        scenario.quiet()
+        result = scenario.run(seed, trace=True)
+        print(result.summary, result.violation or "ok", *result.trace, sep="\n")
+        return [seed]
+    return list(range(1, request.config.getoption("--sim-seeds") + 1))
+
+
 @pytest.fixture(scope="session")
 def services() -> Iterator[Services]:
     with contextlib.ExitStack() as stack:

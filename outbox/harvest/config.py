@@ -11,7 +11,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,33 +31,54 @@ def default_name() -> str:
     return f"{host}_{os.getpid()}_{int(time.time())}"
 
 
+def limit(default: float | int | None, minimum: float | str, doc: str) -> Any:
+    """A Limits field: its default, the least value it accepts (or the name of the field that is
+    its least value), and what it does."""
+    return field(default=default, metadata={"minimum": minimum, "doc": doc})
+
+
 @dataclass(frozen=True)
 class Limits:
-    """Timing and sizing limits; goharvest's names and defaults, in seconds."""
+    """Timing and sizing limits, in seconds and counts; goharvest's names where goharvest has one."""
 
-    #: Pause after a failed database or Kafka call before trying again.
-    io_error_backoff: float = 0.5
-    #: The consumer is polled at least this often while leading, so Kafka sees it alive.
-    min_poll_interval: float = 0.1
-    #: Leader fences itself when it has not seen its own heartbeat for this long.
-    heartbeat_timeout: float = 5.0
-    #: Longest gap between polls of the leader topic before the pipeline is reset (default: heartbeat_timeout / 2).
-    max_poll_interval: float | None = None
-    #: Longest wait on one condition (throttle or key barrier) before deadlines are rechecked
-    #: (default: min(max_poll_interval, queue_timeout)).
-    drain_interval: float | None = None
-    #: A marked record waiting longer than this to be sent forces a remark.
-    queue_timeout: float = 30.0
-    #: Pause after a mark query that found nothing (cut short by a NOTIFY when listening).
-    mark_backoff: float = 0.01
-    #: At most this many records are sent and not yet acknowledged and purged.
-    max_in_flight_records: int = 1000
-    #: Rows marked by one mark query.
-    mark_query_records: int = 100
-    #: Throughput is logged and signalled at most this often.
-    min_metrics_interval: float = 5.0
-    #: The replica's status row is written this often (0 turns status rows off).
-    status_interval: float = 2.0
+    io_error_backoff: float = limit(0.5, 0.0, "Pause after a failed database or Kafka call before trying again.")
+    min_poll_interval: float = limit(0.1, 0.001, "The leader topic is polled at least this often, so Kafka sees "
+                                                 "the replica alive.")
+    heartbeat_timeout: float = limit(5.0, 0.001, "A leader fences itself when it has not seen its own heartbeat "
+                                                 "for this long; Kafka's session timeout is three times it.")
+    max_poll_interval: float | None = limit(None, "min_poll_interval",
+                                            "Longest gap between polls of the leader topic before the leader "
+                                            "re-marks (default: heartbeat_timeout / 2).")
+    drain_interval: float | None = limit(None, 0.001, "Longest sleep of the engine between checks of its "
+                                                      "deadlines (default: min(max_poll_interval, queue_timeout)).")
+    queue_timeout: float = limit(30.0, 0.001, "A marked record waiting longer than this to be sent forces a "
+                                              "re-mark.")
+    delivery_timeout: float | None = limit(None, 0.001, "A record not acknowledged by Kafka within this long is "
+                                                        "given up and re-marked (default: 1.5 x "
+                                                        "heartbeat_timeout, so a fenced leader's last records "
+                                                        "cannot land after a new leader has started).")
+    mark_backoff: float = limit(0.01, 0.0, "Pause after a mark that found no more rows, when nothing wakes the "
+                                           "leader (LISTEN off, or the table has no NOTIFY trigger).")
+    idle_poll_interval: float = limit(1.0, 0.001, "Safety-net poll of an idle leader whose table's trigger "
+                                                  "wakes it with NOTIFY.")
+    max_in_flight_records: int = limit(1000, 1, "At most this many records are sent and not yet acknowledged "
+                                                "and purged.")
+    max_in_flight_per_key: int = limit(1, 1, "At most this many records of one key in flight at once (1 is "
+                                             "goharvest's barrier; more pipelines hot keys, see "
+                                             "docs/operations.md).")
+    mark_query_records: int = limit(100, 1, "Rows marked by one mark query.")
+    rescan_interval: float = limit(10.0, 0.001, "How often the leader re-reads the table from its head for rows "
+                                                "that came back below the marks (requeued, or committed late).")
+    held_check_interval: float = limit(1.0, 0.001, "How often a leader re-reads its held (poison) rows, so a "
+                                                   "fix, a deletion or an operator's retry is seen at once.")
+    held_retry_after: float = limit(60.0, 0.001, "A held record is tried again after this long (doubling each "
+                                                 "time, up to 16 times it), in case its cause went away.")
+    fence_retry_interval: float = limit(5.0, 0.001, "How often a leader blocked by another replica's database "
+                                                    "fence tries to take it.")
+    min_metrics_interval: float = limit(5.0, 0.0, "Throughput is measured (and logged, when it moved) at most "
+                                                  "this often.")
+    status_interval: float = limit(2.0, 0.0, "The replica's status row is written this often (0 turns status "
+                                             "rows off).")
 
     def __post_init__(self) -> None:
         # Derived defaults, as goharvest's SetDefaults; left unset when their inputs are bad so
@@ -66,25 +87,23 @@ class Limits:
             object.__setattr__(self, "max_poll_interval", self.heartbeat_timeout / 2)
         if self.drain_interval is None and _is_number(self.max_poll_interval) and _is_number(self.queue_timeout):
             object.__setattr__(self, "drain_interval", min(self.max_poll_interval, self.queue_timeout))
+        if self.delivery_timeout is None and _is_number(self.heartbeat_timeout):
+            object.__setattr__(self, "delivery_timeout", 1.5 * self.heartbeat_timeout)
 
-    def problems(self) -> list[Problem]:
+    def problems(self, given: Collection[str] | None = None) -> list[Problem]:
+        """Every limit that is not a number of the right kind or is below its minimum.
+
+        `given` names the limits that were set explicitly; a derived limit that was not given is
+        only checked when its inputs are fine (its inputs' own problems are reported instead).
+        """
         found = []
-        minimums: dict[str, float] = {
-            "io_error_backoff": 0.0,
-            "min_poll_interval": 0.001,
-            "heartbeat_timeout": 0.001,
-            "max_poll_interval": self.min_poll_interval if _is_number(self.min_poll_interval) else 0.001,
-            "drain_interval": 0.001,
-            "queue_timeout": 0.001,
-            "mark_backoff": 0.0,
-            "max_in_flight_records": 1,
-            "mark_query_records": 1,
-            "min_metrics_interval": 0.0,
-            "status_interval": 0.0,
-        }
         for spec in dataclasses.fields(self):
             value = getattr(self, spec.name)
-            minimum = minimums[spec.name]
+            if value is None and given is not None and spec.name not in given:
+                continue  # derived from an input that is itself reported
+            minimum = spec.metadata["minimum"]
+            if isinstance(minimum, str):
+                minimum = getattr(self, minimum) if _is_number(getattr(self, minimum)) else 0.001
             integral = spec.type == "int"
             if isinstance(value, bool) or not (_is_int(value) if integral else _is_number(value)):
                 kind = "an integer" if integral else "a number of seconds"
@@ -127,14 +146,18 @@ class HarvestConfig:
     status_table: str | None = "outbox_harvester"
     #: Status rows not seen for this long (seconds) are deleted.
     status_prune_after: float = 3600.0
+    #: Where parked (dead-letter) records go; parking is off if it does not exist.
+    dead_letter_table: str | None = "outbox_dead_letter"
+    #: Also publish parked records here (None: the table only).
+    dead_letter_topic: str | None = None
+    #: Park a held record after it failed this many times on its own (None: hold it until an
+    #: operator acts; holding keeps its key's order, parking trades it for liveness).
+    park_after: int | None = None
 
-    @property
-    def channel(self) -> str:
-        """The NOTIFY channel that stash() signals for this table."""
-        return notify_channel(self.table)
+    def validate(self, *, given_limits: Collection[str] | None = None) -> list[Problem]:
+        """Every problem at once; an empty list means the config is usable.
 
-    def validate(self) -> list[Problem]:
-        """Every problem at once; an empty list means the config is usable."""
+        `given_limits` names the limits set explicitly (see Limits.problems)."""
         found: list[Problem] = []
         if not isinstance(self.dsn, str) or not self.dsn.strip():
             found.append(Problem("E005", "dsn", "must name the database holding the outbox table"))
@@ -158,38 +181,70 @@ class HarvestConfig:
                 found.append(Problem("E009", name, "must be a mapping of librdkafka property names to values"))
         if isinstance(self.base_kafka_config, Mapping) and not self.base_kafka_config.get("bootstrap.servers"):
             found.append(Problem("E010", "base_kafka_config", "must set bootstrap.servers"))
-        if self.status_table is not None and (not isinstance(self.status_table, str)
-                                              or not TABLE_PATTERN.fullmatch(self.status_table)):
-            found.append(Problem("E006", "status_table",
-                                 f"must be an SQL identifier or None, got {self.status_table!r}"))
+        for name in ("status_table", "dead_letter_table"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not TABLE_PATTERN.fullmatch(value)):
+                found.append(Problem("E006", name, f"must be an SQL identifier or None, got {value!r}"))
+        topic = self.dead_letter_topic
+        if topic is not None and (not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic)
+                                  or topic in {".", ".."}):
+            found.append(Problem("E007", "dead_letter_topic",
+                                 f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -) or None, "
+                                 f"got {topic!r}"))
+        if self.park_after is not None and (not _is_int(self.park_after) or self.park_after < 1):
+            found.append(Problem("E004", "park_after", f"must be a positive integer or None, got {self.park_after!r}"))
         if not _is_number(self.status_prune_after) or self.status_prune_after <= 0:
             found.append(Problem("E004", "status_prune_after", f"must be a positive number of seconds, "
                                                                f"got {self.status_prune_after!r}"))
         if not isinstance(self.listen, bool):
             found.append(Problem("E003", "listen", f"must be True or False, got {self.listen!r}"))
         if isinstance(self.limits, Limits):
-            found.extend(self.limits.problems())
+            found.extend(self.limits.problems(given_limits))
         else:
             found.append(Problem("E003", "limits", "must be a Limits instance"))
+        if not found:
+            found.extend(self._guarantee_problems())
+        return found
+
+    def _guarantee_problems(self) -> list[Problem]:
+        """Producer settings that would break per-key order (E014)."""
+        found = []
+        merged = {**self.base_kafka_config, **self.producer_kafka_config}
+        if str(merged.get("enable.idempotence", True)).lower() in {"false", "0"}:
+            found.append(Problem("E014", "producer_kafka_config", "enable.idempotence must stay true: without it "
+                                                                  "librdkafka's retries can reorder a key's records"))
+        acks = str(merged.get("acks", merged.get("request.required.acks", "all"))).lower()
+        if acks not in {"all", "-1"}:
+            found.append(Problem("E014", "producer_kafka_config", f"acks must stay 'all' (got {acks!r}): the "
+                                                                  f"idempotent producer needs it"))
+        if self.limits.max_in_flight_per_key > 1:
+            for key in ("enable.gapless.guarantee", "delivery.timeout.ms", "message.timeout.ms"):
+                if key in merged:
+                    found.append(Problem("E014", "producer_kafka_config",
+                                         f"{key} must not be set when max_in_flight_per_key > 1: the engine sets it "
+                                         f"so a key's records reach Kafka without holes (use the delivery_timeout "
+                                         f"limit instead)"))
         return found
 
     def warnings(self) -> list[Problem]:
-        """Settings that work but weaken a guarantee."""
+        """Settings that work but weaken a guarantee (call on a config that validates)."""
         found = []
-        timeout = self.producer_kafka_config.get("delivery.timeout.ms",
-                                                 self.base_kafka_config.get("delivery.timeout.ms"))
-        if _is_number(self.limits.heartbeat_timeout) and timeout is not None:
-            try:
-                delivery = float(timeout) / 1000
-            except (TypeError, ValueError):
-                delivery = None
-            session = 3 * self.limits.heartbeat_timeout
-            if delivery is not None and self.limits.heartbeat_timeout + delivery >= session:
-                found.append(Problem(
-                    "W001", "producer_kafka_config",
-                    f"delivery.timeout.ms ({delivery:g}s) plus heartbeat_timeout ({self.limits.heartbeat_timeout:g}s) "
-                    f"should stay below the leader session timeout ({session:g}s, 3 x heartbeat_timeout): a fenced "
-                    f"leader's last records could otherwise land after a new leader has started"))
+        merged = {**self.base_kafka_config, **self.producer_kafka_config}
+        field_name, delivery = "delivery_timeout", self.limits.delivery_timeout
+        for key in ("delivery.timeout.ms", "message.timeout.ms"):
+            if key in merged:
+                try:
+                    field_name, delivery = "producer_kafka_config", float(merged[key]) / 1000
+                except (TypeError, ValueError):
+                    pass
+        heartbeat = self.limits.heartbeat_timeout
+        session = 3 * heartbeat
+        if heartbeat + delivery >= session:
+            found.append(Problem(
+                "W001", field_name,
+                f"the delivery timeout ({delivery:g}s) plus heartbeat_timeout ({heartbeat:g}s) should stay below "
+                f"the leader session timeout ({session:g}s, 3 x heartbeat_timeout): a fenced leader's last records "
+                f"could otherwise land after a new leader has started"))
         return found
 
     def redacted(self) -> dict[str, Any]:
@@ -205,6 +260,9 @@ class HarvestConfig:
             "listen": self.listen,
             "status_table": self.status_table,
             "status_prune_after": self.status_prune_after,
+            "dead_letter_table": self.dead_letter_table,
+            "dead_letter_topic": self.dead_letter_topic,
+            "park_after": self.park_after,
             "limits": dataclasses.asdict(self.limits),
         }
 
@@ -212,12 +270,10 @@ class HarvestConfig:
         return f"HarvestConfig({self.redacted()!r})"
 
 
-def notify_channel(table: str) -> str:
-    return f"outbox:{table}"
-
-
-def redact_kafka_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: (REDACTED if SECRET_KEY_PATTERN.search(key) else value) for key, value in dict(config).items()}
+def redact_kafka_config(config: Any) -> Any:
+    if not isinstance(config, Mapping):
+        return REDACTED if isinstance(config, str) and SECRET_KEY_PATTERN.search(config) else config
+    return {key: (REDACTED if SECRET_KEY_PATTERN.search(str(key)) else value) for key, value in config.items()}
 
 
 _URL_PASSWORD = re.compile(r"(?P<head>^[a-z][a-z0-9+.-]*://[^:/@]*:)(?P<password>[^@]*)(?P<tail>@)", re.IGNORECASE)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LeaderAcquired:
-    """This replica leads: it owns partition 0 of the leader topic and sees its own heartbeats."""
+    """This replica leads: it owns partition 0 of the leader topic, sees its own heartbeats and holds the fence."""
 
     leader_id: uuid.UUID
 
@@ -31,6 +31,40 @@ class LeaderFenced:
 
 
 @dataclass(frozen=True)
+class LeaderBlocked:
+    """This replica leads its group, but another replica holds the table's database fence: it marks nothing."""
+
+    holder: str
+
+
+@dataclass(frozen=True)
+class RecordHeld:
+    """A record failed on its own and cannot be published as it is: its key waits (other keys go on)."""
+
+    record_id: int
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RecordReleased:
+    """A held record's key moves again: the record was fixed, retried, deleted or parked."""
+
+    record_id: int
+    key: str
+    how: str
+
+
+@dataclass(frozen=True)
+class RecordParked:
+    """A held record was moved to the dead-letter table (after `park_after` failures)."""
+
+    record_id: int
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class MeterStats:
     """Throughput over the last metering interval."""
 
@@ -49,4 +83,5 @@ class MeterRead:
     stats: MeterStats
 
 
-Event = LeaderAcquired | LeaderRefreshed | LeaderRevoked | LeaderFenced | MeterRead
+Event = (LeaderAcquired | LeaderRefreshed | LeaderRevoked | LeaderFenced | LeaderBlocked | RecordHeld
+         | RecordReleased | RecordParked | MeterRead)

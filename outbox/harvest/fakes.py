@@ -1,13 +1,14 @@
-"""In-memory doubles of Kafka and the outbox table: run the real engine with no broker and no database.
+"""In-memory doubles of Kafka and the outbox table: run the real Harvester with no broker and no database.
 
     kafka, store = FakeKafka(), FakeStore()
-    harvester = Harvester(config, **kafka.factories(), store_factory=store.factory)
+    harvester = Harvester(config, connector=FakeConnector(kafka, store))
 
 `FakeKafka` models what the engine relies on: a log per topic, one consumer group whose first
 member owns partition 0 (rebalance callbacks included), and producers whose delivery reports
 are served by poll(), either at once (auto_deliver) or when a test says so (deliver()).
-`FakeStore` is the outbox table with mark / purge / reset semantics, plus fault injection.
-The engine's own tests use them; so can yours.
+`FakeStore` is the outbox table with mark / purge / reset semantics, the fence, and fault
+injection. The engine's own tests use them; so can yours. (The deterministic simulator in
+tests/sim/ models the same systems far more closely, with a simulated clock.)
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox.harvest.store import Record
+from outbox.harvest.contract import Record
+from outbox.harvest.neli import LeaderElection
+from outbox.harvest.store import FenceHolder
 
 
 class FakeMessage:
@@ -84,30 +87,11 @@ class FakeKafka:
         self.auto_deliver = auto_deliver
         #: While True, heartbeats never reach the leader topic (a network partition).
         self.heartbeats_lost = False
-        self.producers: list[FakeProducer] = []
+        self.record_producers: list[FakeProducer] = []
         self.members: list[FakeConsumer] = []
         self.owner: FakeConsumer | None = None
         #: (topic, key, value) -> exception for produce() to raise, or None: a record refused locally.
         self.refuse: Callable[[str, Any, Any], KafkaException | None] | None = None
-
-    # -- factories for Harvester(...) --------------------------------------------------------------
-
-    def factories(self) -> dict[str, Any]:
-        return {"producer_factory": self.producer, "consumer_factory": self.consumer,
-                "topic_ensurer": lambda *args: None, "listener_factory": None, "status_reports": False}
-
-    def producer(self, config: dict[str, Any]) -> FakeProducer:
-        producer = FakeProducer(self, config)
-        with self.lock:
-            self.producers.append(producer)
-        return producer
-
-    def consumer(self, config: dict[str, Any]) -> FakeConsumer:
-        return FakeConsumer(self, config)
-
-    @property
-    def record_producers(self) -> list[FakeProducer]:
-        return [p for p in self.producers if not str(p.config.get("client.id", "")).endswith("-heartbeat")]
 
     # -- the log --------------------------------------------------------------------------------
 
@@ -166,11 +150,11 @@ class FakeKafka:
 
 
 class FakeProducer:
-    """confluent_kafka.Producer's produce / poll / flush, with delivery under the test's control."""
+    """confluent_kafka.Producer's produce / poll / flush / purge, with delivery under the test's control."""
 
-    def __init__(self, kafka: FakeKafka, config: dict[str, Any]) -> None:
+    def __init__(self, kafka: FakeKafka, *, heartbeats: bool = False) -> None:
         self.kafka = kafka
-        self.config = config
+        self.heartbeats = heartbeats
         self.pending: deque[tuple[FakeMessage, Callable[..., Any] | None]] = deque()
         self._reports: deque[tuple[Callable[..., Any] | None, KafkaError | None, FakeMessage]] = deque()
         self.produced: list[FakeMessage] = []
@@ -178,15 +162,15 @@ class FakeProducer:
 
     def produce(self, topic: str, value: Any = None, key: Any = None, partition: int = -1,
                 on_delivery: Callable[..., Any] | None = None, headers: Any = None, **_: Any) -> None:
-        if self.kafka.refuse is not None:
-            error = self.kafka.refuse(topic, key, value)
-            if error is not None:
-                raise error
-        if str(self.config.get("client.id", "")).endswith("-heartbeat"):
+        if self.heartbeats:
             # Heartbeats land on the leader topic at once unless the network is "partitioned".
             if not self.kafka.heartbeats_lost:
                 self.kafka.append(topic, key, value, headers, partition=0)
             return
+        if self.kafka.refuse is not None:
+            error = self.kafka.refuse(topic, key, value)
+            if error is not None:
+                raise error
         message = FakeMessage(topic, 0, -1, _encode(key), _encode(value), [(k, _encode(v)) for k, v in headers or []])
         with self._lock:
             self.produced.append(message)
@@ -203,6 +187,9 @@ class FakeProducer:
                 self._reports.append((callback, error, message))
                 delivered += 1
         return delivered
+
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        self.deliver(error=KafkaError(KafkaError._PURGE_QUEUE, "purged"))
 
     def poll(self, timeout: float = 0) -> int:
         if self.kafka.auto_deliver:
@@ -225,15 +212,14 @@ class FakeProducer:
         return len(self.pending)
 
     def __len__(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self._reports)
 
 
 class FakeConsumer:
     """confluent_kafka.Consumer's subscribe / consume / close for the leader topic."""
 
-    def __init__(self, kafka: FakeKafka, config: dict[str, Any]) -> None:
+    def __init__(self, kafka: FakeKafka) -> None:
         self.kafka = kafka
-        self.config = config
         self.topic = ""
         self.events: deque[tuple[str, Any]] = deque()
         self.position: int | None = None
@@ -249,10 +235,7 @@ class FakeConsumer:
         while self.events:
             kind, argument = self.events.popleft()
             callback = self._callbacks.get(kind)
-            if kind == "assign":
-                self.position = argument
-            else:
-                self.position = None
+            self.position = argument if kind == "assign" else None
             if callback is not None:
                 callback(self, [FakePartition(self.topic, 0)])
             if kind == "revoke":
@@ -283,25 +266,34 @@ class Row:
     topic: str
     key: str
     value: str | None = None
-    header_keys: list[str] = field(default_factory=list)
-    header_values: list[str] = field(default_factory=list)
+    header_keys: tuple[str, ...] = ()
+    header_values: tuple[str, ...] = ()
     leader_id: uuid.UUID | None = None
-    create_time: datetime = field(default_factory=lambda: datetime.now(UTC))
+    create_time: datetime | None = None
+    version: int = 1
     reset_count: int = 0
     last_error: str | None = None
 
+    def record(self) -> Record:
+        return Record(self.id, self.create_time, self.topic, self.key, self.value, list(self.header_keys),
+                      list(self.header_values), self.leader_id, self.version)
+
 
 class FakeStore:
-    """The outbox table in memory, with goharvest's mark / purge / reset semantics.
+    """The outbox table in memory, with the engine's mark / purge / reset semantics and the fence.
 
     Faults: `fail_marks` / `fail_purges` count down errors to raise; `mark_commits_before_error`
-    makes a failing mark apply its UPDATE first, as a server can commit before the client sees
-    a broken connection.
+    makes a failing mark apply its UPDATE first, as a server can commit before the client sees a
+    broken connection. `fence_holder` set to a FenceHolder makes the fence taken by someone else.
     """
+
+    table_oid = 4242
 
     def __init__(self) -> None:
         self.rows: dict[int, Row] = {}
+        self.dead_letters: list[tuple[Row, str]] = []
         self._ids = itertools.count(1)
+        self._versions = itertools.count(2)
         self.lock = threading.Lock()
         self.marks: list[tuple[uuid.UUID, list[int]]] = []
         self.purged: list[int] = []
@@ -311,65 +303,152 @@ class FakeStore:
         self.mark_commits_before_error = True
         #: When set to a cleared Event, purge() blocks until it is set (a slow commit).
         self.purge_gate: threading.Event | None = None
+        #: Someone else's hold on the fence (None: free).
+        self.fence_holder: FenceHolder | None = None
+        self.fence_taken = False
         self.closed = False
-
-    def factory(self, dsn: str, table: str) -> FakeStore:
-        return self
 
     def add(self, topic: str, key: str, value: str | None = None, headers: Sequence[tuple[str, str]] = ()) -> int:
         with self.lock:
             row_id = next(self._ids)
-            self.rows[row_id] = Row(row_id, topic, key, value, [k for k, _ in headers], [v for _, v in headers])
+            self.rows[row_id] = Row(row_id, topic, key, value, tuple(k for k, _ in headers),
+                                    tuple(v for _, v in headers), create_time=datetime.now(UTC))
             return row_id
 
     def add_many(self, topic: str, keys: Sequence[str]) -> list[int]:
         return [self.add(topic, key, f"{key}-{i}") for i, key in enumerate(keys)]
 
-    def mark(self, leader_id: uuid.UUID, limit: int) -> list[Record]:
+    def update(self, row_id: int, **changes: Any) -> None:
+        """Change a row as an operator's UPDATE would (its version changes)."""
         with self.lock:
-            chosen = [row for _, row in sorted(self.rows.items()) if row.leader_id != leader_id][:limit]
-            if self.fail_marks:
-                self.fail_marks -= 1
-                if self.mark_commits_before_error:
-                    for row in chosen:
-                        row.leader_id = leader_id
-                raise psycopg.OperationalError("injected mark failure")
+            row = self.rows[row_id]
+            for name, value in changes.items():
+                setattr(row, name, value)
+            row.version = next(self._versions)
+
+    # -- the Store protocol ------------------------------------------------------------------------
+
+    def take_fence(self) -> FenceHolder | None:
+        with self.lock:
+            if self.fence_holder is not None:
+                return self.fence_holder
+            self.fence_taken = True
+            return None
+
+    def release_fence(self) -> None:
+        self.fence_taken = False
+
+    def mark(self, leader_id: uuid.UUID, limit: int, after: int,
+             upto: int | None = None) -> tuple[list[Record], tuple[int, int]]:
+        with self.lock:
+            top = upto if upto is not None else float("inf")
+            chosen = [row for row_id, row in sorted(self.rows.items())
+                      if after < row_id <= top and row.leader_id != leader_id][:limit]
             for row in chosen:
                 row.leader_id = leader_id
+                row.version = next(self._versions)
+            if self.fail_marks:
+                self.fail_marks -= 1
+                if not self.mark_commits_before_error:
+                    for row in chosen:
+                        row.leader_id = None
+                raise psycopg.OperationalError("injected mark failure")
             self.marks.append((leader_id, [row.id for row in chosen]))
-            return [Record(row.id, row.create_time, row.topic, row.key, row.value, list(row.header_keys),
-                           list(row.header_values), leader_id) for row in chosen]
+            # Rows are committed the moment add() returns: no transaction is ever running.
+            xid = next(self._versions)
+            return sorted((row.record() for row in chosen), key=lambda r: r.id), (xid, xid)
 
-    def purge(self, ids: Sequence[int]) -> int:
+    def check_held(self, ids: Sequence[int]) -> dict[int, Record]:
+        with self.lock:
+            return {i: self.rows[i].record() for i in ids if i in self.rows}
+
+    def park(self, record: Record, reason: str, attempts: int, parked_by: str,
+             dead_letter_topic: str | None) -> bool:
+        with self.lock:
+            row = self.rows.get(record.id)
+            if row is None or row.leader_id != record.leader_id:
+                return False
+            del self.rows[record.id]
+            self.dead_letters.append((row, reason))
+            return True
+
+    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
         if self.purge_gate is not None:
             self.purge_gate.wait()
         with self.lock:
             if self.fail_purges:
                 self.fail_purges -= 1
                 raise psycopg.OperationalError("injected purge failure")
-            removed = [i for i in ids if self.rows.pop(i, None) is not None]
-            self.purged.extend(ids)
-            return len(removed)
+            removed = 0
+            for row_id, leader_id in items:
+                row = self.rows.get(row_id)
+                if row is not None and row.leader_id == leader_id:
+                    del self.rows[row_id]
+                    removed += 1
+                self.purged.append(row_id)
+            return removed, self.fence_taken
 
-    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
+    def reset(self, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str]) -> tuple[int, bool]:
         with self.lock:
             count = 0
-            for row_id, error in zip(ids, errors, strict=True):
+            for (row_id, leader_id), error in zip(items, errors, strict=True):
                 row = self.rows.get(row_id)
-                if row is not None:
+                if row is not None and row.leader_id == leader_id:
                     row.leader_id = None
                     row.reset_count += 1
                     row.last_error = error
+                    row.version = next(self._versions)
                     count += 1
-            self.resets.extend(ids)
-            return count
+                self.resets.append(row_id)
+            return count, self.fence_taken
 
-    def hold(self, record_id: int, error: str) -> None:
+    def hold(self, record_id: int, leader_id: uuid.UUID, reason: str) -> int | None:
         with self.lock:
             row = self.rows.get(record_id)
-            if row is not None:
-                row.reset_count += 1
-                row.last_error = error
+            if row is None or row.leader_id != leader_id:
+                return None
+            row.reset_count += 1
+            row.last_error = reason
+            row.version = next(self._versions)
+            return row.version
+
+    def has_notify_trigger(self) -> bool:
+        return False
 
     def close(self) -> None:
         self.closed = True
+
+
+class FakeConnector:
+    """A Connector over FakeKafka and FakeStore: `Harvester(config, connector=FakeConnector(kafka, store))`."""
+
+    def __init__(self, kafka: FakeKafka | None = None, store: FakeStore | None = None) -> None:
+        self.kafka = kafka if kafka is not None else FakeKafka()
+        self.store = store if store is not None else FakeStore()
+        self.leader_topic = "outbox-leader"
+
+    def open_store(self) -> FakeStore:
+        return self.store
+
+    def ensure_leader_topic(self) -> None:
+        pass
+
+    def record_producer(self) -> FakeProducer:
+        producer = FakeProducer(self.kafka)
+        with self.kafka.lock:
+            self.kafka.record_producers.append(producer)
+        return producer
+
+    def dead_letter_producer(self) -> FakeProducer:
+        return FakeProducer(self.kafka)
+
+    def leader_election(self) -> LeaderElection:
+        return LeaderElection(self.leader_topic, "fake", FakeConsumer(self.kafka), FakeProducer(self.kafka,
+                                                                                                  heartbeats=True))
+
+    def listener(self, channel: str) -> None:
+        return None
+
+    def status_reporter(self, snapshot: Any, on_backlog: Any) -> None:
+        return None
+

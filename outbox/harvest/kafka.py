@@ -9,14 +9,18 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox.harvest.config import HarvestConfig
+from outbox.harvest.config import HarvestConfig, Problem
 
 log = logging.getLogger(__name__)
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
 client_log = logging.getLogger("outbox.harvest.librdkafka")
+#: The clients built only to have librdkafka check the settings say nothing.
+_check_log = logging.getLogger("outbox.harvest.librdkafka.check")
+_check_log.addHandler(logging.NullHandler())
+_check_log.propagate = False
 
 ProducerFactory = Callable[[dict[str, Any]], "ProducerLike"]
 ConsumerFactory = Callable[[dict[str, Any]], "ConsumerLike"]
@@ -42,27 +46,51 @@ class KafkaUnavailable(Exception):
     """Kafka cannot be reached or used; the message is one line for the operator."""
 
 
+#: librdkafka's own delivery timeout when several records of a key may be in flight: the engine
+#: enforces `delivery_timeout` itself (by purging the producer), so librdkafka never times out a
+#: queued record on its own, which could let a later record of its key through (a gap).
+PIPELINED_LIBRDKAFKA_TIMEOUT_MS = 2_147_483_647
+
+
 def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
     """Config of the producer that publishes outbox records.
 
-    Idempotence is on by default: librdkafka's retries then never duplicate or reorder a
-    message within the producer's session. delivery.timeout.ms bounds how long a record can
-    stay in flight, which must stay below the time Kafka takes to hand leadership to another
-    replica (session timeout minus heartbeat timeout); docs/operations.md has the arithmetic.
+    Idempotence is on: librdkafka's retries never duplicate or reorder a message within the
+    producer's session. With one record per key in flight (goharvest's barrier),
+    delivery.timeout.ms is the engine's delivery_timeout, which stays below the time Kafka takes
+    to hand leadership to another replica (docs/operations.md has the arithmetic). With several,
+    a key's records must reach the log as a prefix of what was sent, never with a hole: so
+    `enable.gapless.guarantee` turns a refused batch into a fatal error (the engine replaces the
+    producer and re-marks), and the timeout is enforced by the engine purging the whole producer
+    rather than by librdkafka dropping single queued records.
     """
+    limits = config.limits
+    pipelined = limits.max_in_flight_per_key > 1
     merged: dict[str, Any] = {
         "enable.idempotence": True,
-        # At most one record per key is in flight, so a key's next record waits for the last one's
-        # ack: lingering delays every key by the linger time. librdkafka still batches under load
-        # (records queue while earlier requests are in flight). Measured in docs/benchmarks.md.
+        # A key's next record may wait for the last one's ack: lingering would delay every key by
+        # the linger time. librdkafka still batches under load (records queue while earlier requests
+        # are in flight). Measured in docs/benchmarks.md.
         "linger.ms": 0,
-        "delivery.timeout.ms": int(1.5 * config.limits.heartbeat_timeout * 1000),
+        "delivery.timeout.ms": (PIPELINED_LIBRDKAFKA_TIMEOUT_MS if pipelined
+                                else int(limits.delivery_timeout * 1000)),
         "client.id": f"{config.name}-records",
     }
+    if pipelined:
+        merged["enable.gapless.guarantee"] = True
     merged.update(config.base_kafka_config)
     merged.update(config.producer_kafka_config)
     merged.setdefault("error_cb", _log_client_error)
     merged.setdefault("logger", client_log)
+    return merged
+
+
+def dead_letter_producer_config(config: HarvestConfig) -> dict[str, Any]:
+    """The producer of the dead-letter topic: the record producer's settings, one record at a time."""
+    merged = record_producer_config(config)
+    merged.pop("enable.gapless.guarantee", None)
+    merged["delivery.timeout.ms"] = int(config.limits.delivery_timeout * 1000)
+    merged["client.id"] = f"{config.name}-dead-letters"
     return merged
 
 
@@ -101,6 +129,31 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
         "logger": client_log,
     })
     return merged
+
+
+def client_config_problems(config: HarvestConfig) -> list[Problem]:
+    """librdkafka's own verdict on the settings (unknown property, bad value), found by building the
+    clients without letting them connect: E013, naming the setting that holds the property."""
+    found = []
+    quiet = {"logger": _check_log, "error_cb": lambda _error: None}
+    for build, settings in ((Producer, record_producer_config(config)),
+                            (Consumer, leader_consumer_config(config))):
+        try:
+            client = build({**settings, **quiet, "bootstrap.servers": "127.0.0.1:1"})
+        except (KafkaException, ValueError, TypeError) as error:
+            message = kafka_reason(error)
+            field = "producer_kafka_config" if any(f'"{key}"' in message or f"'{key}'" in message
+                                                   for key in config.producer_kafka_config) else "base_kafka_config"
+            problem = Problem("E013", field, f"is refused by librdkafka: {message}")
+            if problem not in found:
+                found.append(problem)
+            continue
+        if isinstance(client, Consumer):
+            client.close()
+        else:
+            client.flush(0)
+        del client
+    return found
 
 
 def admin_config(base: Mapping[str, Any]) -> dict[str, Any]:

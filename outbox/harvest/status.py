@@ -1,42 +1,46 @@
-"""Each replica's status row: who it is, whether it leads, what it has in flight.
+"""Each replica's status row: who it is, whether it leads, what it has in flight and holds.
 
 The row is upserted every `status_interval` seconds on a connection of its own, so writing it
-never waits on harvesting (or the reverse); the admin dashboard and `harvest_health` read it.
-Rows not seen for `status_prune_after` seconds are deleted by whichever replica notices.
+never waits on harvesting (or the reverse); the admin dashboard, metrics and `harvest_health`
+read it. Rows not seen for `status_prune_after` seconds are deleted by whichever replica notices.
+A standby also says, once, who leads its group.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import psycopg
 from psycopg import sql
 
+from outbox.harvest.config import HarvestConfig
+from outbox.harvest.contract import ReplicaState
 from outbox.harvest.store import close_quietly, connect, first_line, table_identifier, table_name
 
-log = logging.getLogger(__name__)
-
-#: Keys listed in a status row; the total count is kept beside the sample.
-KEY_SAMPLE = 50
+log = logging.getLogger("outbox.harvest")
 
 
 @dataclass(frozen=True)
 class StatusSnapshot:
     """What a replica reports about itself at one moment."""
 
-    state: str  # standby, leader, fenced, stopping
+    state: ReplicaState
     leader_id: object
     since: datetime
     in_flight: int
+    queued: int
     in_flight_keys: list[str]
     in_flight_key_count: int
-    held_keys: list[str]
+    #: Held (poison) records: (id, key, reason).
+    held: list[tuple[int, str, str]]
+    blocked_by: str | None
     throughput: float
     published: int
     failed: int
@@ -44,21 +48,27 @@ class StatusSnapshot:
 
 UPSERT = """
 INSERT INTO {table} (name, host, pid, state, leader_id, since, started, last_seen, harvested_table, leader_topic,
-                     leader_group, in_flight, in_flight_keys, in_flight_key_count, held_keys, throughput, published,
-                     failed)
+                     leader_group, in_flight, queued, in_flight_keys, in_flight_key_count, held_keys, held,
+                     blocked_by, throughput, published, failed)
 VALUES (%(name)s, %(host)s, %(pid)s, %(state)s, %(leader_id)s, %(since)s, %(started)s, now(), %(harvested_table)s,
-        %(leader_topic)s, %(leader_group)s, %(in_flight)s, %(in_flight_keys)s, %(in_flight_key_count)s,
-        %(held_keys)s, %(throughput)s, %(published)s, %(failed)s)
+        %(leader_topic)s, %(leader_group)s, %(in_flight)s, %(queued)s, %(in_flight_keys)s, %(in_flight_key_count)s,
+        %(held_keys)s, %(held)s, %(blocked_by)s, %(throughput)s, %(published)s, %(failed)s)
 ON CONFLICT (name) DO UPDATE SET
   host = EXCLUDED.host, pid = EXCLUDED.pid, state = EXCLUDED.state, leader_id = EXCLUDED.leader_id,
   since = EXCLUDED.since, last_seen = now(), harvested_table = EXCLUDED.harvested_table,
   leader_topic = EXCLUDED.leader_topic, leader_group = EXCLUDED.leader_group, in_flight = EXCLUDED.in_flight,
-  in_flight_keys = EXCLUDED.in_flight_keys, in_flight_key_count = EXCLUDED.in_flight_key_count,
-  held_keys = EXCLUDED.held_keys, throughput = EXCLUDED.throughput, published = EXCLUDED.published,
+  queued = EXCLUDED.queued, in_flight_keys = EXCLUDED.in_flight_keys,
+  in_flight_key_count = EXCLUDED.in_flight_key_count, held_keys = EXCLUDED.held_keys, held = EXCLUDED.held,
+  blocked_by = EXCLUDED.blocked_by, throughput = EXCLUDED.throughput, published = EXCLUDED.published,
   failed = EXCLUDED.failed
 """
 PRUNE = "DELETE FROM {table} WHERE last_seen < now() - make_interval(secs => %(age)s)"
 REMOVE = "DELETE FROM {table} WHERE name = %(name)s"
+LEADERS = """
+SELECT name, host FROM {table}
+WHERE leader_group = %(group)s AND state = 'leader' AND name <> %(name)s
+  AND last_seen > now() - make_interval(secs => %(age)s)
+"""
 # A live-row estimate for the harvested table, kept by Postgres's statistics: no table scan.
 BACKLOG = "SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(table)s)"
 
@@ -68,28 +78,31 @@ def status_table_exists(conn: psycopg.Connection, table: str) -> bool:
 
 
 class StatusReporter(threading.Thread):
-    """Upserts this replica's status row every `interval` seconds until stopped, then deletes it."""
+    """Upserts this replica's status row every `status_interval` seconds until stopped, then deletes it."""
 
-    def __init__(self, dsn: str, status_table: str, *, name: str, harvested_table: str, leader_topic: str,
-                 leader_group: str, started: datetime, interval: float, prune_after: float,
-                 snapshot: Callable[[], StatusSnapshot], on_backlog: Callable[[int], None]) -> None:
+    def __init__(self, config: HarvestConfig, *, snapshot: Callable[[], StatusSnapshot],
+                 on_backlog: Callable[[int], None], started: datetime | None = None) -> None:
         super().__init__(name="outbox-status", daemon=True)
-        self._dsn = dsn
-        ident = table_identifier(status_table)
+        self._dsn = config.dsn
+        ident = table_identifier(config.status_table)
         self._upsert = sql.SQL(UPSERT).format(table=ident)
         self._prune = sql.SQL(PRUNE).format(table=ident)
         self._remove = sql.SQL(REMOVE).format(table=ident)
-        self._identity = {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "started": started,
-                          "harvested_table": harvested_table, "leader_topic": leader_topic,
-                          "leader_group": leader_group}
-        self._harvested = table_name(harvested_table)
-        self._interval = interval
-        self._prune_after = prune_after
+        self._leaders = sql.SQL(LEADERS).format(table=ident)
+        self._identity = {"name": config.name, "host": socket.gethostname(), "pid": os.getpid(),
+                          "started": started or datetime.now(UTC), "harvested_table": config.table, "leader_topic": config.leader_topic,
+                          "leader_group": config.leader_group}
+        self._group = config.leader_group
+        self._harvested = table_name(config.table)
+        self._interval = config.limits.status_interval
+        self._prune_after = config.status_prune_after
+        self._gone_after = max(4 * self._interval, 10.0)
         self._snapshot = snapshot
         self._on_backlog = on_backlog
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._failing = False
+        self._standby_said: object = None  # the `since` of the standby spell already announced
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -103,11 +116,20 @@ class StatusReporter(threading.Thread):
             self._connection().execute(self._remove, {"name": self._identity["name"]})
         except psycopg.Error as error:
             log.debug("Could not remove the status row: %s", first_line(error))
-        self._close()
+        conn, self._conn = self._conn, None
+        close_quietly(conn)
 
     def _report(self) -> None:
         snapshot = self._snapshot()
-        params = {**self._identity, **asdict(snapshot)}
+        params = {
+            **self._identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id, "since": snapshot.since,
+            "in_flight": snapshot.in_flight, "queued": snapshot.queued, "in_flight_keys": snapshot.in_flight_keys,
+            "in_flight_key_count": snapshot.in_flight_key_count,
+            "held_keys": [f"{key}: {reason}" for _, key, reason in snapshot.held],
+            "held": json.dumps([{"id": i, "key": key, "reason": reason} for i, key, reason in snapshot.held]),
+            "blocked_by": snapshot.blocked_by, "throughput": snapshot.throughput, "published": snapshot.published,
+            "failed": snapshot.failed,
+        }
         try:
             conn = self._connection()
             with conn.transaction():
@@ -116,6 +138,8 @@ class StatusReporter(threading.Thread):
             row = conn.execute(BACKLOG, {"table": self._harvested}).fetchone()
             if row is not None:
                 self._on_backlog(int(row[0]))
+            if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since:
+                self._say_who_leads(conn, snapshot)
             if self._failing:
                 log.info("Status reporting resumed")
             self._failing = False
@@ -123,13 +147,21 @@ class StatusReporter(threading.Thread):
             if not self._failing:  # say it once, not every interval
                 log.warning("Status row not written (harvesting goes on): %s", first_line(error))
             self._failing = True
-            self._close()
+            conn, self._conn = self._conn, None
+            close_quietly(conn)
+
+    def _say_who_leads(self, conn: psycopg.Connection, snapshot: StatusSnapshot) -> None:
+        leaders = conn.execute(self._leaders, {"group": self._group, "name": self._identity["name"],
+                                               "age": self._gone_after}).fetchall()
+        if leaders:
+            who = ", ".join(f"{name} on {host}" for name, host in leaders)
+            log.info("Standing by: %s leads group %s", who, self._group)
+            self._standby_said = snapshot.since
+        elif self._standby_said is None:
+            log.info("Standing by in group %s (no leader seen yet)", self._group)
+            self._standby_said = "announced-no-leader"
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._dsn, "status")
         return self._conn
-
-    def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        close_quietly(conn)

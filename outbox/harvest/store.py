@@ -1,125 +1,64 @@
-"""The harvester's SQL: mark, purge and reset, each one statement, on connections of its own.
+"""Runs the engine's SQL (contract.py) on connections of its own, psycopg 3, autocommit.
 
-The engine only sees the narrow `Store` protocol, so unit tests run it against an in-memory
-fake. Purge and reset take many ids at once: one round trip per delivery-report batch rather
-than goharvest's one per record.
+Two sessions, used from two threads:
+- the *fence session* takes the table's advisory lock and runs every mark (and the held-row
+  reads and parking): a leader that lost the fence can therefore mark nothing;
+- the *purge session* purges, resets and holds, so settling never waits behind a mark.
+Every statement commits before it returns, which is what lets a purge free its key's slot.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from outbox.harvest import contract
+from outbox.harvest.contract import Record
+
 log = logging.getLogger(__name__)
 
-#: The columns the engine reads; tests check them against the Django model.
-COLUMNS = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys",
-           "kafka_header_values", "leader_id")
-#: Columns beyond goharvest's that this app's migrations add; used when present.
-FAILURE_COLUMNS = ("reset_count", "last_error")
 CONNECT_TIMEOUT = 5
+#: application_name prefix of the engine's sessions (seen in pg_stat_activity, and by the fence).
+APPLICATION_PREFIX = "outbox-harvest"
 
 
-@dataclass(slots=True, eq=False)
-class Record:
-    """One marked outbox row, as the engine carries it from mark to purge."""
-
-    id: int
-    create_time: datetime
-    topic: str
-    key: str
-    value: str | None
-    header_keys: list[str]
-    header_values: list[str]
-    leader_id: uuid.UUID | None = None
-    #: When this record was marked (engine clock); a queue timeout is measured from here.
-    marked_at: float = field(default=0.0, compare=False)
+class StoreError(Exception):
+    """The outbox table cannot be used; the message is one line for the operator."""
 
 
-class Store(Protocol):
-    """What the engine needs from the database."""
-
-    def mark(self, leader_id: uuid.UUID, limit: int) -> list[Record]:
-        """Mark up to `limit` of the earliest rows not marked by `leader_id`; returns them sorted by id."""
-
-    def purge(self, ids: Sequence[int]) -> int:
-        """Delete delivered rows; returns how many existed. Committed when it returns."""
-
-    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
-        """Clear leader_id of rows whose delivery failed (errors[i] for ids[i]), so the next mark
-        picks them up again; count the failure on the row when the table can."""
-
-    def hold(self, record_id: int, error: str) -> None:
-        """Note on the row that it cannot be published (a poison record held by the engine)."""
-
-    def close(self) -> None: ...
-
-
-# Mark: one atomic UPDATE ... RETURNING. The sub-select walks the primary key from its head,
-# so records that committed late behind marked ones are still found (no offset is kept), and
-# rows left by a dead leader look exactly like new ones: recovery needs no special case.
-MARK = """
-UPDATE {table} SET leader_id = %(leader_id)s
-WHERE id IN (
-  SELECT id FROM {table}
-  WHERE leader_id IS NULL OR leader_id <> %(leader_id)s
-  ORDER BY id
-  LIMIT %(limit)s
-)
-RETURNING id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values, leader_id
-"""
-
-# Purge: delete delivered rows, many per statement.
-PURGE = "DELETE FROM {table} WHERE id = ANY(%(ids)s)"
-
-# Reset: put rows whose delivery failed back in scope of the next mark. Tables made by this
-# app's migrations also count the failure and keep the error (reset_count, last_error).
-RESET = "UPDATE {table} SET leader_id = NULL WHERE id = ANY(%(ids)s)"
-RESET_COUNTED = """
-UPDATE {table} AS o SET leader_id = NULL, reset_count = o.reset_count + 1, last_error = f.error
-FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS f(id, error)
-WHERE o.id = f.id
-"""
-
-# Hold: a poison record stays marked (its key is held); say why on the row.
-HOLD = "UPDATE {table} SET reset_count = reset_count + 1, last_error = %(error)s WHERE id = %(id)s"
-
-# Requeue (an operator's action): put rows back in scope of the next mark, clearing their failure
-# count, but never rows marked by a live leader: one of those may be in flight, and re-marking it
-# behind a later record of its key would publish the two out of order.
-REQUEUE = """
-UPDATE {table} SET leader_id = NULL{failure_columns}
-WHERE id = ANY(%(ids)s) AND (leader_id IS NULL OR NOT (leader_id = ANY(%(live)s::uuid[])))
-"""
-
-
-def requeue(conn: psycopg.Connection, table: str, ids: Sequence[int], live_leader_ids: Sequence[uuid.UUID],
-            *, counts_failures: bool = True) -> int:
-    """Requeue rows on the caller's connection (and transaction); returns how many were requeued."""
-    extra = ", reset_count = 0, last_error = NULL" if counts_failures else ""
-    statement = sql.SQL(REQUEUE).format(table=table_identifier(table), failure_columns=sql.SQL(extra))
-    return conn.execute(statement, {"ids": list(ids), "live": list(live_leader_ids)}).rowcount
-
-
-# Does the table exist, and does it have goharvest's columns?
-TABLE_COLUMNS = """
-SELECT attname FROM pg_attribute
-WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
-"""
-
-
-def connect(dsn: str, purpose: str) -> psycopg.Connection:
-    """An autocommit connection of the engine's own, named in pg_stat_activity by its purpose."""
+def connect(dsn: str, purpose: str, *, name: str = "") -> psycopg.Connection:
+    """An autocommit connection of the engine's own, named in pg_stat_activity by purpose (and replica)."""
+    application = f"{APPLICATION_PREFIX}-{purpose}" + (f" {name}" if name else "")
     return psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
-                           application_name=f"outbox-harvest-{purpose}")
+                           application_name=application[:63])
+
+
+def group_tag(group: str) -> str:
+    """A short, fixed-length tag of a leader group, carried in the fence session's application_name."""
+    return hashlib.sha1(group.encode()).hexdigest()[:8]
+
+
+@dataclass(frozen=True)
+class FenceHolder:
+    """The session holding a table's fence, as Postgres shows it."""
+
+    pid: int
+    name: str
+    group: str  # the group's name if its status row says so, else its tag
+    host: str
+    same_group: bool
+
+    def __str__(self) -> str:
+        return f"replica {self.name} of leader group {self.group} on {self.host} (pid {self.pid})"
 
 
 def close_quietly(conn: psycopg.Connection | None) -> None:
@@ -131,13 +70,14 @@ def close_quietly(conn: psycopg.Connection | None) -> None:
             pass
 
 
-class StoreError(Exception):
-    """The outbox table cannot be used; the message is one line for the operator."""
-
-
 def table_identifier(table: str) -> sql.Composable:
     """`schema.table` or `table` as a quoted SQL identifier (the name was validated by the config)."""
     return sql.Identifier(*table.split("."))
+
+
+def table_name(table: str) -> str:
+    """The table as to_regclass() wants it: each part quoted, so case is kept."""
+    return ".".join('"' + part.replace('"', '""') + '"' for part in table.split("."))
 
 
 def describe_dsn(dsn: str) -> str:
@@ -149,124 +89,289 @@ def describe_dsn(dsn: str) -> str:
     return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
 
 
-class PostgresStore:
-    """Store over psycopg 3. One connection marks (engine thread); another purges and resets
-    (delivery thread). Both autocommit: each statement commits before it returns, which is what
-    lets a purge lower its key's barrier."""
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
-    def __init__(self, dsn: str, table: str, *, counts_failures: bool = False) -> None:
+
+def requeue(conn: psycopg.Connection, table: str, ids: Sequence[int], live_leader_ids: Sequence[uuid.UUID],
+            *, counts_failures: bool = True) -> int:
+    """Requeue rows on the caller's connection (and transaction); returns how many were requeued."""
+    extra = ", reset_count = 0, last_error = NULL" if counts_failures else ""
+    statement = sql.SQL(contract.REQUEUE).format(table=table_identifier(table), failure_columns=sql.SQL(extra))
+    return conn.execute(statement, {"ids": list(ids), "live": list(live_leader_ids)}).rowcount
+
+
+def _record(row: Sequence[Any]) -> Record:
+    return Record(*row)
+
+
+class PostgresStore:
+    """The engine's database side; see the module docstring for its two sessions."""
+
+    def __init__(self, dsn: str, table: str, *, name: str = "", group: str = "", counts_failures: bool = False,
+                 table_oid: int = 0, dead_letter_table: str | None = None, status_table: str | None = None) -> None:
         self._dsn = dsn
         self._table = table
+        self._name = name
+        self._group = group
+        self._status_table = status_table
         self.counts_failures = counts_failures
+        self.table_oid = table_oid
+        self.dead_letter_table = dead_letter_table
         ident = table_identifier(table)
-        self._mark_sql = sql.SQL(MARK).format(table=ident)
-        self._purge_sql = sql.SQL(PURGE).format(table=ident)
-        self._reset_sql = sql.SQL(RESET_COUNTED if counts_failures else RESET).format(table=ident)
-        self._hold_sql = sql.SQL(HOLD).format(table=ident)
-        self._mark_conn: psycopg.Connection | None = None
-        self._ack_conn: psycopg.Connection | None = None
-        self._ack_lock = threading.Lock()
+        self._mark_sql = sql.SQL(contract.MARK).format(table=ident)
+        self._rescan_sql = sql.SQL(contract.RESCAN).format(table=ident)
+        self._purge_sql = sql.SQL(contract.PURGE).format(table=ident)
+        self._reset_sql = sql.SQL(contract.RESET_COUNTED if counts_failures else contract.RESET).format(table=ident)
+        self._hold_sql = sql.SQL(contract.HOLD_COUNTED if counts_failures else contract.HOLD).format(table=ident)
+        self._check_sql = sql.SQL(contract.CHECK_HELD).format(table=ident)
+        self._park_sql = (sql.SQL(contract.PARK).format(table=ident,
+                                                        dead_letters=table_identifier(dead_letter_table))
+                          if dead_letter_table else None)
+        self._fence_conn: psycopg.Connection | None = None
+        self._fence_held = False
+        #: The fence session's backend pid while it holds the fence (read by the purge session's checks).
+        self.fence_pid = 0
+        self._purge_conn: psycopg.Connection | None = None
+        self._purge_lock = threading.Lock()
 
     @classmethod
-    def open(cls, dsn: str, table: str) -> PostgresStore:
+    def open(cls, dsn: str, table: str, *, name: str = "", group: str = "", dead_letter_table: str | None = None,
+             status_table: str | None = None) -> PostgresStore:
         """Connect and check the table; raises StoreError with a one-line reason."""
-        store = cls(dsn, table)
+        where = describe_dsn(dsn)
         try:
-            conn = store._mark_connection()
-            columns = {name for (name,) in conn.execute(TABLE_COLUMNS, {"table": table_name(table)})}
+            conn = connect(dsn, "fence", name=f"{group_tag(group)} {name}")
         except psycopg.OperationalError as error:
-            store.close()
-            raise StoreError(f"cannot connect to Postgres at {describe_dsn(dsn)}: {first_line(error)}") from None
+            raise StoreError(f"cannot connect to Postgres at {where}: {first_line(error)}") from None
+        try:
+            columns = {name for (name,) in conn.execute(contract.TABLE_COLUMNS, {"table": table_name(table)})}
+            oid = conn.execute(contract.TABLE_OID, {"table": table_name(table)}).fetchone()[0]
+            dead_letters = None
+            if dead_letter_table and conn.execute(contract.TABLE_OID, {"table": table_name(dead_letter_table)}
+                                                  ).fetchone()[0] is not None:
+                dead_letters = dead_letter_table
         except psycopg.Error as error:
-            store.close()
-            raise StoreError(f"cannot read table {table!r} at {describe_dsn(dsn)}: {first_line(error)}") from None
+            close_quietly(conn)
+            raise StoreError(f"cannot read table {table!r} at {where}: {first_line(error)}") from None
         if not columns:
-            store.close()
-            raise StoreError(f"table {table!r} does not exist at {describe_dsn(dsn)} (run manage.py migrate)")
-        missing = [c for c in COLUMNS if c not in columns]
+            close_quietly(conn)
+            raise StoreError(f"table {table!r} does not exist at {where} (run manage.py migrate)")
+        missing = [c for c in contract.COLUMNS if c not in columns]
         if missing:
-            store.close()
+            close_quietly(conn)
             raise StoreError(f"table {table!r} lacks the outbox column(s) {', '.join(missing)}")
-        if all(c in columns for c in FAILURE_COLUMNS):
-            conn, store._mark_conn = store._mark_conn, None
-            store.close()
-            store = cls(dsn, table, counts_failures=True)
-            store._mark_conn = conn
+        store = cls(dsn, table, name=name, group=group,
+                    counts_failures=all(c in columns for c in contract.FAILURE_COLUMNS), table_oid=int(oid),
+                    dead_letter_table=dead_letters, status_table=status_table)
+        store._fence_conn = conn
         return store
 
-    def _mark_connection(self) -> psycopg.Connection:
-        if self._mark_conn is None or self._mark_conn.closed:
-            self._mark_conn = connect(self._dsn, "mark")
-        return self._mark_conn
+    def has_notify_trigger(self) -> bool:
+        """Whether the table's trigger NOTIFYs its channel on every insert (migration 0003 installs it)."""
+        row = self._fence_connection().execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid "
+            "WHERE t.tgrelid = %s AND p.proname = 'outbox_notify' AND NOT t.tgisinternal)", [self.table_oid],
+        ).fetchone()
+        return bool(row[0])
 
-    def _ack_connection(self) -> psycopg.Connection:
-        if self._ack_conn is None or self._ack_conn.closed:
-            self._ack_conn = connect(self._dsn, "purge")
-        return self._ack_conn
+    # -- the fence session (one thread) -----------------------------------------------------------
 
-    def mark(self, leader_id: uuid.UUID, limit: int) -> list[Record]:
+    def _fence_connection(self) -> psycopg.Connection:
+        if self._fence_conn is None or self._fence_conn.closed:
+            self._fence_held = False  # a new session holds no lock
+            self._fence_conn = connect(self._dsn, "fence", name=f"{group_tag(self._group)} {self._name}")
+        return self._fence_conn
+
+    def take_fence(self) -> FenceHolder | None:
+        """Take the table's fence on the fence session; None when taken, else who holds it.
+
+        A holder of our own group is a stale leader (Kafka gave the group's leadership to this
+        replica): its session is ended, after which none of its statements can succeed, and the
+        fence is taken.
+        """
         try:
-            rows = self._mark_connection().execute(self._mark_sql, {"leader_id": leader_id, "limit": limit},
-                                                   prepare=True).fetchall()
+            conn = self._fence_connection()
+            if self._fence_held:
+                return None
+            params = {"key": contract.fence_key(self.table_oid), "class": contract.FENCE_CLASS,
+                      "table_oid": self.table_oid}
+            holder: FenceHolder | None = None
+            for _ in range(3):
+                if conn.execute(contract.TAKE_FENCE, params).fetchone()[0]:
+                    self._fence_held = True
+                    self.fence_pid = conn.info.backend_pid
+                    return None
+                row = conn.execute(contract.FENCE_HOLDER, params).fetchone()
+                if row is None:
+                    continue  # released in between: try again
+                holder = self._describe_holder(conn, *row)
+                if not holder.same_group:
+                    return holder
+                log.warning("Ending the database session of a stale leader of this group: %s", holder)
+                conn.execute(contract.TERMINATE, {"pid": holder.pid})
+            return holder
         except psycopg.Error:
-            self._drop("_mark_conn")
+            self._drop_fence()
+            raise
+
+    def _describe_holder(self, conn: psycopg.Connection, pid: int, application: str, address: str) -> FenceHolder:
+        # application_name is "outbox-harvest-fence <group tag> <name>" (see connect()).
+        _, _, rest = application.partition(" ")
+        tag, _, name = rest.partition(" ")
+        group, host = tag, address
+        if self._status_table:
+            try:
+                row = conn.execute(sql.SQL("SELECT leader_group, host FROM {} WHERE name = %s").format(
+                    table_identifier(self._status_table)), [name]).fetchone()
+            except psycopg.Error:
+                row = None
+            if row is not None:
+                group, host = row[0], row[1]
+        return FenceHolder(pid, name or application, group, host, same_group=tag == group_tag(self._group))
+
+    def release_fence(self) -> None:
+        if self._fence_conn is None or not self._fence_held:
+            return
+        try:
+            self._fence_conn.execute(contract.RELEASE_FENCE, {"key": contract.fence_key(self.table_oid)})
+        except psycopg.Error:
+            self._drop_fence()
+        self._fence_held = False
+        self.fence_pid = 0
+
+    def mark(self, leader_id: uuid.UUID, limit: int, after: int,
+             upto: int | None = None) -> tuple[list[Record], tuple[int, int]]:
+        """Mark rows (contract.MARK / RESCAN), sorted by id, with the (xmin, xmax) of a snapshot taken
+        just before, in the same round trip. Needs the fence."""
+        try:
+            conn = self._fence_connection()
+            if not self._fence_held:
+                raise psycopg.OperationalError("the database fence was lost with its session")
+            with conn.pipeline():
+                snapshot = conn.execute(contract.SNAPSHOT, prepare=True)
+                if upto is None:
+                    cursor = conn.execute(self._mark_sql, {"leader_id": leader_id, "limit": limit, "after": after},
+                                          prepare=True)
+                else:
+                    cursor = conn.execute(self._rescan_sql, {"leader_id": leader_id, "limit": limit, "after": after,
+                                                             "upto": upto}, prepare=True)
+            xmin, xmax = snapshot.fetchone()
+            rows = cursor.fetchall()
+        except psycopg.Error:
+            self._drop_fence()
             raise
         records = [Record(*row) for row in rows]
         # RETURNING yields rows in no particular order; per-key order depends on this sort.
         records.sort(key=lambda r: r.id)
-        return records
+        return records, (xmin, xmax)
 
-    def purge(self, ids: Sequence[int]) -> int:
-        return self._ack(self._purge_sql, ids)
+    def check_held(self, ids: Sequence[int]) -> dict[int, Record]:
+        try:
+            rows = self._fence_connection().execute(self._check_sql, {"ids": list(ids)}).fetchall()
+        except psycopg.Error:
+            self._drop_fence()
+            raise
+        return {row[0]: Record(*row) for row in rows}
 
-    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
-        return self._ack(self._reset_sql, {"ids": list(ids), "errors": list(errors)})
+    def park(self, record: Record, reason: str, attempts: int, parked_by: str, dead_letter_topic: str | None) -> bool:
+        """Move a held row to the dead-letter table; False if it was not there (or not ours) any more."""
+        if self._park_sql is None:
+            raise StoreError("no dead-letter table (run manage.py migrate)")
+        try:
+            row = self._fence_connection().execute(self._park_sql, {
+                "id": record.id, "leader_id": record.leader_id, "reason": reason, "attempts": attempts,
+                "parked_by": parked_by, "dead_letter_topic": dead_letter_topic}).fetchone()
+        except psycopg.Error:
+            self._drop_fence()
+            raise
+        return row is not None
 
-    def hold(self, record_id: int, error: str) -> None:
-        if self.counts_failures:
-            self._ack(self._hold_sql, {"id": record_id, "error": error})
+    def _drop_fence(self) -> None:
+        conn, self._fence_conn = self._fence_conn, None
+        self._fence_held = False
+        self.fence_pid = 0
+        close_quietly(conn)
 
-    def _ack(self, statement: sql.Composed, params: dict[str, object] | Sequence[int]) -> int:
-        if not isinstance(params, dict):
-            params = {"ids": list(params)}
-        with self._ack_lock:
+    # -- the purge session (another thread) -------------------------------------------------------
+
+    def _purge_connection(self) -> psycopg.Connection:
+        if self._purge_conn is None or self._purge_conn.closed:
+            self._purge_conn = connect(self._dsn, "purge", name=self._name)
+        return self._purge_conn
+
+    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
+        """Delete delivered rows still marked by the term that sent them: (how many went, whether this
+        replica's fence session still holds the fence)."""
+        return self._settle(self._purge_sql, {"ids": [i for i, _ in items], "leader_ids": [lid for _, lid in items]})
+
+    def reset(self, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str]) -> tuple[int, bool]:
+        """Unmark rows whose delivery failed (same guard and answer); count the failure when the table can."""
+        return self._settle(self._reset_sql, {"ids": [i for i, _ in items], "leader_ids": [lid for _, lid in items],
+                                              "errors": list(errors)})
+
+    def hold(self, record_id: int, leader_id: uuid.UUID, reason: str) -> int | None:
+        """Note on a poison row why it is held; returns its new version (None: the row is not ours)."""
+        with self._purge_lock:
             try:
-                return self._ack_connection().execute(statement, params, prepare=True).rowcount
+                row = self._purge_connection().execute(
+                    self._hold_sql, {"id": record_id, "leader_id": leader_id, "error": reason}).fetchone()
             except psycopg.Error:
-                self._drop("_ack_conn")
+                self._drop_purge()
                 raise
+        return row[0] if row else None
 
-    def _drop(self, attribute: str) -> None:
-        """Forget a connection after an error; the next call reconnects."""
-        conn = getattr(self, attribute)
-        setattr(self, attribute, None)
+    def _settle(self, statement: sql.Composed, params: dict[str, Any]) -> tuple[int, bool]:
+        params.update({"class": contract.FENCE_CLASS, "table_oid": self.table_oid, "fence_pid": self.fence_pid})
+        with self._purge_lock:
+            try:
+                held, count = self._purge_connection().execute(statement, params, prepare=True).fetchone()
+            except psycopg.Error:
+                self._drop_purge()
+                raise
+        return count, held
+
+    def _drop_purge(self) -> None:
+        conn, self._purge_conn = self._purge_conn, None
         close_quietly(conn)
 
     def close(self) -> None:
-        self._drop("_mark_conn")
-        with self._ack_lock:
-            self._drop("_ack_conn")
+        self._drop_fence()
+        with self._purge_lock:
+            self._drop_purge()
 
 
 class Listener:
-    """LISTENs for stash()'s NOTIFY on its own connection, so a committed record wakes the leader."""
+    """LISTENs on the table's NOTIFY channel on its own connection, so a commit wakes the leader."""
+
+    #: After a failed connection, LISTEN is tried again at most this often (the engine polls meanwhile).
+    RETRY_AFTER = 5.0
 
     def __init__(self, dsn: str, channel: str) -> None:
         self._dsn = dsn
         self._channel = channel
         self._conn: psycopg.Connection | None = None
+        self._retry_at = 0.0
 
     def fileno(self) -> int | None:
-        """The socket to select on, or None while disconnected (the engine then just polls)."""
+        """The socket to select on, or None while disconnected (the engine then polls)."""
         if self._conn is None or self._conn.closed:
+            if time.monotonic() < self._retry_at:
+                return None
             try:
                 self._conn = connect(self._dsn, "listen")
                 self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
             except psycopg.Error as error:
                 log.debug("LISTEN unavailable, polling only: %s", first_line(error))
                 self.close()
+                self._retry_at = time.monotonic() + self.RETRY_AFTER
                 return None
         return self._conn.fileno()
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
 
     def drain(self) -> int:
         """Consume pending notifications; returns how many arrived."""
@@ -281,13 +386,3 @@ class Listener:
     def close(self) -> None:
         conn, self._conn = self._conn, None
         close_quietly(conn)
-
-
-def table_name(table: str) -> str:
-    """The table as to_regclass() wants it: each part quoted, so case is kept."""
-    return ".".join('"' + part.replace('"', '""') + '"' for part in table.split("."))
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

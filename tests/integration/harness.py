@@ -230,6 +230,9 @@ class FaultyProducer:
     def flush(self, timeout: float = 0) -> int:
         return self._producer.flush(timeout)
 
+    def purge(self, *args: Any, **kwargs: Any) -> None:
+        self._producer.purge(*args, **kwargs)
+
     def __len__(self) -> int:
         return len(self._producer)
 
@@ -243,24 +246,18 @@ class FaultyStore:
         self._fail_mark, self._fail_purge = fail_mark, fail_purge
         self.injected = 0
 
-    def mark(self, leader_id: uuid.UUID, limit: int) -> list[Any]:
-        records = self._store.mark(leader_id, limit)
-        if records and self._random.random() < self._fail_mark:
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)  # the fence, held rows, parking, close: as they are
+
+    def mark(self, leader_id: uuid.UUID, limit: int, after: int, upto: int | None = None) -> Any:
+        marked = self._store.mark(leader_id, limit, after, upto)
+        if marked[0] and self._random.random() < self._fail_mark:
             self.injected += 1
             raise psycopg.OperationalError("injected: connection lost after the mark committed")
-        return records
+        return marked
 
-    def purge(self, ids: Sequence[int]) -> int:
+    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
         if self._random.random() < self._fail_purge:
             self.injected += 1
             raise psycopg.OperationalError("injected: purge failed")
-        return self._store.purge(ids)
-
-    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> int:
-        return self._store.reset(ids, errors)
-
-    def hold(self, record_id: int, error: str) -> None:
-        self._store.hold(record_id, error)
-
-    def close(self) -> None:
-        self._store.close()
+        return self._store.purge(items)

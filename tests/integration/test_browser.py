@@ -17,7 +17,9 @@ from django.db import connections, transaction
 
 from outbox import stash_many
 from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.connector import LiveConnector
 from outbox.harvest.harvester import Harvester
+from outbox.harvest.kafka import record_producer_config
 from outbox.harvest.store import PostgresStore
 from outbox.models import OutboxRecord
 from tests.integration.harness import wait_until
@@ -50,6 +52,9 @@ class HeldProducer:
         self.released.set()
         return self._producer.flush(timeout)
 
+    def purge(self, *args: Any, **kwargs: Any) -> None:
+        self._producer.purge(*args, **kwargs)
+
     def __len__(self) -> int:
         return len(self._producer)
 
@@ -60,12 +65,12 @@ class FirstBatchStore:
     def __init__(self, store: PostgresStore) -> None:
         self._store, self._marked_once = store, False
 
-    def mark(self, leader_id: uuid.UUID, limit: int) -> list[Any]:
+    def mark(self, leader_id: uuid.UUID, limit: int, after: int, upto: int | None = None) -> Any:
         if self._marked_once:
-            return []
-        records = self._store.mark(leader_id, limit)
-        self._marked_once = bool(records)
-        return records
+            return [], (0, 0)
+        marked = self._store.mark(leader_id, limit, after, upto)
+        self._marked_once = bool(marked[0])
+        return marked
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -94,19 +99,19 @@ def test_operator_sees_the_leader_and_requeues_a_stuck_row(live_server, browser,
 
     producers: list[HeldProducer] = []
 
-    def producer_factory(conf: dict[str, Any]) -> Any:
-        if str(conf.get("client.id", "")).endswith("-records"):
-            producers.append(HeldProducer(conf))
+    class Held(LiveConnector):
+        def record_producer(self) -> HeldProducer:
+            producers.append(HeldProducer(record_producer_config(self.config)))
             return producers[-1]
-        return Producer(conf)
+
+        def open_store(self) -> Any:
+            return FirstBatchStore(super().open_store())
 
     leader_topic = f"test-leader-{uuid.uuid4().hex[:8]}"
-    harvester = Harvester(
-        HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
-                      leader_topic=leader_topic, leader_group=leader_topic, name="browser-replica",
-                      limits=Limits(heartbeat_timeout=2.0, status_interval=0.3)),
-        producer_factory=producer_factory, store_factory=lambda dsn, table: FirstBatchStore(
-            PostgresStore.open(dsn, table)))
+    config = HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
+                           leader_topic=leader_topic, leader_group=leader_topic, name="browser-replica",
+                           limits=Limits(heartbeat_timeout=5.0, status_interval=0.3))
+    harvester = Harvester(config, connector=Held(config))
     harvester.start()
     try:
         wait_until(lambda: harvester.in_flight_records == 3, 30, "three records in flight")

@@ -12,11 +12,11 @@ import time
 import uuid
 
 import pytest
-from confluent_kafka import Producer
 
 from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.connector import LiveConnector
 from outbox.harvest.harvester import Harvester
-from outbox.harvest.store import PostgresStore
+from outbox.harvest.kafka import record_producer_config
 from tests.integration.harness import (
     FaultyProducer,
     FaultyStore,
@@ -43,19 +43,19 @@ def test_one_replica_with_injected_failures(database_url, bootstrap_servers, new
     topic = new_topic("harvest-faults")
     faults: dict[str, object] = {}
 
-    def producer_factory(conf):
-        if str(conf.get("client.id", "")).endswith("-records"):
-            faults["producer"] = FaultyProducer(conf, fail_delivery=0.02, refuse=0.01, seed=7)
+    class Faulty(LiveConnector):
+        def record_producer(self):
+            faults["producer"] = FaultyProducer(record_producer_config(self.config), fail_delivery=0.02,
+                                                refuse=0.01, seed=7)
             return faults["producer"]
-        return Producer(conf)
 
-    def store_factory(dsn, table):
-        faults["store"] = FaultyStore(PostgresStore.open(dsn, table), fail_mark=0.05, fail_purge=0.02, seed=11)
-        return faults["store"]
+        def open_store(self):
+            faults["store"] = FaultyStore(super().open_store(), fail_mark=0.05, fail_purge=0.02, seed=11)
+            return faults["store"]
 
     events = []
-    harvester = Harvester(config_for(database_url, bootstrap_servers), on_event=events.append,
-                          producer_factory=producer_factory, store_factory=store_factory)
+    config = config_for(database_url, bootstrap_servers)
+    harvester = Harvester(config, on_event=events.append, connector=Faulty(config))
     generator = Generator(topic, limit=3000)
     harvester.start()
     try:

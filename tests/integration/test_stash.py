@@ -11,6 +11,7 @@ from django.core.management import call_command
 from django.db import connection, transaction
 
 from outbox import InvalidRecord, OutsideTransaction, stash, stash_many
+from outbox.harvest.contract import notify_channel
 from outbox.models import OutboxRecord
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -166,7 +167,8 @@ def test_unpaired_header_arrays_are_rejected_by_the_table():
 
 def test_notify_is_delivered_on_commit_only(database_url):
     with psycopg.connect(database_url, autocommit=True) as listener:
-        listener.execute('LISTEN "outbox:outbox"')
+        oid = listener.execute("SELECT 'outbox'::regclass::oid::bigint").fetchone()[0]
+        listener.execute(f'LISTEN "{notify_channel(oid)}"')
 
         def notified(timeout: float) -> bool:
             ready, _, _ = select.select([listener.fileno()], [], [], timeout)

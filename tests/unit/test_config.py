@@ -76,7 +76,7 @@ def test_default_settings_pass_the_checks():
     ({"max_in_flight_records": 0}, "outbox.E004"),
     ({"heartbeat_timeout": "5s"}, "outbox.E003"),
     ({"max_value_bytes": -1}, "outbox.E003"),
-    ({"notify": "yes"}, "outbox.E003"),
+    ({"listen": "yes"}, "outbox.E003"),
     ({"table": "bad name"}, "outbox.E006"),
     ({"leader_topic": "bad topic"}, "outbox.E007"),
     ({"database": "missing"}, "outbox.E011"),
@@ -97,7 +97,7 @@ def test_settings_build_the_engine_config():
         config = conf.harvest_config(max_in_flight_records=7, leader_group=None)
     assert config.limits.heartbeat_timeout == 3.0 and config.limits.max_poll_interval == 1.5
     assert config.limits.max_in_flight_records == 7
-    assert config.leader_topic == "t" and config.leader_group == "project-outbox-leader"
+    assert config.leader_topic == "t" and config.leader_group.startswith("outbox-leader.")
     assert config.base_kafka_config["bootstrap.servers"] == "k:1"
     assert "dbname=" in config.dsn
 
@@ -120,12 +120,14 @@ def test_a_delivery_timeout_too_long_for_safe_fail_over_is_a_warning():
 def test_the_engine_sql_matches_the_models():
     import re
 
-    from outbox.harvest import status, store
-    from outbox.models import HarvesterStatus, OutboxRecord
+    from outbox.harvest import contract, status
+    from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
 
     outbox_columns = {f.column for f in OutboxRecord._meta.get_fields()}
-    assert set(store.COLUMNS) | set(store.FAILURE_COLUMNS) == outbox_columns
-    returning = store.MARK.split("RETURNING")[1].replace(" ", "").strip().split(",")
-    assert returning == list(store.COLUMNS)
+    assert set(contract.COLUMNS) | set(contract.FAILURE_COLUMNS) == outbox_columns
+    returning = contract.MARK.split("RETURNING")[1].replace(" ", "").strip().split(",")
+    assert returning == [*contract.COLUMNS, "xmin::text::bigint"]
+    parked = re.search(r"INSERT INTO \{dead_letters\} \((.*?)\)", contract.PARK, re.S).group(1)
+    assert {c.strip() for c in parked.split(",")} == {f.column for f in DeadLetter._meta.get_fields()} - {"id"}
     inserted = re.search(r"INSERT INTO \{table\} \((.*?)\)", status.UPSERT, re.S).group(1)
     assert {c.strip() for c in inserted.split(",")} == {f.column for f in HarvesterStatus._meta.get_fields()}

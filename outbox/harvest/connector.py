@@ -1,0 +1,122 @@
+"""Everything outside the process, behind one object the Harvester is given.
+
+`LiveConnector` builds the real clients (psycopg, confluent-kafka) from the configuration;
+`outbox.harvest.fakes.FakeConnector` builds in-memory ones, so tests (yours too) run the real
+engine with no broker and no database. A test that needs a fault wraps one method of either.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import psycopg
+from confluent_kafka import Consumer, Producer
+
+from outbox.harvest.config import HarvestConfig
+from outbox.harvest.contract import Record
+from outbox.harvest.kafka import (
+    ProducerLike,
+    dead_letter_producer_config,
+    ensure_topic,
+    heartbeat_producer_config,
+    leader_consumer_config,
+    record_producer_config,
+)
+from outbox.harvest.neli import LeaderElection
+from outbox.harvest.status import StatusReporter, StatusSnapshot, status_table_exists
+from outbox.harvest.store import FenceHolder, Listener, PostgresStore, close_quietly, connect, first_line
+
+log = logging.getLogger("outbox.harvest")
+#: How long start() waits for Kafka to answer before reporting it unreachable.
+KAFKA_START_TIMEOUT = 10.0
+
+
+class Store(Protocol):
+    """What the engine needs from the database (store.PostgresStore is the real one)."""
+
+    table_oid: int
+
+    def take_fence(self) -> FenceHolder | None: ...
+    def release_fence(self) -> None: ...
+    def mark(self, leader_id: uuid.UUID, limit: int, after: int,
+             upto: int | None = None) -> tuple[list[Record], tuple[int, int]]: ...
+    def check_held(self, ids: Sequence[int]) -> dict[int, Record]: ...
+    def park(self, record: Record, reason: str, attempts: int, parked_by: str,
+             dead_letter_topic: str | None) -> bool: ...
+    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]: ...
+    def reset(self, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str]) -> tuple[int, bool]: ...
+    def hold(self, record_id: int, leader_id: uuid.UUID, reason: str) -> int | None: ...
+    def has_notify_trigger(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class ListenerLike(Protocol):
+    def fileno(self) -> int | None: ...
+    def drain(self) -> int: ...
+    def close(self) -> None: ...
+    @property
+    def connected(self) -> bool: ...
+
+
+class Connector(Protocol):
+    """Builds the harvester's outside systems; every method may raise StoreError or KafkaUnavailable."""
+
+    def open_store(self) -> Store: ...
+    def ensure_leader_topic(self) -> None: ...
+    def record_producer(self) -> ProducerLike: ...
+    def dead_letter_producer(self) -> ProducerLike: ...
+    def leader_election(self) -> LeaderElection: ...
+    def listener(self, channel: str) -> ListenerLike | None: ...
+    def status_reporter(self, snapshot: Callable[[], StatusSnapshot],
+                        on_backlog: Callable[[int], None]) -> StatusReporter | None: ...
+
+
+class LiveConnector:
+    """The real thing: Postgres through psycopg 3, Kafka through confluent-kafka."""
+
+    def __init__(self, config: HarvestConfig) -> None:
+        self.config = config
+
+    def open_store(self) -> PostgresStore:
+        config = self.config
+        return PostgresStore.open(config.dsn, config.table, name=config.name, group=config.leader_group,
+                                  dead_letter_table=config.dead_letter_table, status_table=config.status_table)
+
+    def ensure_leader_topic(self) -> None:
+        ensure_topic(dict(self.config.base_kafka_config), self.config.leader_topic, KAFKA_START_TIMEOUT)
+
+    def record_producer(self) -> Producer:
+        return Producer(record_producer_config(self.config))
+
+    def dead_letter_producer(self) -> Producer:
+        return Producer(dead_letter_producer_config(self.config))
+
+    def leader_election(self) -> LeaderElection:
+        config = self.config
+        return LeaderElection(config.leader_topic, config.name, Consumer(leader_consumer_config(config)),
+                              Producer(heartbeat_producer_config(config)))
+
+    def listener(self, channel: str) -> Listener | None:
+        return Listener(self.config.dsn, channel) if self.config.listen else None
+
+    def status_reporter(self, snapshot: Callable[[], StatusSnapshot],
+                        on_backlog: Callable[[int], None]) -> StatusReporter | None:
+        config = self.config
+        if not (config.status_table and config.limits.status_interval):
+            return None
+        conn: psycopg.Connection | None = None
+        try:
+            conn = connect(config.dsn, "status")
+            exists = status_table_exists(conn, config.status_table)
+        except psycopg.Error as error:
+            log.warning("Status rows off: %s", first_line(error))
+            return None
+        finally:
+            close_quietly(conn)
+        if not exists:
+            log.info("Status rows off: table %s does not exist (manage.py migrate creates it)", config.status_table)
+            return None
+        return StatusReporter(config, snapshot=snapshot, on_backlog=on_backlog)

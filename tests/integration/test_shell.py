@@ -1,0 +1,176 @@
+"""The threaded Harvester (the shell around the core) against the in-memory fakes users get too.
+
+The core's rules are tested without threads in tests/unit/test_core.py and the simulator; these
+tests check the shell: its lifecycle, its threads, and that it carries the core's commands out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from outbox.harvest import events
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.fakes import FakeConnector, FakeKafka, FakeStore
+from outbox.harvest.harvester import Harvester, HarvestError, State
+from outbox.harvest.store import StoreError
+
+TOPIC = "orders"
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Rig:
+    """A harvester wired to fakes, recording its events."""
+
+    def __init__(self, *, auto_deliver: bool = True, **limits: float) -> None:
+        defaults = {"min_poll_interval": 0.005, "heartbeat_timeout": 0.5, "io_error_backoff": 0.01,
+                    "mark_backoff": 0.005, "min_metrics_interval": 0.2}
+        self.kafka = FakeKafka(auto_deliver=auto_deliver)
+        self.store = FakeStore()
+        self.events: list[object] = []
+        self.config = HarvestConfig(dsn="fake", leader_topic="test-leader", leader_group="g", name="replica-1",
+                                    limits=Limits(**{**defaults, **limits}))
+        self.harvester = Harvester(self.config, on_event=self.events.append,
+                                   connector=FakeConnector(self.kafka, self.store))
+
+    @property
+    def producer(self):
+        return self.kafka.record_producers[0]
+
+    def leader_ids(self) -> list[object]:
+        return [e.leader_id for e in self.events if isinstance(e, events.LeaderAcquired | events.LeaderRefreshed)]
+
+    def published(self) -> list[tuple[str, int]]:
+        return [(m.key().decode(), int(m.header("outbox-id"))) for m in self.kafka.messages(TOPIC)]
+
+    def kinds(self) -> list[str]:
+        return [type(e).__name__ for e in self.events if not isinstance(e, events.MeterRead)]
+
+
+@pytest.fixture
+def rig_factory() -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def make(**kwargs: float) -> Rig:
+        rig = Rig(**kwargs)
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.harvester.stop()
+        with contextlib.suppress(HarvestError):  # a test may have made it fail on purpose
+            assert rig.harvester.wait(timeout=10)
+
+
+def assert_per_key_order(published: list[tuple[str, int]]) -> None:
+    last: dict[str, int] = {}
+    for key, record_id in published:
+        assert record_id >= last.get(key, 0), f"reversal for key {key}: {record_id} after {last[key]}"
+        last[key] = record_id
+
+
+def test_publishes_everything_in_per_key_order_and_empties_the_table(rig_factory):
+    rig = rig_factory()
+    ids = rig.store.add_many(TOPIC, [f"k{i % 7}" for i in range(300)])
+    rig.harvester.start()
+    wait_until(lambda: not rig.store.rows, what="table drained")
+    published = rig.published()
+    assert sorted(record_id for _, record_id in published) == ids
+    assert_per_key_order(published)
+    message = rig.kafka.messages(TOPIC)[0]
+    assert message.header("outbox-id") == str(ids[0])
+    assert message.header("outbox-create-time").endswith("Z")
+    assert rig.kinds()[0] == "LeaderAcquired"
+
+
+def test_headers_and_tombstones_are_published(rig_factory):
+    rig = rig_factory()
+    rig.store.add(TOPIC, "k", None, [("trace", "a"), ("trace", "b")])
+    rig.harvester.start()
+    wait_until(lambda: rig.kafka.messages(TOPIC))
+    [message] = rig.kafka.messages(TOPIC)
+    assert message.value() is None and message.key() == b"k"
+    assert [name for name, _ in message.headers()] == ["trace", "trace", "outbox-id", "outbox-create-time"]
+
+
+def test_standby_sends_nothing_until_it_leads(rig_factory):
+    leader, standby = rig_factory(), rig_factory()
+    standby.kafka = leader.kafka  # both replicas in one group
+    standby.harvester = Harvester(standby.config, on_event=standby.events.append,
+                                  connector=FakeConnector(leader.kafka, leader.store))
+    leader.harvester.start()
+    wait_until(lambda: leader.harvester.is_leader)
+    standby.harvester.start()
+    leader.store.add_many(TOPIC, ["k"] * 10)
+    wait_until(lambda: not leader.store.rows, what="the leader to publish")
+    assert not standby.harvester.is_leader and standby.kinds() == []
+    assert all(p.produced == [] for p in leader.kafka.record_producers[1:]), "the standby sent nothing"
+    leader.harvester.stop()
+    leader.harvester.wait(timeout=5)
+    wait_until(lambda: standby.harvester.is_leader, what="standby takes over on a graceful stop")
+    leader.store.add_many(TOPIC, ["k"] * 5)
+    wait_until(lambda: not leader.store.rows)
+
+
+def test_start_failure_is_one_line_and_cleans_up():
+    kafka = FakeKafka()
+
+    class Broken(FakeConnector):
+        def open_store(self):
+            raise StoreError("cannot connect to Postgres at h:5432/db: refused")
+
+    harvester = Harvester(HarvestConfig(dsn="x"), connector=Broken(kafka))
+    with pytest.raises(HarvestError, match=r"^cannot connect to Postgres at h:5432/db: refused$"):
+        harvester.start()
+    assert harvester.state is State.CREATED and kafka.record_producers == []
+
+
+def test_invalid_config_is_refused_at_start():
+    harvester = Harvester(HarvestConfig(dsn="x", table="bad name"), connector=FakeConnector())
+    with pytest.raises(HarvestError, match="table"):
+        harvester.start()
+
+
+def test_background_failure_stops_the_harvester_and_wait_says_why(rig_factory):
+    rig = rig_factory()
+
+    def explode(items):
+        raise RuntimeError("disk on fire")
+
+    rig.store.purge = explode
+    rig.store.add(TOPIC, "k")
+    rig.harvester.start()
+    with pytest.raises(HarvestError, match="disk on fire"):
+        rig.harvester.wait(timeout=5)
+    assert rig.harvester.state is State.STOPPED
+
+
+def test_stop_returns_at_once_and_wait_blocks_until_stopped(rig_factory):
+    rig = rig_factory()
+    rig.harvester.start()
+    wait_until(lambda: rig.harvester.is_leader)
+    rig.harvester.stop()
+    assert rig.harvester.state in (State.STOPPING, State.STOPPED), "stop() only asks"
+    assert rig.harvester.wait(timeout=5)
+    assert rig.harvester.state is State.STOPPED
+    assert rig.store.closed
+
+
+def test_meter_reads_are_emitted(rig_factory):
+    rig = rig_factory(min_metrics_interval=0.05)
+    rig.store.add_many(TOPIC, [f"k{i}" for i in range(10)])
+    rig.harvester.start()
+    wait_until(lambda: any(isinstance(e, events.MeterRead) and e.stats.total_published == 10 for e in rig.events))
+

@@ -1,0 +1,252 @@
+"""A whole simulated run from one seed: replicas, writers, faults, then a quiet spell, then the checks.
+
+    python -m tests.sim.scenario 1234          # run one seed, print what happened
+    python -m tests.sim.scenario 1234 --trace  # and the trace of every fault and leadership change
+
+The seed picks everything: how many replicas and leader groups, one or several records per key in
+flight, the keys and records, poison records and what an operator does about them, and a schedule
+of faults (crashes, pauses past the session timeout, network partitions between a replica and
+Kafka or Postgres, database sessions dropped, statements failing before or after they commit,
+batches refused or their acknowledgement lost, fatal producer errors). Faults stop at a fixed
+time; the run then continues until everything is published (or a deadline passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from outbox.harvest.config import Limits
+from outbox.harvest.core import Core
+from tests.sim import checks
+from tests.sim.kafka import ProducerFaults, SimKafka
+from tests.sim.replica import Log, SimReplica
+from tests.sim.table import POISON, SimTable, TableFaults
+from tests.sim.world import Violation, World
+
+FAULTS_END = 25.0
+DEADLINE = FAULTS_END + 60.0
+
+
+@dataclass
+class Result:
+    seed: int
+    ok: bool
+    violation: str | None
+    summary: str
+    trace: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Options:
+    """What a mutation (tests/sim/mutations.py) may change about a run."""
+
+    core_factory: Callable[..., Core] = Core
+    guard_purges: bool = True
+    #: Force one record per key in flight (the mutations are about goharvest's barrier).
+    per_key: int | None = None
+    #: Whether the database fence works (None: the seed decides; off models PgBouncer in transaction mode).
+    db_fence: bool | None = None
+
+
+def limits_for(world: World, per_key: int) -> Limits:
+    return Limits(
+        io_error_backoff=0.05, min_poll_interval=0.1, heartbeat_timeout=1.0, queue_timeout=5.0,
+        mark_backoff=0.02, idle_poll_interval=0.5, max_in_flight_records=world.rng.randint(2, 60),
+        max_in_flight_per_key=per_key, mark_query_records=world.rng.randint(3, 40), rescan_interval=2.0,
+        held_check_interval=0.5, held_retry_after=3.0, fence_retry_interval=1.0,
+        min_metrics_interval=5.0, status_interval=0.0,
+    )
+
+
+def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Result:
+    options = options or Options()
+    world = World(seed)
+    world.keep_trace = trace
+    rng = world.rng
+    kafka = SimKafka(world, partitions=rng.randint(1, 4), faults=ProducerFaults())
+    table = SimTable(world, published=kafka.published.__contains__, faults=TableFaults(),
+                     guard_purges=options.guard_purges)
+    log = Log()
+    per_key = options.per_key or rng.choice((1, 4))
+    limits = limits_for(world, per_key)
+    groups = ["g1", "g2"] if world.chance(0.1) else ["g1"]
+    # Without the fence only Kafka's election keeps replicas apart: never with two groups.
+    table.db_fence = options.db_fence if options.db_fence is not None else (len(groups) == 2 or not world.chance(0.1))
+    park_after = 2 if world.chance(0.15) else None
+    replicas: list[SimReplica] = []
+    counter = iter(range(1_000_000))
+
+    def spawn(group: str, delay: float = 0.0) -> SimReplica:
+        replica = SimReplica(world, f"r{next(counter)}", group, limits, kafka, table, log, park_after=park_after,
+                             core_factory=options.core_factory)
+        replicas.append(replica)
+        world.after(delay, replica.start)
+        return replica
+
+    for index in range(rng.randint(1, 4)):
+        spawn(groups[index % len(groups)], rng.uniform(0, 1.0))
+    if len(groups) == 2 and len(replicas) == 1:
+        spawn("g2", rng.uniform(0, 1.0))
+
+    # -- writers: each key's records are causal (the next is written after the last committed) ----
+    keys = [f"k{i}" for i in range(rng.randint(1, 12))]
+    total = rng.randint(40, 250)
+    poison_count = rng.choice((0, 0, 0, 0, 1, 2))
+    write_window = rng.uniform(0.5, 18.0)
+    per_key_rate = total / (len(keys) * write_window)  # records per second, each key
+    written = {"n": 0}
+    poison_ids: list[int] = []
+
+    def write(key: str) -> None:
+        if written["n"] >= total:
+            return
+        written["n"] += 1
+        value = POISON if poison_count and len(poison_ids) < poison_count and world.chance(0.02) else "v"
+        row = table.insert(key, value)
+        if value == POISON:
+            poison_ids.append(row.id)
+        # Commits land out of id order across keys; now and then one takes a long while.
+        commit_in = rng.uniform(0.0001, 0.02) if not world.chance(0.03) else rng.uniform(0.2, 2.0)
+
+        def commit() -> None:
+            table.commit(row)
+            world.after(rng.expovariate(per_key_rate), lambda: write(key))
+        world.after(commit_in, commit)
+
+    for key in keys:
+        world.after(rng.uniform(0, 0.5), lambda key=key: write(key))
+
+    # -- faults -----------------------------------------------------------------------------------
+    table.faults = TableFaults(fail_before=rng.choice((0, 0.005, 0.02)), fail_after=rng.choice((0, 0.005, 0.02)),
+                               slow=rng.choice((0, 0, 0.02, 0.1)))
+    kafka.faults = ProducerFaults(transient=rng.choice((0, 0.01, 0.05)), ack_lost=rng.choice((0, 0.01, 0.05)),
+                                  fatal=rng.choice((0, 0, 0.002)))
+
+    def live() -> list[SimReplica]:
+        return [r for r in replicas if r.running and not r.crashed and not r.stopped]
+
+    def fault() -> None:
+        candidates = live()
+        if not candidates:
+            return
+        replica = rng.choice(candidates)
+        kind = rng.choice(("crash", "pause", "pause_long", "leader_link", "records_link", "database_link",
+                           "drop_sessions", "stop", "long_transaction", "slow_database"))
+        world.note(f"fault: {kind} on {replica.name}")
+        if kind == "slow_database":
+            replica.slow_until = world.now + rng.uniform(1.0, 6.0)
+        elif kind == "long_transaction":
+            # Somebody's long transaction (any table, any database) holds the oldest xmin back.
+            xid = table.begin("a long transaction")
+            world.after(rng.uniform(1.0, 12.0), lambda: table.end(xid))
+        elif kind == "crash":
+            replica.crash()
+            spawn(replica.group_name, rng.uniform(0.2, 4.0))
+        elif kind == "stop":
+            replica.stop()
+            spawn(replica.group_name, rng.uniform(0.2, 4.0))
+        elif kind == "pause":
+            replica.pause(rng.uniform(0.2, 2.5))
+        elif kind == "pause_long":
+            replica.pause(rng.uniform(3.0, 8.0))  # past the session timeout: a zombie on resume
+        else:
+            link = kind.split("_")[0]
+            setattr(replica.links, link, False)
+            world.after(rng.uniform(0.3, 5.0), lambda: setattr(replica.links, link, True))
+            if kind == "drop_sessions":
+                table.drop(replica.fence)
+                table.drop(replica.purger)
+
+    for _ in range(rng.randint(0, 12)):
+        world.at(rng.uniform(0.5, FAULTS_END - 1), fault)
+
+    def calm() -> None:
+        table.faults = TableFaults()
+        kafka.faults = ProducerFaults()
+        for replica in replicas:
+            replica.links.leader = replica.links.records = replica.links.database = True
+        for group in groups:
+            if not any(r.group_name == group for r in live()):
+                spawn(group)
+
+    world.at(FAULTS_END, calm)
+
+    # -- operators: what happens to poison ----------------------------------------------------------
+    operator = rng.choice(("fix", "delete", "nothing"))
+
+    def operate() -> None:
+        for row_id in poison_ids:
+            if row_id in table.rows:
+                if operator == "fix":
+                    table.operator_fix(row_id, "fixed")
+                elif operator == "delete":
+                    table.operator_delete(row_id)
+
+    if poison_ids or poison_count:
+        world.at(FAULTS_END + rng.uniform(0, 10), operate)
+
+    # -- run ----------------------------------------------------------------------------------------
+    done = {"flag": False}
+
+    def watch() -> None:
+        if world.now > FAULTS_END and written["n"] >= total and not table.pending():
+            done["flag"] = True
+            return
+        world.after(1.0, watch)
+
+    world.at(FAULTS_END, watch)
+    def summary() -> str:
+        return (f"seed {seed}: {len(groups)} group(s){'' if table.db_fence else ' (no db fence)'}, {per_key} per key, "
+                f"{len(keys)} key(s), {total} records, "
+                f"{kafka.partitions} partition(s), {len(poison_ids)} poison ({operator}), park_after={park_after}")
+    try:
+        world.run_until(DEADLINE, done=lambda: done["flag"])
+        if written["n"] < total:
+            raise Violation(f"the writers did not finish ({written['n']} of {total})")
+        checks.check_order(kafka, strict=per_key == 1)
+        checks.check_leader_ids(log)
+        checks.check_nothing_lost(kafka, table)
+        checks.check_drained(table)
+    except Violation as violation:
+        return Result(seed, False, f"t={world.now:.3f}: {violation}", summary(), world.trace)
+    published = sum(len(log) for log in kafka.logs)
+    text = f"{summary()}; {len(replicas)} replica incarnation(s), {published} messages, done at t={world.now:.1f}"
+    return Result(seed, True, None, text, world.trace)
+
+
+def quiet() -> None:
+    """The core logs what it does; a simulation of thousands of runs keeps it to itself."""
+    logging.getLogger("outbox").setLevel(logging.CRITICAL)
+
+
+def run_quietly(seed: int) -> tuple[int, str | None, str]:
+    """run(), for a pool of processes: (seed, violation or None, summary)."""
+    quiet()
+    result = run(seed)
+    return seed, result.violation, result.summary
+
+
+def main(argv: list[str]) -> int:
+    quiet()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("seeds", type=int, nargs="+")
+    parser.add_argument("--trace", action="store_true")
+    args = parser.parse_args(argv)
+    failed = 0
+    for seed in args.seeds:
+        result = run(seed, trace=args.trace)
+        print(("ok   " if result.ok else "FAIL ") + result.summary)
+        if not result.ok:
+            failed += 1
+            print("     " + result.violation)
+        if args.trace:
+            print("\n".join(result.trace))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,408 @@
+"""The core, driven by hand: every input given, every command checked. No threads, no clocks, no I/O.
+
+Each test reads as a conversation: what the shell tells the core, and what the core asks for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+
+from outbox.harvest import commands as cmd
+from outbox.harvest import events
+from outbox.harvest.commands import DeliveryError
+from outbox.harvest.config import Limits
+from outbox.harvest.contract import Record, ReplicaState
+from outbox.harvest.core import Core, Phase
+
+TIMEOUT = DeliveryError("_MSG_TIMED_OUT", "Local: Message timed out")
+TOO_LARGE = DeliveryError("MSG_SIZE_TOO_LARGE", "Broker: Message size too large", permanent=True)
+SETTLED = (100, 100)  # a snapshot in which no transaction is running
+
+
+class Driver:
+    """A core plus the commands it gave since the last look."""
+
+    def __init__(self, **limits: object) -> None:
+        ids = (uuid.UUID(int=i) for i in itertools.count(1))
+        defaults = {"mark_query_records": 10, "max_in_flight_records": 100, "heartbeat_timeout": 5.0,
+                    "queue_timeout": 30.0, "held_retry_after": 60.0, "min_poll_interval": 0.1}
+        self.core = Core(Limits(**{**defaults, **limits}), new_leader_id=lambda: next(ids))
+        self.commands: list[cmd.Command] = []
+        self.now = 0.0
+
+    def take(self) -> list[cmd.Command]:
+        self.commands = self.core.take_commands()
+        return self.commands
+
+    def of(self, kind: type) -> list:
+        return [c for c in self.commands if isinstance(c, kind)]
+
+    def one(self, kind: type):
+        [command] = self.of(kind)
+        return command
+
+    def sent(self) -> list[int]:
+        return [r.id for c in self.of(cmd.Send) for r in c.records]
+
+    def events(self) -> list[str]:
+        return [type(c.event).__name__ for c in self.of(cmd.Announce)]
+
+    def advance(self, seconds: float) -> list[cmd.Command]:
+        self.now += seconds
+        self.core.tick(self.now)
+        self.core.on_polled()
+        return self.take()
+
+    def wait(self, seconds: float) -> list[cmd.Command]:
+        """Let time pass in small steps, the leader's own heartbeats coming back all along."""
+        seen: list[cmd.Command] = []
+        while seconds > 1e-9:
+            step = min(0.5, seconds)
+            self.core.on_heartbeat_seen()
+            seen += self.advance(step)
+            seconds -= step
+        self.commands = seen
+        return seen
+
+    def lead(self) -> uuid.UUID:
+        """Assigned partition 0, fence taken: a term begins and asks for a mark."""
+        self.core.on_assigned()
+        self.take()
+        fence = self.one(cmd.TakeFence)
+        self.core.on_fence(fence.leader_id, True)
+        self.take()
+        assert self.of(cmd.Mark), "a new term marks at once"
+        return fence.leader_id
+
+    def marked(self, records: list[Record], snapshot: tuple[int, int] = SETTLED) -> list[cmd.Command]:
+        self.core.on_marked(self.one(cmd.Mark), records, snapshot)
+        return self.take()
+
+    def deliver(self, *ids: int, error: DeliveryError | None = None) -> list[cmd.Command]:
+        for record_id in ids:
+            self.core.on_delivered(record_id, error)
+        return self.take()
+
+    def purged(self) -> list[cmd.Command]:
+        self.core.on_purged()
+        return self.take()
+
+
+def rec(record_id: int, key: str, leader_id: uuid.UUID, value: str = "v") -> Record:
+    return Record(record_id, datetime(2026, 1, 1, tzinfo=UTC), "orders", key, value, [], [], leader_id, record_id)
+
+
+def test_a_term_takes_the_fence_before_it_marks_and_announces_itself():
+    d = Driver()
+    d.core.on_assigned()
+    assert [type(c) for c in d.take()] == [cmd.TakeFence]
+    leader_id = d.one(cmd.TakeFence).leader_id
+    d.core.on_fence(leader_id, True)
+    d.take()
+    assert d.events() == ["LeaderAcquired"] and d.one(cmd.Mark).leader_id == leader_id
+    assert d.core.state is ReplicaState.LEADER
+
+
+def test_one_record_per_key_in_flight_and_the_slot_frees_only_when_the_purge_commits():
+    d = Driver()
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "a", lid), rec(3, "b", lid)])
+    assert d.sent() == [1, 3], "one per key"
+    d.deliver(1)
+    assert d.sent() == [] and d.one(cmd.Purge).items == ((1, lid),), "acknowledged: purge, nothing more sent"
+    assert d.purged() and d.sent() == [2], "the purge committed: the key's next record goes"
+
+
+def test_the_throttle_caps_records_in_flight():
+    d = Driver(max_in_flight_records=2)
+    lid = d.lead()
+    d.marked([rec(i, f"k{i}", lid) for i in range(1, 6)])
+    assert d.sent() == [1, 2]
+    d.deliver(1)
+    assert d.sent() == []
+    d.purged()
+    assert d.sent() == [3]
+
+
+def test_several_records_of_a_key_in_flight_are_purged_in_their_order():
+    d = Driver(max_in_flight_per_key=3)
+    lid = d.lead()
+    d.marked([rec(i, "hot", lid) for i in range(1, 6)])
+    assert d.sent() == [1, 2, 3]
+    d.deliver(2)
+    assert d.of(cmd.Purge) == [], "2 waits for 1: a crash must never leave 1 to be re-sent after 2"
+    d.deliver(1)
+    assert d.one(cmd.Purge).items == ((1, lid), (2, lid))
+    d.purged()
+    assert d.sent() == [4, 5]
+
+
+def test_a_failed_delivery_resets_stops_sending_and_remarks_under_a_new_leader_id():
+    d = Driver()
+    first = d.lead()
+    d.marked([rec(1, "a", first), rec(2, "b", first), rec(3, "a", first)])
+    d.deliver(1, error=TIMEOUT)
+    assert d.one(cmd.Reset).items == ((1, first),) and d.core.phase is Phase.DRAINING
+    d.core.on_reset()
+    d.take()
+    assert d.sent() == [] and not d.of(cmd.TakeFence), "record 2 is still in flight: no new term yet"
+    d.deliver(2)
+    d.purged()
+    second = d.one(cmd.TakeFence).leader_id
+    assert second != first
+    d.core.on_fence(second, True)
+    d.take()
+    assert d.events() == ["LeaderRefreshed"]
+    d.marked([rec(1, "a", second), rec(3, "a", second)])
+    assert d.sent() == [1], "the failed record goes again before the one marked after it"
+
+
+def test_a_mark_error_remarks_under_a_new_leader_id_because_the_update_may_have_committed():
+    d = Driver()
+    first = d.lead()
+    d.core.on_mark_failed(d.one(cmd.Mark), "connection lost")
+    d.take()
+    second = d.one(cmd.TakeFence).leader_id
+    assert second != first
+
+
+def test_leader_ids_are_fresh_for_every_term():
+    d = Driver(heartbeat_timeout=1.0)
+    seen = []
+    for _ in range(3):
+        d.core.on_assigned() if not d.core.assigned else d.core.on_heartbeat_seen()
+        d.take()
+        fence = d.one(cmd.TakeFence)
+        seen.append(fence.leader_id)
+        d.core.on_fence(fence.leader_id, True)
+        d.take()
+        d.advance(1.5)  # no heartbeat: fenced
+        assert d.core.state is ReplicaState.FENCED
+    assert len(set(seen)) == 3
+
+
+def test_a_leader_without_its_own_heartbeat_fences_itself_and_sends_nothing():
+    d = Driver(heartbeat_timeout=1.0)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid)])
+    assert d.sent() == [1]
+    d.advance(0.5)
+    d.core.on_heartbeat_seen()
+    d.advance(0.9)
+    assert d.core.state is ReplicaState.LEADER, "a heartbeat 0.9 s ago keeps it leading"
+    commands = d.advance(0.2)
+    assert d.core.state is ReplicaState.FENCED and "LeaderFenced" in d.events()
+    assert d.of(cmd.AbortSends) and d.of(cmd.ReleaseFence), "what is in flight is given up; the fence released"
+    assert not any(isinstance(c, cmd.Send) for c in commands)
+    d.core.on_delivered(1, DeliveryError("_PURGE_QUEUE", "purged"))
+    d.take()
+    d.core.on_reset()
+    d.core.on_heartbeat_seen()
+    d.take()
+    assert d.of(cmd.TakeFence) and d.one(cmd.TakeFence).leader_id != lid, "resumes under a new leader id"
+
+
+def test_a_queue_timeout_remarks():
+    d = Driver(queue_timeout=2.0)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "a", lid)])
+    d.advance(2.5)  # record 2 has waited behind 1 for longer than the queue timeout
+    assert d.core.phase is Phase.DRAINING
+
+
+def test_the_delivery_timeout_gives_up_records_in_flight():
+    d = Driver(heartbeat_timeout=2.0)  # delivery_timeout: 3 s
+    lid = d.lead()
+    d.marked([rec(1, "a", lid)])
+    d.core.on_heartbeat_seen()
+    d.advance(1.9)
+    assert not d.of(cmd.AbortSends)
+    d.core.on_heartbeat_seen()
+    d.advance(1.2)
+    assert d.one(cmd.AbortSends)
+
+
+def test_revocation_stops_sending_and_lets_in_flight_records_settle():
+    d = Driver()
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "a", lid)])
+    d.core.on_revoked()
+    d.take()
+    assert d.events() == ["LeaderRevoked"] and d.of(cmd.ReleaseFence) and not d.of(cmd.AbortSends)
+    assert not d.core.settled
+    d.deliver(1)
+    d.purged()
+    assert d.core.settled and d.sent() == [], "settled, and the queued record is left for the next leader"
+
+
+def test_a_record_that_fails_among_others_is_sent_again_alone_before_it_is_held():
+    d = Driver()
+    first = d.lead()
+    d.marked([rec(1, "a", first), rec(2, "b", first), rec(3, "c", first)])
+    for record_id in (1, 2, 3):  # the broker refused the whole batch
+        d.core.on_delivered(record_id, TOO_LARGE)
+    d.take()
+    d.core.on_reset()
+    d.take()
+    second = d.one(cmd.TakeFence).leader_id
+    d.core.on_fence(second, True)
+    d.take()
+    d.marked([rec(1, "a", second), rec(2, "b", second), rec(3, "c", second)])
+    assert d.sent() == [1], "a suspect goes alone"
+    d.deliver(1)
+    assert d.sent() == [], "the next suspect waits for the first to settle"
+    d.purged()
+    assert d.sent() == [2]
+
+
+def test_a_record_that_fails_alone_is_held_its_key_waits_and_other_keys_go_on():
+    d = Driver()
+    lid = d.lead()
+    d.core.on_marked(d.one(cmd.Mark), [rec(1, "bad", lid)], SETTLED)
+    d.take()
+    d.core.on_delivered(1, TOO_LARGE)  # alone in flight: guilty
+    d.take()
+    assert d.events() == ["RecordHeld"] and d.one(cmd.Hold).record_id == 1
+    assert d.core.snapshot().held == [(1, "bad", str(TOO_LARGE))]
+    d.core.on_held(1, 500)
+    d.core._next_mark_at = 0
+    d.take()
+    d.marked([rec(2, "bad", lid), rec(3, "good", lid)])
+    assert d.sent() == [3], "the held key waits; the other goes"
+    assert d.core.state is ReplicaState.LEADER
+
+
+def held_driver(**limits: object) -> tuple[Driver, uuid.UUID]:
+    d = Driver(held_check_interval=1.0, **limits)
+    lid = d.lead()
+    d.marked([rec(1, "bad", lid), rec(2, "bad", lid), rec(3, "good", lid)])
+    d.core.on_delivered(3)
+    d.take()
+    d.core.on_purged()
+    d.take()
+    d.core.on_delivered(1, TOO_LARGE)
+    d.take()
+    d.core.on_held(1, 500)
+    return d, lid
+
+
+def test_a_held_key_moves_again_when_its_poison_row_is_deleted():
+    d, _ = held_driver()
+    d.advance(1.1)
+    check = d.one(cmd.CheckHeld)
+    assert check.ids == (1,)
+    d.core.on_held_checked(check, {})  # the row is gone
+    d.take()
+    assert "RecordReleased" in d.events() and d.sent() == [2]
+
+
+def test_a_held_record_is_retried_alone_when_its_row_changes_and_the_key_moves_on_success():
+    d, lid = held_driver()
+    d.advance(1.1)
+    check = d.one(cmd.CheckHeld)
+    fixed = rec(1, "bad", lid, value="fixed")
+    fixed.version = 501  # an operator's UPDATE
+    d.core.on_held_checked(check, {1: fixed})
+    d.take()
+    assert d.sent() == [1] and d.one(cmd.Send).records[0].value == "fixed"
+    d.deliver(1)
+    assert "RecordReleased" in d.events()
+    d.purged()
+    assert d.sent() == [2]
+
+
+def test_a_held_record_that_fails_again_stays_held_and_is_parked_after_park_after_failures():
+    d = Driver(held_check_interval=1.0)
+    d.core._park_after = 2
+    lid = d.lead()
+    d.core.on_marked(d.one(cmd.Mark), [rec(1, "bad", lid)], SETTLED)
+    d.take()
+    d.core.on_delivered(1, TOO_LARGE)
+    d.take()
+    d.core.on_held(1, 500)
+    d.advance(1.1)
+    touched = rec(1, "bad", lid)
+    touched.version = 501
+    d.core.on_held_checked(d.one(cmd.CheckHeld), {1: touched})
+    d.take()
+    assert d.sent() == [1]
+    d.deliver(1, error=TOO_LARGE)
+    park = d.one(cmd.Park)
+    assert park.record.id == 1 and park.attempts == 2
+    d.core.on_parked(1, True)
+    d.take()
+    assert d.events() == ["RecordParked", "RecordReleased"]
+
+
+def test_a_leader_blocked_by_another_groups_fence_marks_nothing_and_retries():
+    d = Driver(fence_retry_interval=5.0)
+    d.core.on_assigned()
+    d.take()
+    lid = d.one(cmd.TakeFence).leader_id
+    d.core.on_fence(lid, False, "replica x of leader group other on host y (pid 1)")
+    d.take()
+    assert d.core.state is ReplicaState.BLOCKED and d.events() == ["LeaderBlocked"] and not d.of(cmd.Mark)
+    d.core.on_heartbeat_seen()
+    d.advance(4.0)
+    assert not d.of(cmd.TakeFence)
+    d.core.on_heartbeat_seen()
+    d.advance(1.5)
+    assert d.one(cmd.TakeFence).leader_id == lid
+    d.core.on_fence(lid, True)
+    d.take()
+    assert d.events() == ["LeaderAcquired"]
+    assert not d.of(cmd.Mark), "the other group's last records land first"
+    grace = d.core.limits.delivery_timeout + d.core.limits.heartbeat_timeout
+    d.wait(grace - 0.5)
+    assert not d.of(cmd.Mark)
+    d.wait(0.6)
+    assert d.of(cmd.Mark)
+
+
+def test_a_purge_that_finds_the_fence_lost_stops_sending_at_once():
+    d = Driver()
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "a", lid), rec(3, "b", lid)])
+    d.deliver(1)
+    assert d.one(cmd.Purge).fenced
+    d.core.on_purged(fence_held=False)
+    d.take()
+    assert d.sent() == [] and d.of(cmd.AbortSends) and d.core.phase is Phase.DRAINING
+
+
+def test_the_watermark_waits_for_every_transaction_that_could_own_a_skipped_id():
+    d = Driver(mark_query_records=10)
+    lid = d.lead()
+    # Rows 1 and 3 are visible; 2 belongs to a transaction still running (xid 7).
+    d.marked([rec(1, "a", lid), rec(3, "b", lid)], snapshot=(7, 9))
+    d.core._next_mark_at = 0
+    d.advance(2.0)
+    assert d.one(cmd.Mark).after == 0, "row 2 may still commit: marks start at the head"
+    d.marked([], snapshot=(7, 12))
+    d.core._next_mark_at = 0
+    d.advance(0.1)
+    d.marked([], snapshot=(12, 12))  # xid 7 (and everything older than 12) has finished
+    d.core._next_mark_at = 0
+    d.advance(0.1)
+    assert d.one(cmd.Mark).after == 3, "nothing at or below 3 can appear any more"
+
+
+@pytest.mark.parametrize("how", ["revoked", "lost", "stopped"])
+def test_leadership_ending_releases_the_fence(how):
+    d = Driver()
+    d.lead()
+    getattr(d.core, {"revoked": "on_revoked", "lost": "on_lost", "stopped": "stop"}[how])()
+    d.take()
+    assert d.of(cmd.ReleaseFence)
+    assert d.core.state is (ReplicaState.STOPPING if how == "stopped" else ReplicaState.STANDBY)
+    assert d.core.snapshot().leader_id is None
+
+
+def test_events_say_what_happened():
+    d = Driver()
+    d.lead()
+    assert isinstance(d.of(cmd.Announce)[0].event, events.LeaderAcquired)
