@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.docker.require import unavailable
 from tests.services import docker_client
 
 
@@ -16,6 +17,6 @@ from tests.services import docker_client
 def docker_engine() -> Iterator[Any]:
     client = docker_client()
     if client is None:
-        pytest.skip(f"no Docker engine answers at {os.environ.get('DOCKER_HOST') or 'unix:///var/run/docker.sock'}")
+        unavailable(f"no Docker engine answers at {os.environ.get('DOCKER_HOST') or 'unix:///var/run/docker.sock'}")
     with contextlib.closing(client):
         yield client

@@ -24,6 +24,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from tests import services
+from tests.docker.require import unavailable
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -96,12 +97,12 @@ def wait_for_event(bootstrap: str, item: str) -> tuple[dict, dict[str, bytes]]:
 def test_an_order_in_the_shop_reaches_kafka_and_down_leaves_nothing(docker_engine, tmp_path):
     compose = compose_command()
     if compose is None:
-        pytest.skip("neither `docker compose` nor `docker-compose` is installed")
+        unavailable("neither `docker compose` nor `docker-compose` is installed")
     files = ["-f", "docker-compose.yml"]
     if has_images(docker_engine, LOCAL_IMAGES):
         files += ["-f", "docker-compose.local.yml"]
     elif not has_images(docker_engine, ("postgres:16", f"apache/kafka:{services.KAFKA_VERSION}", "python:3.12-slim")):
-        pytest.skip("neither the local images (`bin/services images`) nor the official ones can be had")
+        unavailable("neither the local images (`bin/services images`) nor the official ones can be had")
     project = f"outbox-smoke-{uuid.uuid4().hex[:8]}"
     ports = {name: services.free_port() for name in ("POSTGRES_PORT", "KAFKA_PORT", "SHOP_PORT")}
     env = {**os.environ, **{name: str(port) for name, port in ports.items()}}

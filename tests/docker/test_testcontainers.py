@@ -11,6 +11,7 @@ import pytest
 from confluent_kafka import Consumer, Producer
 
 from tests import services
+from tests.docker.require import unavailable
 
 pytestmark = [pytest.mark.docker, pytest.mark.integration]
 
@@ -49,7 +50,7 @@ def test_containers_from_the_images_there_are_and_gone_afterwards(docker_engine,
     for images in (services.POSTGRES_IMAGES, services.KAFKA_IMAGES):
         image, why = services.find_image(docker_engine, images)
         if image is None:
-            pytest.skip(f"no image to test with: {why}")
+            unavailable(f"no image to test with: {why}")
         wanted.append(image)
     before = containers(docker_engine)
     said: list[str] = []
