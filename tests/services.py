@@ -37,6 +37,7 @@ KAFKA_IMAGES = (f"apache/kafka:{KAFKA_VERSION}", f"{LOCAL_IMAGE_PREFIX}kafka:{KA
 POSTGRES_COMMAND = ("postgres -c max_connections=200 -c shared_buffers=512MB -c work_mem=16MB "
                     "-c max_wal_size=4GB -c autovacuum_naptime=10s")
 CONTAINER_START_TIMEOUT = 120
+PULL_TIMEOUT = 600  # seconds without a word from the engine while it pulls (a big layer unpacking)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ def docker_client() -> Any | None:
 
         client = docker.from_env(timeout=5)
         if client.ping():
+            client.api.timeout = PULL_TIMEOUT  # a quick answer to the ping, then patience
             return client
         client.close()
     except Exception:
