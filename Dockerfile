@@ -1,7 +1,10 @@
-# The example project's harvester, for docker-compose.yml.
-FROM python:3.12-slim
+# The example project's harvester (and shop), for docker-compose.yml.
+# BASE is any image with Python 3.11+ and pip; where python:3.12-slim cannot be pulled,
+# `bin/services images` builds one from Debian's archive: --build-arg BASE=outbox-local/python:3.11.
+ARG BASE=python:3.12-slim
+FROM ${BASE}
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY outbox ./outbox
 RUN pip install --no-cache-dir ".[metrics]" "django-environ>=0.11"
 COPY manage.py ./

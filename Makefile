@@ -8,7 +8,7 @@ PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12
                 $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 STAMP     := $(VENV)/.installed
 
-.PHONY: setup services harvest test lint bench down clean
+.PHONY: setup services harvest test images test-docker lint bench down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ harvest: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# The Docker paths (README, "Docker"): an engine (Debian's dockerd where none answers), the local
+# images, then the tests marked `docker`, which fail rather than skip here.
+images:
+	bin/services images
+
+test-docker: $(STAMP) images
+	REQUIRE_DOCKER_TESTS=1 $(PY) -m pytest -m docker
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -33,9 +34,16 @@ def sim_seeds(request: pytest.FixtureRequest) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def services() -> Iterator[Services]:
+def services(request: pytest.FixtureRequest) -> Iterator[Services]:
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def say(line: str) -> None:
+        """Shown at once, not with a failing test's captured output: it is about the whole run."""
+        with capture.global_and_fixture_disabled():
+            print(f"\n{line}", file=sys.stderr, flush=True)
+
     with contextlib.ExitStack() as stack:
-        found = resolve(stack)
+        found = resolve(stack, say=say)
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = found.bootstrap_servers
         yield found
 
