@@ -90,8 +90,8 @@ class StatusReporter(threading.Thread):
         self._remove = sql.SQL(REMOVE).format(table=ident)
         self._leaders = sql.SQL(LEADERS).format(table=ident)
         self._identity = {"name": config.name, "host": socket.gethostname(), "pid": os.getpid(),
-                          "started": started or datetime.now(UTC), "harvested_table": config.table, "leader_topic": config.leader_topic,
-                          "leader_group": config.leader_group}
+                          "started": started or datetime.now(UTC), "harvested_table": config.table,
+                          "leader_topic": config.leader_topic, "leader_group": config.leader_group}
         self._group = config.leader_group
         self._harvested = table_name(config.table)
         self._interval = config.limits.status_interval
