@@ -36,6 +36,28 @@ class ReplicaState(enum.StrEnum):
     STOPPING = "stopping"
 
 
+@dataclass(frozen=True, slots=True)
+class HeldRecord:
+    """A held (poison) record as its leader reports it: the status row's `held` entries."""
+
+    id: int
+    key: str
+    topic: str
+    reason: str
+    #: Times it failed on its own (this leadership).
+    attempts: int
+    #: Seconds since it was first held.
+    held_for: float
+    #: Records of its key the leader has marked and keeps waiting behind it...
+    behind: int
+    #: ...and whether more wait in the table beyond those.
+    more_behind: bool
+
+    def as_json(self) -> dict[str, object]:
+        return {"id": self.id, "key": self.key, "topic": self.topic, "reason": self.reason, "attempts": self.attempts,
+                "held_for": round(self.held_for, 1), "behind": self.behind, "more_behind": self.more_behind}
+
+
 @dataclass(slots=True, eq=False)
 class Record:
     """One outbox row: what stash() writes, what a mark returns, what the engine publishes."""

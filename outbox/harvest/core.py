@@ -36,7 +36,7 @@ from outbox.harvest import commands as cmd
 from outbox.harvest import events
 from outbox.harvest.commands import DeliveryError
 from outbox.harvest.config import Limits
-from outbox.harvest.contract import Record, ReplicaState
+from outbox.harvest.contract import HeldRecord, Record, ReplicaState
 
 log = logging.getLogger("outbox.harvest")
 
@@ -136,7 +136,7 @@ class Snapshot:
     queued: int
     in_flight_keys: list[str]
     in_flight_key_count: int
-    held: list[tuple[int, str, str]]  # (record id, key, reason)
+    held: list[HeldRecord]
     fence_holder: str | None
     published: int
     failed: int
@@ -245,8 +245,14 @@ class Core:
 
     def snapshot(self) -> Snapshot:
         keys = [key for key, lane in self._lanes.items() if lane.unsettled]
-        held = [(lane.held.record.id, key, self._poison[lane.held.record.id].reason)
-                for key, lane in self._held.items() if lane.held is not None and lane.held.record.id in self._poison]
+        held = []
+        for key, lane in self._held.items():
+            entry = lane.held
+            poison = self._poison.get(entry.record.id) if entry is not None else None
+            if poison is not None:
+                held.append(HeldRecord(entry.record.id, key, entry.record.topic, poison.reason, poison.attempts,
+                                       self.now - poison.since, len(lane.queued) - (entry in lane.queued),
+                                       lane.overflowed))
         return Snapshot(state=self.state, leader_id=self.leader_id if self.phase is Phase.ACTIVE else None,
                         in_flight=self.in_flight, queued=self.queued, in_flight_keys=keys[:KEY_SAMPLE],
                         in_flight_key_count=len(keys), held=held, fence_holder=self.fence_holder,

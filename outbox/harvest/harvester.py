@@ -36,7 +36,7 @@ from outbox.harvest import contract, events
 from outbox.harvest.commands import DeliveryError
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import Connector, ListenerLike, LiveConnector, Store
-from outbox.harvest.contract import Record, ReplicaState
+from outbox.harvest.contract import HeldRecord, Record, ReplicaState
 from outbox.harvest.core import Core
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import KafkaUnavailable, ProducerLike, kafka_reason
@@ -236,13 +236,13 @@ class Harvester:
         return list(self._snapshot.in_flight_keys)
 
     @property
-    def held(self) -> list[tuple[int, str, str]]:
-        """Held (poison) records: (id, key, reason)."""
+    def held(self) -> list[HeldRecord]:
+        """Held (poison) records: they fail on their own, and their keys wait."""
         return list(self._snapshot.held)
 
     @property
     def held_keys(self) -> dict[str, str]:
-        return {key: reason for _, key, reason in self._snapshot.held}
+        return {held.key: held.reason for held in self._snapshot.held}
 
     @property
     def published(self) -> int:

@@ -21,7 +21,7 @@ import psycopg
 from psycopg import sql
 
 from outbox.harvest.config import HarvestConfig
-from outbox.harvest.contract import ReplicaState
+from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.store import close_quietly, connect, first_line, table_identifier, table_name
 
 log = logging.getLogger("outbox.harvest")
@@ -38,8 +38,8 @@ class StatusSnapshot:
     queued: int
     in_flight_keys: list[str]
     in_flight_key_count: int
-    #: Held (poison) records: (id, key, reason).
-    held: list[tuple[int, str, str]]
+    #: Held (poison) records.
+    held: list[HeldRecord]
     blocked_by: str | None
     throughput: float
     published: int
@@ -125,8 +125,8 @@ class StatusReporter(threading.Thread):
             **self._identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id, "since": snapshot.since,
             "in_flight": snapshot.in_flight, "queued": snapshot.queued, "in_flight_keys": snapshot.in_flight_keys,
             "in_flight_key_count": snapshot.in_flight_key_count,
-            "held_keys": [f"{key}: {reason}" for _, key, reason in snapshot.held],
-            "held": json.dumps([{"id": i, "key": key, "reason": reason} for i, key, reason in snapshot.held]),
+            "held_keys": [f"{held.key}: {held.reason}" for held in snapshot.held],
+            "held": json.dumps([held.as_json() for held in snapshot.held]),
             "blocked_by": snapshot.blocked_by, "throughput": snapshot.throughput, "published": snapshot.published,
             "failed": snapshot.failed,
         }

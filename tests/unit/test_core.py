@@ -267,7 +267,8 @@ def test_a_record_that_fails_alone_is_held_its_key_waits_and_other_keys_go_on():
     d.core.on_delivered(1, TOO_LARGE)  # alone in flight: guilty
     d.take()
     assert d.events() == ["RecordHeld"] and d.one(cmd.Hold).record_id == 1
-    assert d.core.snapshot().held == [(1, "bad", str(TOO_LARGE))]
+    [held] = d.core.snapshot().held
+    assert (held.id, held.key, held.reason, held.attempts) == (1, "bad", str(TOO_LARGE), 1)
     d.core.on_held(1, 500)
     d.core._next_mark_at = 0
     d.take()
