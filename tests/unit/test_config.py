@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -131,3 +132,41 @@ def test_the_engine_sql_matches_the_models():
     assert {c.strip() for c in parked.split(",")} == {f.column for f in DeadLetter._meta.get_fields()} - {"id"}
     inserted = re.search(r"INSERT INTO \{table\} \((.*?)\)", status.UPSERT, re.S).group(1)
     assert {c.strip() for c in inserted.split(",")} == {f.column for f in HarvesterStatus._meta.get_fields()}
+
+
+@pytest.mark.parametrize(("outbox", "code", "text"), [
+    ({"producer_kafka_config": "lz4"}, "outbox.E009", "OUTBOX['producer_kafka_config'] must be a mapping"),
+    ({"base_kafka_config": "127.0.0.1:9092"}, "outbox.E009", "OUTBOX['base_kafka_config'] must be a mapping"),
+    ({"producer_kafka_config": {"compresion.type": "lz4"}}, "outbox.E013",
+     "OUTBOX['producer_kafka_config'] is refused by librdkafka: No such configuration property: \"compresion.type\""),
+    ({"base_kafka_config": {"security.protocol": "carrier-pigeon"}}, "outbox.E013",
+     "OUTBOX['base_kafka_config'] is refused by librdkafka"),
+    ({"producer_kafka_config": {"enable.idempotence": False}}, "outbox.E014",
+     "OUTBOX['producer_kafka_config'] enable.idempotence must stay true"),
+    ({"max_in_flight_per_key": 8, "producer_kafka_config": {"delivery.timeout.ms": 5000}}, "outbox.E014",
+     "OUTBOX['producer_kafka_config'] delivery.timeout.ms must not be set when max_in_flight_per_key > 1"),
+    ({"park_after": 0}, "outbox.E004", "OUTBOX['park_after'] must be a positive integer or None, got 0"),
+    ({"dead_letter_topic": "no spaces"}, "outbox.E007", "OUTBOX['dead_letter_topic'] must be a Kafka topic name"),
+    ({"mark_query_recods": 5}, "outbox.E002", "OUTBOX['mark_query_recods'] is not a known setting"),
+])
+def test_each_bad_setting_is_one_clear_check_error(outbox, code, text):
+    with override_settings(OUTBOX=outbox):
+        messages = checks.run_checks(tags=["outbox"])
+    assert [m.id for m in messages] == [code], [m.msg for m in messages]
+    assert messages[0].msg.startswith(text), messages[0].msg
+    assert "OUTBOX OUTBOX" not in messages[0].msg
+
+
+def test_a_bad_heartbeat_timeout_is_reported_once_not_through_the_limits_derived_from_it():
+    with override_settings(OUTBOX={"heartbeat_timeout": "5s"}):
+        messages = checks.run_checks(tags=["outbox"])
+    assert [(m.id, m.msg) for m in messages] == [
+        ("outbox.E003", "OUTBOX['heartbeat_timeout'] must be a number of seconds, got '5s'")]
+
+
+def test_an_unknown_librdkafka_property_stops_harvest_at_its_system_check_not_with_a_traceback():
+    result = subprocess.run([sys.executable, "manage.py", "harvest", "--print-config"], capture_output=True, text=True,
+                            env={**os.environ, "OUTBOX_PRODUCER_KAFKA_CONFIG": "compresion.type=lz4"})
+    assert result.returncode != 0
+    assert "(outbox.E013) OUTBOX['producer_kafka_config'] is refused by librdkafka" in result.stderr
+    assert "Traceback" not in result.stderr
