@@ -118,11 +118,14 @@ class Worker(threading.Thread):
 class DeliveryPoller(threading.Thread):
     """Serves the record producers' delivery reports (they run as callbacks inside poll())."""
 
-    def __init__(self, producer: ProducerLike, on_retired: Callable[[], None]) -> None:
+    def __init__(self, producer: ProducerLike, on_retired: Callable[[], None],
+                 on_fatal: Callable[[KafkaError], None]) -> None:
         super().__init__(name="outbox-delivery", daemon=True)
         self.producer = producer
         self._retiring: list[ProducerLike] = []
         self._on_retired = on_retired
+        self._on_fatal = on_fatal
+        self._fatal_reported: set[int] = set()
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self.failure: BaseException | None = None
@@ -139,18 +142,33 @@ class DeliveryPoller(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stop_event.is_set():
-                self.producer.poll(0.05)
+                self._poll(self.producer, 0.05)
                 if self._retiring:
                     self._serve_retiring()
         except BaseException as error:  # the harvester notices and stops as a whole
             self.failure = error
             log.exception("Delivery thread failed")
 
+    def _poll(self, producer: ProducerLike, timeout: float) -> None:
+        """poll(), where a fatal producer error (raised from it) goes to the core, once per producer:
+        the producer's records then fail one by one, and the core replaces it."""
+        try:
+            producer.poll(timeout)
+        except KafkaException as error:
+            kafka_error = error.args[0] if error.args and isinstance(error.args[0], KafkaError) else None
+            if kafka_error is None or not kafka_error.fatal():
+                raise
+            if id(producer) not in self._fatal_reported:
+                self._fatal_reported.add(id(producer))
+                self._on_fatal(kafka_error)
+            elif timeout:
+                self._stop_event.wait(timeout)
+
     def _serve_retiring(self) -> None:
         with self._lock:
             retiring = list(self._retiring)
         for old in retiring:
-            old.poll(0)
+            self._poll(old, 0)
             if len(old) == 0:
                 old.flush(0)
                 with self._lock:
@@ -300,7 +318,7 @@ class Harvester:
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._producer = connector.record_producer()
-        self._poller = DeliveryPoller(self._producer, self._on_producer_retired)
+        self._poller = DeliveryPoller(self._producer, self._on_producer_retired, self._on_producer_fatal)
         self._election = connector.leader_election()
         self._has_trigger = self._store.has_notify_trigger()
         self._listener = connector.listener(contract.notify_channel(self._store.table_oid))
@@ -494,8 +512,12 @@ class Harvester:
     def _on_producer_retired(self) -> None:
         self._post(lambda core: core.on_producer_restarted())
 
+    def _on_producer_fatal(self, error: KafkaError) -> None:
+        """On the delivery thread: the record producer cannot go on."""
+        self._post(lambda core: core.on_producer_failed(delivery_error(error)))
+
     def _announce(self, command: cmd.Announce) -> None:
-        self._since = datetime.now(UTC)
+        self._take_snapshot()  # what other threads read follows the event at once
         self._emit(command.event)
 
     # database commands run on the workers; their outcomes come back through the inbox
@@ -670,11 +692,7 @@ class Harvester:
     def _refresh(self, now: float) -> None:
         """Refresh the snapshot other threads read (at most every SNAPSHOT_INTERVAL), and meter."""
         if now - self._snapshot_at >= SNAPSHOT_INTERVAL:
-            self._snapshot_at = now
-            previous = self._snapshot.state
-            self._snapshot = self._core.snapshot()
-            if self._snapshot.state is not previous:
-                self._since = datetime.now(UTC)
+            self._take_snapshot()
         interval = now - self._meter_started
         if interval < self.config.limits.min_metrics_interval:
             return
@@ -689,6 +707,13 @@ class Harvester:
             log.info("Throughput %.4g records/s (%d in %.1fs; %d published, %d failed, %d in flight)", stats.rate,
                      published, interval, stats.total_published, stats.total_failed, stats.in_flight)
         self._emit(events.MeterRead(stats))
+
+    def _take_snapshot(self) -> None:
+        self._snapshot_at = self._clock()
+        previous = self._snapshot.state
+        self._snapshot = self._core.snapshot()
+        if self._snapshot.state is not previous:
+            self._since = datetime.now(UTC)
 
     def _set_backlog(self, rows: int) -> None:
         self.backlog = rows

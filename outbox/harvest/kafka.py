@@ -17,6 +17,14 @@ from outbox.harvest.config import HarvestConfig, Problem
 log = logging.getLogger(__name__)
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
 client_log = logging.getLogger("outbox.harvest.librdkafka")
+class _KnownWarnings(logging.Filter):
+    """librdkafka warns at every start that enable.gapless.guarantee is experimental: it is on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("CONFWARN" in record.getMessage() and "enable.gapless.guarantee" in record.getMessage())
+
+
+client_log.addFilter(_KnownWarnings())
 #: The clients built only to have librdkafka check the settings say nothing.
 _check_log = logging.getLogger("outbox.harvest.librdkafka.check")
 _check_log.addHandler(logging.NullHandler())
