@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -143,15 +142,18 @@ def assert_complete_and_ordered(audit: Audit, stashed: Sequence[int]) -> None:
 
 
 class Replica:
-    """`manage.py harvest` in a subprocess, logging to its own file."""
+    """`manage.py harvest` in a subprocess, logging to its own file; what it is doing is read from
+    its status row, as the dashboard and the health probe read it."""
 
-    LEADING = re.compile(r"Leading with leader id|Refreshed leader id")
-    NOT_LEADING = re.compile(r"Fenced|revoked|lost|Stopped")
+    STATUS_INTERVAL = 0.3
 
     def __init__(self, name: str, env: dict[str, str], log_dir: Path, args: Sequence[str] = ()) -> None:
         self.name = name
+        self.database_url = env["DATABASE_URL"]
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
+        if "--status-interval" not in args:
+            args = [*args, "--status-interval", str(self.STATUS_INTERVAL)]
         self.process = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), "harvest", "--name", name, *args],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -160,14 +162,20 @@ class Replica:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def state(self) -> str | None:
+        """The state its status row reports, if the row is fresh (a frozen or dead replica's is not)."""
+        if self.process.poll() is not None:
+            return None
+        with psycopg.connect(self.database_url) as conn:
+            row = conn.execute("SELECT state, leader_id IS NOT NULL FROM outbox_harvester WHERE name = %s "
+                               "AND last_seen > now() - make_interval(secs => %s)",
+                               [self.name, 5 * self.STATUS_INTERVAL]).fetchone()
+        if row is None:
+            return None
+        return row[0] if row[0] != "leader" or row[1] else "leader without a term"
+
     def is_leading(self) -> bool:
-        state = False
-        for line in self.log().splitlines():
-            if self.LEADING.search(line):
-                state = True
-            elif self.NOT_LEADING.search(line):
-                state = False
-        return state and self.process.poll() is None
+        return self.state() == "leader"
 
     def signal(self, signum: int) -> None:
         if self.process.poll() is None:
