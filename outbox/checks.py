@@ -17,6 +17,32 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     return errors + [checks.Warning(describe(p), hint=hint, id=f"outbox.{p.code}") for p in conf.warnings()]
 
 
+@checks.register("outbox", checks.Tags.database)
+def check_shared_group(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """With `check --database`: warn when the status rows show another table harvested in our leader group."""
+    alias = conf.database_alias()
+    if not databases or alias not in databases or conf.problems():
+        return []
+    from django.db import DatabaseError
+    from django.utils import timezone
+
+    from outbox.models import HarvesterStatus
+
+    config = conf.harvest_config()
+    seen_after = timezone.now() - timezone.timedelta(seconds=conf.setting("status_gone_after"))
+    try:
+        others = list(HarvesterStatus.objects.using(alias).filter(leader_group=config.leader_group,
+                                                                  last_seen__gte=seen_after)
+                      .exclude(harvested_table=config.table).values_list("name", "harvested_table")[:5])
+    except DatabaseError:
+        return []  # not migrated yet: nothing to compare
+    return [checks.Warning(
+        f"OUTBOX['leader_group'] {config.leader_group!r} is also used by replica {name}, which harvests table "
+        f"{table!r}: in one group only one of the two tables is ever harvested",
+        hint="Give each outbox its own leader_group and leader_topic (leave them unset to derive them from the "
+             "database and table).", id="outbox.W002") for name, table in others]
+
+
 def describe(problem: Problem) -> str:
     """One line naming the setting: OUTBOX['max_in_flight_records'] must be at least 1, got 0."""
     where = "OUTBOX" if problem.field == "OUTBOX" else f"OUTBOX[{problem.field!r}]"

@@ -69,6 +69,13 @@ SELECT name, host FROM {table}
 WHERE leader_group = %(group)s AND state = 'leader' AND name <> %(name)s
   AND last_seen > now() - make_interval(secs => %(age)s)
 """
+# Replicas of this group harvesting another table: two outboxes share a leader group, and only one
+# of them can ever be harvested.
+OTHER_TABLES = """
+SELECT name, host, harvested_table FROM {table}
+WHERE leader_group = %(group)s AND harvested_table <> %(harvested)s
+  AND last_seen > now() - make_interval(secs => %(age)s)
+"""
 # A live-row estimate for the harvested table, kept by Postgres's statistics: no table scan.
 BACKLOG = "SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(table)s)"
 
@@ -89,6 +96,8 @@ class StatusReporter(threading.Thread):
         self._prune = sql.SQL(PRUNE).format(table=ident)
         self._remove = sql.SQL(REMOVE).format(table=ident)
         self._leaders = sql.SQL(LEADERS).format(table=ident)
+        self._other_tables = sql.SQL(OTHER_TABLES).format(table=ident)
+        self._shared_said: set[str] = set()
         self._identity = {"name": config.name, "host": socket.gethostname(), "pid": os.getpid(),
                           "started": started or datetime.now(UTC), "harvested_table": config.table,
                           "leader_topic": config.leader_topic, "leader_group": config.leader_group}
@@ -140,6 +149,7 @@ class StatusReporter(threading.Thread):
                 self._on_backlog(int(row[0]))
             if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since:
                 self._say_who_leads(conn, snapshot)
+            self._say_if_group_shared(conn)
             if self._failing:
                 log.info("Status reporting resumed")
             self._failing = False
@@ -160,6 +170,16 @@ class StatusReporter(threading.Thread):
         elif self._standby_said is None:
             log.info("Standing by in group %s (no leader seen yet)", self._group)
             self._standby_said = "announced-no-leader"
+
+    def _say_if_group_shared(self, conn: psycopg.Connection) -> None:
+        others = conn.execute(self._other_tables, {"group": self._group, "harvested": self._identity["harvested_table"],
+                                                   "age": self._gone_after}).fetchall()
+        for name, host, table in others:
+            if table not in self._shared_said:
+                self._shared_said.add(table)
+                log.error("Leader group %s is shared with replica %s on %s, which harvests table %s: only one of the "
+                          "two tables can be harvested. Give each outbox its own leader group (the default derives "
+                          "one from the database and table).", self._group, name, host, table)
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:

@@ -102,3 +102,33 @@ def test_a_frozen_leader_past_its_session_timeout_is_fenced_out(database_url, bo
     assert_complete_and_ordered(audit, stashed)
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT count(*) FROM outbox").fetchone()[0] == 0
+
+
+def fake_replica_of(group: str, table: str) -> None:
+    from django.utils import timezone
+
+    now = timezone.now()
+    HarvesterStatus.objects.create(name="billing-replica", host="billing-host", pid=1, state="leader", since=now,
+                                   started=now, last_seen=now, harvested_table=table, leader_topic=group,
+                                   leader_group=group)
+
+
+def test_a_group_shared_with_another_outbox_is_a_check_warning_and_a_log_error(database_url, bootstrap_servers,
+                                                                                caplog):
+    from django.core import checks
+
+    from outbox import conf
+
+    group = conf.harvest_config().leader_group
+    fake_replica_of(group, "billing_outbox")
+    messages = checks.run_checks(tags=["outbox"], databases=["default"])
+    [warning] = [m for m in messages if m.id == "outbox.W002"]
+    assert "billing-replica" in warning.msg and "'billing_outbox'" in warning.msg
+
+    harvester = harvester_in(group, "replica-a", database_url, bootstrap_servers)
+    harvester.start()
+    try:
+        wait_until(lambda: "is shared with replica billing-replica" in caplog.text, 15, "the shared group to be logged")
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
