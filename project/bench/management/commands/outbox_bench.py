@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +66,21 @@ class Command(BaseCommand):
         latency.add_argument("--keys", type=int, default=1000)
         latency.add_argument("--batch", type=int, default=20, help="records per transaction (default 20)")
         latency.add_argument("--partitions", type=int, default=8)
+        latency.add_argument("--writer", choices=["stash", "sql"], default="stash",
+                             help="stash_many(), or plain INSERT statements woken only by the table's trigger")
         latency.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+
+        compare = sub.add_parser("compare", help="drain the same backlogs with this harvester and goharvest's "
+                                                 "reaper, one after the other; print both and the ratio")
+        compare.add_argument("--reaper", required=True, help="path to goharvest's reaper binary (built elsewhere)")
+        compare.add_argument("--backlog", action="append", metavar="RECORDS:KEYS",
+                             help="repeatable (default 1000000:10000, 60000:10, 20000:1)")
+        compare.add_argument("--partitions", type=int, default=8)
+        compare.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+
+        idle = sub.add_parser("idle", help="what an idle leader costs: mark queries per second and CPU")
+        idle.add_argument("--seconds", type=float, default=30.0)
+        idle.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
 
         page = sub.add_parser("admin", help="admin page times on a big outbox (rows added, then removed)")
         page.add_argument("--rows", type=int, default=1_000_000)
@@ -80,21 +97,18 @@ class Command(BaseCommand):
         headers = [("source", "bench")]
         self.stdout.write(f"stash benchmark: {rows} rows of {value_bytes}-byte values, {batch} rows a transaction, "
                           f"database {database!r}")
-        for notify in (True, False):
-            with override_settings(OUTBOX={**conf.raw_settings(), "notify": notify}):
-                for name, write in (("stash() loop", self._loop), ("stash_many()", self._many)):
-                    elapsed = 0.0
-                    for start in range(0, rows, batch):
-                        count = min(batch, rows - start)
-                        records = [{"topic": BENCH_TOPIC, "key": f"k{(start + i) % 1000}", "value": value,
-                                    "headers": headers} for i in range(count)]
-                        began = time.perf_counter()
-                        with transaction.atomic(using=database):
-                            write(records, database)
-                        elapsed += time.perf_counter() - began
-                    OutboxRecord.objects.using(database).filter(kafka_topic=BENCH_TOPIC).delete()
-                    self.stdout.write(f"  {name:<14} notify={'on ' if notify else 'off'}  "
-                                      f"{rows / elapsed:>10,.0f} rows/s  ({elapsed:.2f} s)")
+        for name, write in (("stash() loop", self._loop), ("stash_many()", self._many)):
+            elapsed = 0.0
+            for start in range(0, rows, batch):
+                count = min(batch, rows - start)
+                records = [{"topic": BENCH_TOPIC, "key": f"k{(start + i) % 1000}", "value": value,
+                            "headers": headers} for i in range(count)]
+                began = time.perf_counter()
+                with transaction.atomic(using=database):
+                    write(records, database)
+                elapsed += time.perf_counter() - began
+            OutboxRecord.objects.using(database).filter(kafka_topic=BENCH_TOPIC).delete()
+            self.stdout.write(f"  {name:<14} {rows / elapsed:>10,.0f} rows/s  ({elapsed:.2f} s)")
         connections[database].close()
 
     @staticmethod
@@ -134,7 +148,7 @@ class Command(BaseCommand):
     # -- latency --------------------------------------------------------------------------------
 
     def bench_latency(self, rate: float, duration: float, keys: int, batch: int, partitions: int,
-                      harvest_args: list[str], **_: Any) -> None:
+                      harvest_args: list[str], writer: str, **_: Any) -> None:
         self._require_empty_outbox()
         topic = self._create_topic("bench-latency", partitions)
         records = int(rate * duration)
@@ -145,12 +159,13 @@ class Command(BaseCommand):
                 committed[record_id] = when
 
         self.stdout.write(f"latency benchmark: {rate:,.0f} records/s offered for {duration:.0f}s over {keys} keys, "
-                          f"{batch} records a transaction; harvest flags {harvest_args or 'default'}")
+                          f"{batch} records a transaction, written by {writer}; "
+                          f"harvest flags {harvest_args or 'default'}")
         with HarvesterProcess(harvest_args) as harvester:
             harvester.wait_for_leadership()
             reader = AppendTimeReader(topic, expected=records)
             reader.start()
-            pump(records=records, keys=keys, topic=topic, rate=rate, batch=batch, on_commit=on_commit)
+            pump(records=records, keys=keys, topic=topic, rate=rate, batch=batch, on_commit=on_commit, writer=writer)
             reader.join(timeout=120)
         warmup = min(committed.values(), default=0) + 2.0
         latencies = sorted((appended - committed[i]) * 1000 for i, appended in reader.appended.items()
@@ -167,6 +182,79 @@ class Command(BaseCommand):
         self.stdout.write(f"  harvester peak RSS {harvester.peak_rss / 2**20:.0f} MiB; "
                           f"read back {len(reader.appended):,} of {records:,}")
         self._delete_topic(topic)
+
+    # -- side by side with goharvest ------------------------------------------------------------
+
+    def bench_compare(self, reaper: str, backlog: list[str] | None, partitions: int, harvest_args: list[str],
+                      **_: Any) -> None:
+        """Each backlog drained by this harvester, then by goharvest's reaper, measured the same way:
+        from the first row purged to the table empty."""
+        self._require_empty_outbox()
+        if not Path(reaper).is_file():
+            raise CommandError(f"--reaper: no such file {reaper!r}")
+        backlogs = [tuple(int(n) for n in item.split(":")) for item in backlog or ["1000000:10000", "60000:10",
+                                                                                   "20000:1"]]
+        self.stdout.write(f"side by side: harvest flags {harvest_args or 'default'}; goharvest {reaper} with its "
+                          f"defaults; {partitions} partitions")
+        for records, keys in backlogs:
+            rates = []
+            for name, process in (("this harvester", lambda: HarvesterProcess(harvest_args)),
+                                  # goharvest does not create its leader topic
+                                  ("goharvest", lambda: ReaperProcess(reaper, self._create_topic("bench-reaper", 1)))):
+                self._vacuum()
+                topic = self._create_topic(f"bench-compare-{keys}", partitions)
+                pump(records=records, keys=keys, topic=topic)
+                with process() as harvester:
+                    rate = self._drain_rate(records, harvester)
+                rates.append(rate)
+                self.stdout.write(f"  {records:>9,} over {keys:>6,} keys  {name:<15} {rate:>9,.0f} records/s, "
+                                  f"peak RSS {harvester.peak_rss / 2**20:.0f} MiB")
+                self._delete_topic(topic)
+            self.stdout.write(f"  {records:>9,} over {keys:>6,} keys  ratio {rates[0] / rates[1]:.1f}x")
+
+    def _drain_rate(self, records: int, harvester: HarvesterProcess, timeout: float = 1800) -> float:
+        """records/s from the first purge to the last (the table's lowest id moving, then no rows)."""
+        table = OutboxRecord._meta.db_table
+        with connections["default"].cursor() as cursor:
+            cursor.execute(f'SELECT min(id) FROM "{table}"')
+            first = cursor.fetchone()[0]
+            deadline = time.monotonic() + timeout
+            started = None
+            while time.monotonic() < deadline:
+                cursor.execute(f'SELECT min(id) FROM "{table}"')
+                lowest = cursor.fetchone()[0]
+                now = time.monotonic()
+                if started is None and lowest != first:
+                    started = now
+                if lowest is None:
+                    return records / (now - started)
+                if harvester.process.poll() is not None:
+                    raise CommandError("the harvester exited: " + "".join(harvester.lines[-5:]).strip())
+                time.sleep(0.05)
+        raise CommandError("the outbox did not drain in time")
+
+    # -- idle -----------------------------------------------------------------------------------
+
+    def bench_idle(self, seconds: float, harvest_args: list[str], **_: Any) -> None:
+        """An idle leader's mark queries per second (from its metrics) and its CPU use."""
+        self._require_empty_outbox()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        args = [*harvest_args, "--metrics-port", str(port), "--metrics-address", "127.0.0.1"]
+        self.stdout.write(f"idle benchmark: {seconds:.0f}s of an idle leader; "
+                          f"harvest flags {harvest_args or 'default'}")
+        with HarvesterProcess(args) as harvester:
+            harvester.wait_for_leadership()
+            time.sleep(2.0)  # past start-up
+            process = psutil.Process(harvester.process.pid)
+            marks, cpu, began = scrape(port, "outbox_mark_seconds_count"), process.cpu_times(), time.monotonic()
+            time.sleep(seconds)
+            elapsed = time.monotonic() - began
+            marks = scrape(port, "outbox_mark_seconds_count") - marks
+            used = sum(process.cpu_times()[:2]) - sum(cpu[:2])
+        self.stdout.write(f"  {marks / elapsed:.2f} mark queries/s, {100 * used / elapsed:.2f}% of a core, "
+                          f"peak RSS {harvester.peak_rss / 2**20:.0f} MiB")
 
     # -- admin ----------------------------------------------------------------------------------
 
@@ -260,7 +348,7 @@ class HarvesterProcess:
                      "-v", "2" if os.environ.get("OUTBOX_BENCH_DEBUG") else "1", *extra_args]
         self.peak_rss = 0
         self._done = threading.Event()
-        self._lines: list[str] = []
+        self.lines: list[str] = []
 
     def __enter__(self) -> HarvesterProcess:
         self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -272,7 +360,7 @@ class HarvesterProcess:
 
     def _read_log(self) -> None:
         for line in self.process.stderr:
-            self._lines.append(line)
+            self.lines.append(line)
 
     def _sample(self) -> None:
         process = psutil.Process(self.process.pid)
@@ -286,10 +374,10 @@ class HarvesterProcess:
     def wait_for_leadership(self, timeout: float = 60) -> float:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any("Leading with leader id" in line for line in self._lines):
+            if any("Leading with leader id" in line for line in self.lines):
                 return time.time()
             if self.process.poll() is not None:
-                raise CommandError("harvester exited: " + "".join(self._lines[-5:]).strip())
+                raise CommandError("harvester exited: " + "".join(self.lines[-5:]).strip())
             time.sleep(0.01)
         raise CommandError("harvester did not lead within 60s")
 
@@ -300,6 +388,24 @@ class HarvesterProcess:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+
+class ReaperProcess(HarvesterProcess):
+    """goharvest's reaper in a subprocess, configured like the harvester (same table, database, Kafka)."""
+
+    def __init__(self, binary: str, leader: str) -> None:
+        super().__init__(())
+        database = connections["default"].settings_dict
+        self._config = Path(tempfile.mkdtemp()) / "reaper.yaml"
+        self._config.write_text(
+            "harvest:\n"
+            f"  baseKafkaConfig:\n    bootstrap.servers: {conf.kafka_config()['bootstrap.servers']}\n"
+            f"  leaderTopic: {leader}\n  leaderGroupID: {leader}\n"
+            f"  dataSource: host={database['HOST'] or 'localhost'} port={database['PORT'] or 5432} "
+            f"user={database['USER']} password={database['PASSWORD']} dbname={database['NAME']} sslmode=disable\n"
+            f"  outboxTable: {OutboxRecord._meta.db_table}\n"
+            "logging:\n  level: Info\n")
+        self.args = [binary, "-f", str(self._config)]
 
 
 class AppendTimeReader(threading.Thread):
@@ -328,6 +434,15 @@ class AppendTimeReader(threading.Thread):
                     if name == "outbox-id":
                         self.appended.setdefault(int(value), message.timestamp()[1] / 1000)
         consumer.close()
+
+
+def scrape(port: int, name: str) -> float:
+    """One value from a harvester's Prometheus endpoint."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rpartition(" ")[2])
+    raise CommandError(f"the harvester's metrics have no {name}")
 
 
 def manage_py() -> Path:

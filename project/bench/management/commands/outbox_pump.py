@@ -13,13 +13,19 @@ from django.db import connections, transaction
 
 from outbox.stasher import stash_many
 
+#: What a writer in another language does: a plain INSERT, no stash(), no NOTIFY of its own.
+PLAIN_INSERT = ("INSERT INTO outbox (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
+                "kafka_header_values) VALUES (now(), %s, %s, %s, '{}', '{}') RETURNING id")
+
 
 def pump(*, records: int, keys: int, topic: str, rate: float | None = None, batch: int = 1000, value_bytes: int = 100,
-         database: str = "default", on_commit: Any = None) -> int:
-    """Stash `records` records over `keys` keys in transactions of `batch`; returns how many were written.
+         database: str = "default", on_commit: Any = None, writer: str = "stash") -> int:
+    """Write `records` records over `keys` keys in transactions of `batch`; returns how many were written.
 
-    With `rate` (records/s), transactions are paced to that rate; `on_commit(ids, commit_time)`
-    is called after each commit (the latency benchmark records commit times with it).
+    `writer` is "stash" (stash_many()) or "sql" (plain INSERT statements, as an application in any
+    language would write them). With `rate` (records/s), transactions are paced to that rate;
+    `on_commit(ids, commit_time)` is called after each commit (the latency benchmark records
+    commit times with it).
     """
     padding = "x" * max(0, value_bytes - 20)
     written = 0
@@ -29,7 +35,14 @@ def pump(*, records: int, keys: int, topic: str, rate: float | None = None, batc
         rows = [{"topic": topic, "key": f"key-{(written + i) % keys}", "value": f"{written + i}:{padding}"}
                 for i in range(count)]
         with transaction.atomic(using=database):
-            ids = stash_many(rows, using=database)
+            if writer == "sql":
+                ids = []
+                with connections[database].cursor() as cursor:
+                    for row in rows:
+                        cursor.execute(PLAIN_INSERT, [row["topic"], row["key"], row["value"]])
+                        ids.append(cursor.fetchone()[0])
+            else:
+                ids = stash_many(rows, using=database)
         if on_commit is not None:
             on_commit(ids, time.time())
         written += count
@@ -52,6 +65,8 @@ class Command(BaseCommand):
         parser.add_argument("--batch", type=int, default=1000, help="records per transaction (default 1000)")
         parser.add_argument("--value-bytes", type=int, default=100, help="approximate value size (default 100)")
         parser.add_argument("--database", default="default")
+        parser.add_argument("--writer", choices=["stash", "sql"], default="stash",
+                            help="stash_many(), or plain INSERT statements (default stash)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         for name in ("records", "keys", "batch"):
@@ -61,7 +76,8 @@ class Command(BaseCommand):
             raise CommandError(f"--rate must be positive, got {options['rate']}")
         began = time.perf_counter()
         written = pump(records=options["records"], keys=options["keys"], topic=options["topic"], rate=options["rate"],
-                       batch=options["batch"], value_bytes=options["value_bytes"], database=options["database"])
+                       batch=options["batch"], value_bytes=options["value_bytes"], database=options["database"],
+                       writer=options["writer"])
         elapsed = time.perf_counter() - began
         self.stdout.write(f"pumped {written} records over {options['keys']} keys into topic {options['topic']!r} "
                           f"in {elapsed:.1f}s ({written / elapsed:,.0f} records/s)")
