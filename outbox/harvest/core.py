@@ -640,7 +640,8 @@ class Core:
         """The fence session ended (a dropped connection, or another leader ended it): someone else
         may mark now, so send nothing more; a new term takes the fence again first."""
         if self.phase in (Phase.ACTIVE, Phase.DRAINING) and not self.stopping:
-            log.error("Lost the database fence (its session ended): stopped sending; taking it again")
+            log.error("Lost the database fence (its session ended, or a pooler in transaction mode moved it: the "
+                      "harvester needs a direct or session-pooled connection): stopped sending; taking it again")
             self.abort("the database fence was lost")
             self._remark()
             self.phase = Phase.DRAINING
