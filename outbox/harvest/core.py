@@ -26,6 +26,7 @@ How records move (goharvest's mark/purge/reset, "MP/R", with the differences not
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import uuid
 from collections import deque
@@ -156,6 +157,8 @@ class Core:
         self._new_leader_id = new_leader_id
         self._park_after = park_after
         self.now = now
+        #: Assert the core's invariants after every input (see check_invariants).
+        self.checking = False
         self._commands: list[cmd.Command] = []
         # -- leadership
         self.assigned = False
@@ -185,6 +188,7 @@ class Core:
         # -- records
         self._entries: dict[int, Entry] = {}
         self._lanes: dict[str, Lane] = {}
+        self._busy: dict[str, None] = {}  # keys with records in flight, oldest first (for snapshots)
         self._ready: deque[Lane] = deque()
         self.queued = 0  # queued records not waiting behind a held one
         self.in_flight = 0  # sent and not yet settled (purged or reset)
@@ -217,8 +221,30 @@ class Core:
     def take_commands(self) -> list[cmd.Command]:
         """What to do now; the caller runs them and reports back. Call after every input."""
         self._advance()
+        if self.checking:
+            self.check_invariants()
         commands, self._commands = self._commands, []
         return commands
+
+    def check_invariants(self) -> None:
+        """The core's own bookkeeping, asserted (as goharvest does in its loop); the simulator and the
+        tests turn it on with `checking`, production does not pay for it."""
+        limit = self.limits.max_in_flight_per_key
+        unsettled = queued = 0
+        for key, lane in self._lanes.items():
+            assert len(lane.unsettled) <= limit, f"key {key!r}: {len(lane.unsettled)} in flight, limit {limit}"
+            assert (key in self._busy) == bool(lane.unsettled), f"key {key!r}: busy list out of step"
+            assert 0 <= lane.purge_queued <= len(lane.unsettled)
+            ids = [entry.record.id for entry in lane.queued]
+            assert ids == sorted(ids), f"key {key!r}: queued out of id order {ids[:5]}"
+            unsettled += len(lane.unsettled)
+            if not lane.waiting:
+                queued += len(lane.queued)
+        assert unsettled == self.in_flight, f"{unsettled} unsettled, in_flight says {self.in_flight}"
+        assert queued == self.queued, f"{queued} queued, queued says {self.queued}"
+        assert len(self._busy) <= len(self._lanes)
+        if self.phase is Phase.ACTIVE:
+            assert self.leading and self.leader_id is not None
 
     def next_deadline(self) -> float:
         """The latest time the core wants to be ticked again (it may be ticked any time before)."""
@@ -244,7 +270,7 @@ class Core:
         return max(self.now, deadline)
 
     def snapshot(self) -> Snapshot:
-        keys = [key for key, lane in self._lanes.items() if lane.unsettled]
+        keys = list(itertools.islice(self._busy, KEY_SAMPLE))
         held = []
         for key, lane in self._held.items():
             entry = lane.held
@@ -254,8 +280,8 @@ class Core:
                                        self.now - poison.since, len(lane.queued) - (entry in lane.queued),
                                        lane.overflowed))
         return Snapshot(state=self.state, leader_id=self.leader_id if self.phase is Phase.ACTIVE else None,
-                        in_flight=self.in_flight, queued=self.queued, in_flight_keys=keys[:KEY_SAMPLE],
-                        in_flight_key_count=len(keys), held=held, fence_holder=self.fence_holder,
+                        in_flight=self.in_flight, queued=self.queued, in_flight_keys=keys,
+                        in_flight_key_count=len(self._busy), held=held, fence_holder=self.fence_holder,
                         published=self.published, failed=self.failed)
 
     @property
@@ -836,6 +862,8 @@ class Core:
         entry.state = EntryState.SENT
         entry.sent_at = self.now
         entry.sent_alone = not self.in_flight and not batch
+        if not lane.unsettled:
+            self._busy[lane.key] = None
         lane.unsettled.append(entry)
         self.in_flight += 1
         self._sent.append(entry)
@@ -844,7 +872,7 @@ class Core:
     def _unsend(self, entry: Entry) -> None:
         """Undo a send that never left the process."""
         lane = self._lanes[entry.record.key]
-        lane.unsettled.remove(entry)
+        self._forget_unsettled(lane, entry)
         self.in_flight -= 1
         entry.state = EntryState.QUEUED
 
@@ -873,7 +901,7 @@ class Core:
             if error.permanent:
                 # It failed alone, so it is guilty: hold it (it stays marked; nothing to reset).
                 self._suspects.pop(entry.record.id, None)
-                lane.unsettled.remove(entry)
+                self._forget_unsettled(lane, entry)
                 self.in_flight -= 1
                 self._hold(entry, str(error))
                 self._purge_prefix(lane)
@@ -898,10 +926,7 @@ class Core:
         if lane is None:
             return
         unsettled = lane.unsettled
-        if unsettled[0] is entry:
-            del unsettled[0]
-        else:
-            unsettled.remove(entry)
+        self._forget_unsettled(lane, entry)
         if entry.purging:
             lane.purge_queued -= 1
         if unsettled:
@@ -910,6 +935,15 @@ class Core:
             self._make_ready(lane)
         elif not lane.unsettled and lane.held is None:
             del self._lanes[lane.key]
+
+    def _forget_unsettled(self, lane: Lane, entry: Entry) -> None:
+        unsettled = lane.unsettled
+        if unsettled[0] is entry:
+            del unsettled[0]
+        else:
+            unsettled.remove(entry)
+        if not unsettled:
+            self._busy.pop(lane.key, None)
 
     def _flush_settling(self) -> None:
         # While this replica leads, every purge and reset also checks that its fence is still held.

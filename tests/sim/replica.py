@@ -53,6 +53,7 @@ class SimReplica:
         self.links = Links()
         self.slow_until = 0.0  # its database statements crawl until then
         self.core = core_factory(limits, new_leader_id=world.uuid, park_after=park_after, now=world.now)
+        self.core.checking = True
         self.group: Group = kafka.group(group, 3 * limits.heartbeat_timeout)
         self.member = Member(name, alive=lambda: self.process_running() and self.links.leader)
         self.fence = Session(name, group)

@@ -211,7 +211,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
         checks.check_leader_ids(log)
         checks.check_nothing_lost(kafka, table)
         checks.check_drained(table)
-    except Violation as violation:
+    except AssertionError as violation:  # a Violation, or an invariant the core asserts itself
         return Result(seed, False, f"t={world.now:.3f}: {violation}", summary(), world.trace)
     published = sum(len(log) for log in kafka.logs)
     text = f"{summary()}; {len(replicas)} replica incarnation(s), {published} messages, done at t={world.now:.1f}"

@@ -31,6 +31,7 @@ class Driver:
         defaults = {"mark_query_records": 10, "max_in_flight_records": 100, "heartbeat_timeout": 5.0,
                     "queue_timeout": 30.0, "held_retry_after": 60.0, "min_poll_interval": 0.1}
         self.core = Core(Limits(**{**defaults, **limits}), new_leader_id=lambda: next(ids))
+        self.core.checking = True
         self.commands: list[cmd.Command] = []
         self.now = 0.0
 
