@@ -17,7 +17,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     return errors + [checks.Warning(describe(p), hint=hint, id=f"outbox.{p.code}") for p in conf.warnings()]
 
 
-@checks.register("outbox", checks.Tags.database)
+@checks.register(checks.Tags.database)
 def check_shared_group(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """With `check --database`: warn when the status rows show another table harvested in our leader group."""
     alias = conf.database_alias()

@@ -121,7 +121,7 @@ def test_a_group_shared_with_another_outbox_is_a_check_warning_and_a_log_error(d
 
     group = conf.harvest_config().leader_group
     fake_replica_of(group, "billing_outbox")
-    messages = checks.run_checks(tags=["outbox"], databases=["default"])
+    messages = checks.run_checks(tags=[checks.Tags.database], databases=["default"])
     [warning] = [m for m in messages if m.id == "outbox.W002"]
     assert "billing-replica" in warning.msg and "'billing_outbox'" in warning.msg
 
