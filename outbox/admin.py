@@ -25,6 +25,8 @@ from outbox.states import COUNT_LIMIT, OUTBOX_STATES, Facts, RecordState, table_
 
 #: Topics offered by the topic filter are read from this many of the oldest rows.
 TOPIC_SAMPLE_ROWS = 10_000
+#: A record's page shows at most this many characters of its value (a poison value may be a megabyte).
+VALUE_SHOWN = 10_000
 #: An action acts on at most this many of the selected records.
 ACTION_LIMIT = 1000
 
@@ -96,6 +98,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     paginator = EstimatedCountPaginator
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # a count per filter choice would scan a big table
     list_per_page = 50
     search_fields = ["=kafka_key"]
     search_help_text = "Exact key."
@@ -112,7 +115,12 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     @admin.display(description="value")
     def value(self, record: Any) -> str:
-        return "(none: a tombstone)" if record.kafka_value is None else record.kafka_value
+        value = record.kafka_value
+        if value is None:
+            return "(none: a tombstone)"
+        if len(value) <= VALUE_SHOWN:
+            return value
+        return f"{value[:VALUE_SHOWN]}... (the first {VALUE_SHOWN:,} of {len(value):,} characters)"
 
     @admin.display(description="headers")
     def header_table(self, record: Any) -> str:
@@ -248,8 +256,9 @@ class OutboxRecordAdmin(ReadOnlyAdmin):
 class DeadLetterAdmin(ReadOnlyAdmin):
     """Parked records: moved out of the outbox so the records of their key behind them could go on."""
 
-    list_display = ["id", "outbox_id", "kafka_topic", "kafka_key", "short_reason", "attempts", "parked_at",
-                    "parked_by", "dead_letter_topic"]
+    list_display = ["outbox_id", "kafka_topic", "kafka_key", "short_reason", "attempts", "parked_at", "parked_by",
+                    "dead_letter_topic"]
+    list_display_links = ["outbox_id"]
     ordering = ["-parked_at", "-id"]
     actions = ["republish_selected", "delete_selected"]
     fields = ["id", "outbox_id", "create_time", "kafka_topic", "kafka_key", "value", "header_table", "reason",

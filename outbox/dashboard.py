@@ -1,6 +1,7 @@
 """What the admin dashboard shows, read with queries that stay fast on a table of millions of rows.
 
-No COUNT(*) of the outbox and no scan by key: the backlog is Postgres's live-row estimate; what is
+No COUNT(*) of the outbox and no scan by key: the backlog is counted up to 10,000 rows, then it is
+Postgres's live-row estimate; what is
 in flight, queued and held comes from the leaders' status rows; stuck records are looked for among
 the oldest rows (the primary key's head) and through the partial index of rows that ever failed.
 Every record's state is decided by outbox.states.
@@ -13,7 +14,7 @@ from datetime import datetime
 
 from outbox import conf
 from outbox.models import OutboxRecord
-from outbox.states import Count, Facts, Held, RecordState, Replicas, Verdict, parked_count, table_estimate
+from outbox.states import Count, Facts, Held, RecordState, Replicas, Verdict, bounded_count, parked_count
 
 #: Stuck records are looked for among this many of the oldest rows (an index range, not a scan).
 HEAD_ROWS = 10_000
@@ -31,7 +32,7 @@ class Alarm:
 
 @dataclass(frozen=True)
 class Backlog:
-    estimated_rows: int | None
+    rows: Count
     in_flight: int
     queued: int
     oldest_created: datetime | None
@@ -63,7 +64,7 @@ def overview(using: str | None = None) -> Overview:
 
 def backlog(found: Replicas, using: str) -> Backlog:
     oldest = OutboxRecord.objects.using(using).order_by("id").values_list("create_time", flat=True).first()
-    return Backlog(estimated_rows=table_estimate(OutboxRecord._meta.db_table, using),
+    return Backlog(rows=bounded_count(OutboxRecord, using),
                    in_flight=sum(r.in_flight for r in found.leaders), queued=sum(r.queued for r in found.leaders),
                    oldest_created=oldest)
 
@@ -85,7 +86,8 @@ def warnings(found: Replicas) -> list[Alarm]:
         f"Two leader groups harvest one table ({r.harvested_table}): replica {r.name} leads its group "
         f"{r.leader_group} but is blocked, because {r.blocked_by or 'another replica'} holds the table's "
         f"database fence. {r.name} publishes nothing while blocked. Give every replica of this table the same "
-        f"leader_topic and leader_group, or stop the group that should not harvest it.")) for r in found.blocked]
+        f"leader_topic and leader_group, or stop the group that should not harvest it (docs/operations.md, "
+        f"\"The fence alarm\").")) for r in found.blocked]
     if not found.live:
         result.append(Alarm("no-harvester", "No harvester is running: nothing is being published."))
     elif not found.leaders:

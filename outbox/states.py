@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from functools import reduce
 from operator import or_
 
-from django.db import connections
+from django.db import connections, models
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.timesince import timesince
@@ -245,12 +245,18 @@ class Count:
 
 
 def parked_count(using: str | None = None) -> Count:
-    """Rows in the dead-letter table, without counting a big table row by row."""
+    """Rows in the dead-letter table."""
+    return bounded_count(DeadLetter, using)
+
+
+def bounded_count(model: type[models.Model], using: str | None = None) -> Count:
+    """A table's rows, without counting a big table row by row: exact up to COUNT_LIMIT (a bounded
+    scan), beyond it Postgres's live-row estimate."""
     using = using or conf.database_alias()
-    bounded = DeadLetter.objects.using(using).all()[:COUNT_LIMIT + 1].count()
+    bounded = model.objects.using(using).all()[:COUNT_LIMIT + 1].count()
     if bounded <= COUNT_LIMIT:
         return Count(bounded, exact=True)
-    return Count(max(bounded, table_estimate(DeadLetter._meta.db_table, using) or 0), exact=False)
+    return Count(max(bounded, table_estimate(model._meta.db_table, using) or 0), exact=False)
 
 
 def table_estimate(table: str, using: str | None = None) -> int | None:

@@ -140,7 +140,8 @@ def test_dashboard_counts_in_flight_queued_held_and_parked(superuser_client):
                               reason="Broker: Message size too large", attempts=3, parked_by="harvester replica-a")
     page = superuser_client.get(DASHBOARD).content.decode()
     figure = dict(re.findall(r'id="backlog-([a-z-]+)">([^<]*)<', page))
-    assert (figure["in-flight"], figure["queued"], figure["held"], figure["parked"]) == ("2", "7", "1", "1")
+    assert (figure["rows"], figure["in-flight"], figure["queued"], figure["held"], figure["parked"]) == (
+        "1", "2", "7", "1", "1")
     assert f'href="{PARKED}" id="parked-link"' in page
 
 
@@ -219,6 +220,9 @@ def test_records_are_read_only_and_say_their_state(superuser_client):
     assert superuser_client.get(f"{RECORDS}add/").status_code == 403
     tombstone = record("t", value=None)
     assert "a tombstone" in superuser_client.get(f"{RECORDS}{tombstone.id}/change/").content.decode()
+    huge = record("h", value="x" * 25_000)
+    page = superuser_client.get(f"{RECORDS}{huge.id}/change/").content.decode()
+    assert "x" * 10_000 + "... (the first 10,000 of 25,000 characters)" in page and "x" * 10_001 not in page
 
 
 # -- actions ----------------------------------------------------------------------------------------
