@@ -182,6 +182,13 @@ class OutboxRecordAdmin(ReadOnlyAdmin):
     def describe(self, request: HttpRequest, record: OutboxRecord) -> str:
         return facts(request).state_of(record).label
 
+    def log_done(self, request: HttpRequest, records: list[OutboxRecord], outcome: Outcome, message: str) -> Outcome:
+        """One admin log entry per record the action changed."""
+        for record in records:
+            if record.id in outcome.done:
+                self.log_change(request, record, message)
+        return outcome
+
     @admin.display(description="state")
     def state(self, record: OutboxRecord) -> str:
         verdict = record.verdict
@@ -210,10 +217,7 @@ class OutboxRecordAdmin(ReadOnlyAdmin):
 
         def run(records: list[OutboxRecord]) -> Outcome:
             outcome = operations.retry_now([r.id for r in records], facts(request), request.user.get_username())
-            for record in records:
-                if record.id in outcome.done:
-                    self.log_change(request, record, "Retry now: the leader sends it again, alone.")
-            return outcome
+            return self.log_done(request, records, outcome, "Retry now: the leader sends it again, alone.")
         return self.confirm_then(request, queryset, ask, run)
 
     @admin.action(description="Park selected held records", permissions=["park"])
@@ -245,10 +249,7 @@ class OutboxRecordAdmin(ReadOnlyAdmin):
 
         def run(records: list[OutboxRecord]) -> Outcome:
             outcome = operations.requeue([r.id for r in records], facts(request))
-            for record in records:
-                if record.id in outcome.done:
-                    self.log_change(request, record, "Requeued: leader_id and failure count cleared.")
-            return outcome
+            return self.log_done(request, records, outcome, "Requeued: leader_id and failure count cleared.")
         return self.confirm_then(request, queryset, ask, run)
 
 
