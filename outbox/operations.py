@@ -30,7 +30,7 @@ from django.db import connections, transaction
 from psycopg import sql
 
 from outbox import conf
-from outbox.harvest import contract
+from outbox.harvest import contract, store
 from outbox.harvest.store import table_identifier, table_name
 from outbox.models import DeadLetter, OutboxRecord
 from outbox.states import Facts
@@ -136,9 +136,8 @@ def requeue(ids: Iterable[int], facts: Facts, using: str | None = None) -> Outco
             else:
                 outcome.done.append(record_id)
         if outcome.done:
-            statement = sql.SQL(contract.REQUEUE).format(
-                table=_table(), failure_columns=sql.SQL(", reset_count = 0, last_error = NULL"))
-            _cursor(using).execute(statement, {"ids": outcome.done, "live": live})
+            # The engine's REQUEUE, on this transaction's connection (the locking query above opened it).
+            store.requeue(connections[using].connection, OutboxRecord._meta.db_table, outcome.done, live)
     return outcome
 
 
