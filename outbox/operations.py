@@ -13,7 +13,8 @@ two out of order.
 - republish: move parked rows back into the outbox with new ids, so each is published after the
   records of its key written since.
 
-Each function decides per row, and returns an Outcome that says in one sentence what was done.
+Each function decides per row, and returns an Outcome: one message saying what was done, and what
+was left alone and why.
 """
 
 from __future__ import annotations
@@ -277,10 +278,14 @@ def republish(ids: Iterable[int], using: str | None = None) -> tuple[Outcome, li
         for dead in found:
             cursor.execute(statement, {"id": dead.id})
             done.append(Republished(dead, cursor.fetchone()[0]))
-            outcome.done.append(dead.id)
+            outcome.done.append(dead.outbox_id)
         # The table's trigger sends the NOTIFY that wakes the leader: rows were inserted.
-    for missing in sorted(set(ids) - set(outcome.done)):
+    for missing in sorted(set(ids) - {d.id for d in found}):
         outcome.skip(missing, NOT_PARKED)
+    if done:
+        outcome.notes.append("Back in the outbox as " + ", ".join(f"#{r.new_id} (was #{r.dead_letter.outbox_id})"
+                                                                  for r in done[:MESSAGE_IDS])
+                             + (f", ... ({len(done)} in all)" if len(done) > MESSAGE_IDS else ""))
     return outcome, done
 
 

@@ -306,9 +306,9 @@ def test_parked_records_admin_republishes_after_saying_plainly_where_it_goes(sup
     assert "with a new id" in confirmation and "AFTER the records of its key written since" in confirmation
     assert DeadLetter.objects.filter(pk=parked.pk).exists(), "asks first"
     done = superuser_client.post(PARKED, {**form, "post": "yes"}, follow=True)
-    assert messages(done) == [("success", f"Republished 1 record: #{parked.id}.")]
-    assert not DeadLetter.objects.filter(pk=parked.pk).exists()
     back = OutboxRecord.objects.exclude(pk=later.pk).get(kafka_key="order-9")
+    assert messages(done) == [("success", f"Republished 1 record: #7. Back in the outbox as #{back.id} (was #7).")]
+    assert not DeadLetter.objects.filter(pk=parked.pk).exists()
     assert back.id > later.id and (back.kafka_value, back.headers) == ("fixed", [("trace", "abc")])
     assert back.create_time > parked.create_time
     entry = LogEntry.objects.get(object_id=str(back.id))
