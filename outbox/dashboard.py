@@ -1,21 +1,20 @@
 """What the admin dashboard shows, read with queries that stay fast on a table of millions of rows.
 
-No COUNT(*) of the outbox: the backlog is Postgres's own live-row estimate, in-flight counts
-come from the replicas' status rows, and stuck records are looked for among the oldest rows
-(the primary key's head) and through the partial index of rows that ever failed.
+No COUNT(*) of the outbox and no scan by key: the backlog is counted up to 10,000 rows, then it is
+Postgres's live-row estimate; what is
+in flight, queued and held comes from the leaders' status rows; stuck records are looked for among
+the oldest rows (the primary key's head) and through the partial index of rows that ever failed.
+Every record's state is decided by outbox.states.
 """
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-
-from django.db import connections
-from django.utils import timezone
+from dataclasses import dataclass
+from datetime import datetime
 
 from outbox import conf
-from outbox.models import HarvesterStatus, OutboxRecord
+from outbox.models import OutboxRecord
+from outbox.states import Count, Facts, Held, RecordState, Replicas, Verdict, bounded_count, parked_count
 
 #: Stuck records are looked for among this many of the oldest rows (an index range, not a scan).
 HEAD_ROWS = 10_000
@@ -23,117 +22,81 @@ HEAD_ROWS = 10_000
 STUCK_LIMIT = 100
 
 
-@dataclass
-class Replicas:
-    leaders: list[HarvesterStatus]
-    standbys: list[HarvesterStatus]
-    gone: list[HarvesterStatus]
+@dataclass(frozen=True)
+class Alarm:
+    """A red line at the top of the dashboard; `kind` names it for tests and styling."""
 
-    @property
-    def live(self) -> list[HarvesterStatus]:
-        return self.leaders + self.standbys
-
-    @property
-    def live_leader_ids(self) -> list[uuid.UUID]:
-        return [r.leader_id for r in self.live if r.leader_id is not None]
+    kind: str
+    text: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class Backlog:
-    estimated_rows: int | None
+    rows: Count
     in_flight: int
+    queued: int
     oldest_created: datetime | None
 
-    @property
-    def pending(self) -> int | None:
-        return None if self.estimated_rows is None else max(0, self.estimated_rows - self.in_flight)
+
+@dataclass(frozen=True)
+class Overview:
+    """Everything the dashboard shows, read once per page."""
+
+    facts: Facts
+    warnings: list[Alarm]
+    backlog: Backlog
+    held: list[Held]
+    parked: Count
+    stuck: list[tuple[OutboxRecord, Verdict]]
 
     @property
-    def oldest_age(self) -> timedelta | None:
-        return None if self.oldest_created is None else timezone.now() - self.oldest_created
+    def replicas(self) -> Replicas:
+        return self.facts.replicas
 
 
-@dataclass
-class StuckRecord:
-    id: int
-    topic: str
-    key: str
-    created: datetime
-    leader_id: uuid.UUID | None
-    reset_count: int
-    last_error: str | None
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def age(self) -> timedelta:
-        return timezone.now() - self.created
+def overview(using: str | None = None) -> Overview:
+    using = using or conf.database_alias()
+    facts = Facts.read(using)
+    return Overview(facts=facts, warnings=warnings(facts.replicas), backlog=backlog(facts.replicas, using),
+                    held=sorted(facts.held.values(), key=lambda h: h.id), parked=parked_count(using),
+                    stuck=stuck_records(facts, using))
 
 
-def replicas(now: datetime | None = None) -> Replicas:
-    now = now or timezone.now()
-    gone_after = timedelta(seconds=conf.setting("status_gone_after"))
-    rows = list(HarvesterStatus.objects.order_by("name"))
-    live = [r for r in rows if now - r.last_seen <= gone_after]
-    return Replicas(
-        leaders=[r for r in live if r.state == "leader"],
-        standbys=[r for r in live if r.state != "leader"],
-        gone=[r for r in rows if now - r.last_seen > gone_after],
-    )
+def backlog(found: Replicas, using: str) -> Backlog:
+    oldest = OutboxRecord.objects.using(using).order_by("id").values_list("create_time", flat=True).first()
+    return Backlog(rows=bounded_count(OutboxRecord, using),
+                   in_flight=sum(r.in_flight for r in found.leaders), queued=sum(r.queued for r in found.leaders),
+                   oldest_created=oldest)
 
 
-def backlog(found: Replicas) -> Backlog:
-    table = OutboxRecord._meta.db_table
-    with connections["default"].cursor() as cursor:
-        cursor.execute("SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%s)", [table])
-        row = cursor.fetchone()
-    oldest = OutboxRecord.objects.order_by("id").values_list("create_time", flat=True).first()
-    in_flight = sum(r.in_flight for r in found.leaders)
-    return Backlog(estimated_rows=int(row[0]) if row else None, in_flight=in_flight, oldest_created=oldest)
+def stuck_records(facts: Facts, using: str) -> list[tuple[OutboxRecord, Verdict]]:
+    """Stuck rows among the oldest HEAD_ROWS and among those that ever failed, oldest first."""
+    rows = OutboxRecord.objects.using(using).order_by("id").defer("kafka_value")
+    stuck = facts.where(RecordState.STUCK)
+    bound = list(rows.values_list("id", flat=True)[HEAD_ROWS - 1:HEAD_ROWS])
+    head = rows.filter(stuck, id__lte=bound[0]) if bound else rows.filter(stuck)
+    failed = rows.filter(stuck, reset_count__gt=0, reset_count__gte=facts.stuck_reset_count)
+    found = {r.id: r for r in [*head[:STUCK_LIMIT], *failed[:STUCK_LIMIT]]}
+    return [(r, facts.state_of(r)) for _, r in sorted(found.items())][:STUCK_LIMIT]
 
 
-def stuck_records(found: Replicas) -> list[StuckRecord]:
-    """Rows marked by a leader id no live replica holds, pending too long, or reset too often."""
-    stuck_after = conf.setting("stuck_after")
-    reset_limit = conf.setting("stuck_reset_count")
-    live = found.live_leader_ids
-    table = connections["default"].ops.quote_name(OutboxRecord._meta.db_table)
-    columns = "id, kafka_topic, kafka_key, create_time, leader_id, reset_count, last_error"
-    query = f"""
-        (WITH head AS (SELECT {columns} FROM {table} ORDER BY id LIMIT %(head)s)
-         SELECT {columns} FROM head
-         WHERE (leader_id IS NOT NULL AND NOT (leader_id = ANY(%(live)s::uuid[])))
-            OR create_time < now() - make_interval(secs => %(after)s)
-         ORDER BY id LIMIT %(limit)s)
-        UNION
-        (SELECT {columns} FROM {table} WHERE reset_count > 0 AND reset_count >= %(resets)s ORDER BY id LIMIT %(limit)s)
-        ORDER BY id LIMIT %(limit)s
-    """
-    with connections["default"].cursor() as cursor:
-        cursor.execute(query, {"head": HEAD_ROWS, "live": live, "after": stuck_after, "resets": reset_limit,
-                               "limit": STUCK_LIMIT})
-        rows = cursor.fetchall()
-    now = timezone.now()
-    result = []
-    for row_id, topic, key, created, leader_id, reset_count, last_error in rows:
-        record = StuckRecord(row_id, topic, key, created, leader_id, reset_count, last_error)
-        if leader_id is not None and leader_id not in live:
-            record.reasons.append(f"marked by leader id {leader_id}, which no live replica holds")
-        if now - created > timedelta(seconds=stuck_after):
-            record.reasons.append(f"pending for more than {timedelta(seconds=int(stuck_after))}")
-        if reset_count >= reset_limit:
-            error = f": {last_error}" if last_error else ""
-            record.reasons.append(f"delivery failed {reset_count} times{error}")
-        result.append(record)
-    return result
-
-
-def warnings(found: Replicas) -> list[str]:
+def warnings(found: Replicas) -> list[Alarm]:
+    """Red lines: a replica blocked by the fence, nobody harvesting, two leaders claiming one group."""
+    result = [Alarm("fence", (
+        f"Two leader groups harvest one table ({r.harvested_table}): replica {r.name} leads its group "
+        f"{r.leader_group} but is blocked, because {r.blocked_by or 'another replica'} holds the table's "
+        f"database fence. {r.name} publishes nothing while blocked. Give every replica of this table the same "
+        f"leader_topic and leader_group, or stop the group that should not harvest it (docs/operations.md, "
+        f"\"The fence alarm\").")) for r in found.blocked]
     if not found.live:
-        return ["No harvester is running: nothing is being published."]
-    if not found.leaders:
-        return ["No replica leads: nothing is being published (an election may be under way)."]
+        result.append(Alarm("no-harvester", "No harvester is running: nothing is being published."))
+    elif not found.leaders:
+        result.append(Alarm("no-leader", "No replica leads: nothing is being published (an election may be "
+                                           "under way)."))
     by_group: dict[str, list[str]] = {}
     for leader in found.leaders:
         by_group.setdefault(leader.leader_group, []).append(leader.name)
-    return [f"More than one replica claims to lead group {group!r} ({', '.join(names)}): until one gives way, "
-            f"per-key order is at risk." for group, names in by_group.items() if len(names) > 1]
+    result += [Alarm("two-leaders", f"More than one replica claims to lead group {group!r} ({', '.join(names)}): "
+                                      f"until one gives way, per-key order is at risk.")
+               for group, names in by_group.items() if len(names) > 1]
+    return result

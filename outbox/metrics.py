@@ -1,12 +1,15 @@
 """Prometheus metrics for a running harvester: `manage.py harvest --metrics-port 9108`.
 
 Counters and histograms are fed by the engine's Instruments hooks; gauges are read from the
-Harvester when Prometheus scrapes, so the engine pays nothing between scrapes.
+Harvester when Prometheus scrapes, so the engine pays nothing between scrapes. The one gauge the
+harvester does not know, parked records, is the dead-letter table's count (outbox.states), read
+at scrape time too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -16,6 +19,9 @@ from prometheus_client.registry import Collector
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
+from outbox.harvest.store import first_line
+
+log = logging.getLogger("outbox.metrics")
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -45,8 +51,9 @@ class PrometheusInstruments(Instruments):
 class HarvesterCollector(Collector):
     """Reads the harvester's state at scrape time."""
 
-    def __init__(self, harvester: Harvester) -> None:
+    def __init__(self, harvester: Harvester, parked: Callable[[], int | None] | None = None) -> None:
         self._harvester = harvester
+        self._parked = parked
 
     def collect(self) -> Iterator[Any]:
         h = self._harvester
@@ -71,6 +78,12 @@ class HarvesterCollector(Collector):
                                                         "their keys wait", labels=labels)
         held.add_metric(name, len(h.held))
         yield held
+        parked_records = self._parked() if self._parked is not None else None
+        if parked_records is not None:
+            parked = GaugeMetricFamily("outbox_parked_records", "Records in the dead-letter table (parked)",
+                                       labels=labels)
+            parked.add_metric(name, parked_records)
+            yield parked
         if h.backlog is not None:
             backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",
                                         labels=labels)
@@ -78,7 +91,22 @@ class HarvesterCollector(Collector):
             yield backlog
 
 
+def read_parked() -> int | None:
+    """The dead-letter table's row count, or None (logged) when it cannot be read."""
+    from django.db import DatabaseError, connections
+
+    from outbox.states import parked_count
+
+    try:
+        return parked_count().value
+    except DatabaseError as error:
+        log.warning("Could not count parked records: %s", first_line(error))
+        return None
+    finally:
+        connections.close_all()  # every scrape runs on a thread of its own: leave no connection behind
+
+
 def serve(harvester: Harvester, registry: CollectorRegistry, port: int, address: str = "0.0.0.0") -> None:
     """Expose `registry` plus the harvester's gauges on http://address:port/metrics."""
-    registry.register(HarvesterCollector(harvester))
+    registry.register(HarvesterCollector(harvester, parked=read_parked))
     start_http_server(port, addr=address, registry=registry)

@@ -13,9 +13,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from outbox import stash_many
-from outbox.models import HarvesterStatus
+from outbox.harvest.contract import ReplicaState
+from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
 from tests.acceptance.test_harvest_command import manage
 from tests.integration.harness import Replica, outbox_count, replica_env, wait_until
+from tests.integration.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -55,11 +57,23 @@ def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_u
         assert metrics[f'outbox_in_flight_records{{name="{name}"}}'] == 0.0
         assert metrics["outbox_mark_seconds_count"] > 0 and metrics["outbox_purge_seconds_count"] > 0
         assert f'outbox_backlog_records{{name="{name}"}}' in metrics
+        assert metrics[f'outbox_held_records{{name="{name}"}}'] == 0.0
+        assert metrics[f'outbox_parked_records{{name="{name}"}}'] == 0.0
 
-        healthy = manage("harvest_health", "--name", name, "--require-leader", env=env)
+        # A record too large for the producer is held; one parked earlier is in the dead-letter table.
+        poison = OutboxRecord.objects.create(kafka_topic=topic, kafka_key="k0", kafka_value="x" * 1_200_000)
+        DeadLetter.objects.create(outbox_id=1, create_time=timezone.now(), kafka_topic=topic, kafka_key="k1",
+                                  reason="Broker: Message size too large", parked_by="admin root")
+        wait_until(lambda: scrape(port).get(f'outbox_held_records{{name="{name}"}}') == 1.0, 30,
+                   "the held gauge to count the poison record")
+        assert scrape(port)[f'outbox_parked_records{{name="{name}"}}'] == 1.0
+
+        healthy = wait_until(lambda: (r := manage("harvest_health", "--name", name, "--require-leader", env=env))
+                             .stdout.endswith("; 1 held, 1 parked\n") and r, 30, "the probe to count held records")
         assert healthy.returncode == 0, healthy.stdout + healthy.stderr
         assert healthy.stdout.startswith(f"ok: {name} is leader")
         assert manage("harvest_health", "--any", env=env).returncode == 0
+        poison.delete()
     finally:
         replica.signal(signal.SIGTERM)
         assert replica.wait() == 0
@@ -78,6 +92,26 @@ def test_health_fails_for_a_replica_not_seen_recently(services):
     with pytest.raises(SystemExit) as exit_info:
         call_command("harvest_health", "--name", "stale")
     assert exit_info.value.code == 1
+
+
+def test_health_fails_for_a_replica_blocked_by_the_fence_naming_the_holder(database_url):
+    holder = "replica replica-a of leader group g on host-a (pid 1234)"
+    leader_id = uuid.uuid4()
+    poison = OutboxRecord.objects.create(kafka_topic="t", kafka_key="k", leader_id=leader_id, reset_count=1)
+    status_row("replica-a", ReplicaState.LEADER, leader_id=leader_id, held=[held_record(poison.id, "k")])
+    status_row("replica-b", ReplicaState.BLOCKED, group="billing", blocked_by=holder)
+    for reason in ("Broker: Message size too large", "Broker: Topic authorization failed"):
+        DeadLetter.objects.create(outbox_id=1, create_time=timezone.now(), kafka_topic="t", kafka_key="k",
+                                  reason=reason, parked_by="admin root")
+    env = {"DATABASE_URL": database_url}
+    blocked = manage("harvest_health", "--name", "replica-b", env=env)
+    assert blocked.returncode == 1 and blocked.stdout == (
+        f"unhealthy: replica-b (leader group billing) is blocked: {holder} holds the table's database fence, so it "
+        f"publishes nothing; 1 held, 2 parked\n")
+    assert manage("harvest_health", "--any", env=env).returncode == 1, "a blocked replica anywhere fails --any"
+    leader = manage("harvest_health", "--name", "replica-a", env=env)
+    assert leader.returncode == 0 and leader.stdout.startswith("ok: replica-a is leader (0 records/s, 0 in flight)")
+    assert leader.stdout.endswith("; 1 live replica(s) for replica 'replica-a'; 1 held, 2 parked\n")
 
 
 def test_health_reports_an_unreachable_database_in_one_line():

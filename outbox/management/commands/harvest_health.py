@@ -1,7 +1,8 @@
 """`manage.py harvest_health`: a liveness/readiness probe for harvester replicas. Exit 0 healthy, 1 not.
 
 It reads the replicas' status rows, so it runs beside the harvester (an exec probe in the same
-pod) or anywhere with database access. One line on stdout says why.
+pod) or anywhere with database access. One line on stdout says why, and counts the held and
+parked records (outbox.states). A replica blocked by another's database fence is unhealthy.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import DatabaseError
-from django.utils import timezone
 
 from outbox import conf
-from outbox.models import HarvesterStatus
+from outbox.states import Facts, parked_count
 
 
 class Command(BaseCommand):
@@ -37,28 +37,34 @@ class Command(BaseCommand):
                      **_: Any) -> tuple[bool, str]:
         gone_after = conf.setting("status_gone_after")
         try:
-            rows = list(HarvesterStatus.objects.all())
+            facts = Facts.read(conf.database_alias())
+            parked = parked_count(conf.database_alias())
         except DatabaseError as error:
             return False, f"cannot read harvester status: {str(error).strip().splitlines()[0]}"
-        now = timezone.now()
+        found = facts.replicas
         if name:
-            mine, scope = [r for r in rows if r.name == name], f"replica {name!r}"
+            scope, matches = f"replica {name!r}", lambda r: r.name == name
         elif any:
-            mine, scope = rows, "any replica"
+            scope, matches = "any replica", lambda r: True
         else:
             host = host or socket.gethostname()
-            mine, scope = [r for r in rows if r.host == host], f"replicas on host {host!r}"
-        live = [r for r in mine if (now - r.last_seen).total_seconds() <= gone_after]
+            scope, matches = f"replicas on host {host!r}", lambda r: r.host == host
+        counts = f"{len(facts.held)} held, {parked} parked"
+        live = [r for r in found.live if matches(r)]
         if not live:
-            seen = max((r.last_seen for r in mine), default=None)
-            when = f"last seen {(now - seen).total_seconds():.0f}s ago" if seen else "never seen"
-            return False, f"no live harvester for {scope} ({when}; gone after {gone_after:g}s)"
-        leaders = [r for r in rows if r.state == "leader" and (now - r.last_seen).total_seconds() <= gone_after]
-        if require_leader and not leaders:
-            return False, f"{len(live)} live replica(s) for {scope}, but none leads"
-        best = next((r for r in live if r.state == "leader"), live[0])
-        age = (now - best.last_seen).total_seconds()
+            seen = max((r.last_seen for r in found.gone if matches(r)), default=None)
+            when = f"last seen {(facts.now - seen).total_seconds():.0f}s ago" if seen else "never seen"
+            return False, f"no live harvester for {scope} ({when}; gone after {gone_after:g}s); {counts}"
+        blocked = [r for r in found.blocked if matches(r)]
+        if blocked:
+            r = blocked[0]
+            return False, (f"{r.name} (leader group {r.leader_group}) is blocked: {r.blocked_by or 'another replica'} "
+                           f"holds the table's database fence, so it publishes nothing; {counts}")
+        if require_leader and not found.leaders:
+            return False, f"{len(live)} live replica(s) for {scope}, but none leads; {counts}"
+        best = next((r for r in live if r in found.leaders), live[0])
+        age = (facts.now - best.last_seen).total_seconds()
         detail = f"{best.name} is {best.state}"
-        if best.state == "leader":
+        if best in found.leaders:
             detail += f" ({best.throughput:.0f} records/s, {best.in_flight} in flight)"
-        return True, f"{detail}, seen {age:.1f}s ago; {len(live)} live replica(s) for {scope}"
+        return True, f"{detail}, seen {age:.1f}s ago; {len(live)} live replica(s) for {scope}; {counts}"

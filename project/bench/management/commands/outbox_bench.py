@@ -34,7 +34,9 @@ from django.db import connections, transaction
 from django.test import override_settings
 
 from outbox import conf
-from outbox.models import OutboxRecord
+from outbox.harvest.contract import HeldRecord, ReplicaState
+from outbox.harvest.status import StatusReporter, StatusSnapshot
+from outbox.models import HarvesterStatus, OutboxRecord
 from outbox.stasher import stash, stash_many
 from project.bench.management.commands.outbox_pump import pump
 
@@ -85,6 +87,7 @@ class Command(BaseCommand):
         page = sub.add_parser("admin", help="admin page times on a big outbox (rows added, then removed)")
         page.add_argument("--rows", type=int, default=1_000_000)
         page.add_argument("--repeat", type=int, default=5)
+        page.add_argument("--parked", type=int, default=20_000, help="rows in the dead-letter table (default 20000)")
 
     def handle(self, *args: Any, mode: str, **options: Any) -> None:
         getattr(self, f"bench_{mode}")(**options)
@@ -258,32 +261,58 @@ class Command(BaseCommand):
 
     # -- admin ----------------------------------------------------------------------------------
 
-    def bench_admin(self, rows: int, repeat: int, **_: Any) -> None:
-        """Time the dashboard and the records changelist on an outbox of `rows` rows."""
+    def bench_admin(self, rows: int, repeat: int, parked: int, **_: Any) -> None:
+        """Time the dashboard and the records pages on an outbox of `rows` rows, with a live leader
+        (a status row written by the engine's own StatusReporter) holding one record of a busy key."""
         from django.contrib.auth.models import User
         from django.test import Client
 
+        from outbox.models import DeadLetter
+
         self._require_empty_outbox()
         table = OutboxRecord._meta.db_table
+        dead_letters = DeadLetter._meta.db_table
+        leader_id = uuid.uuid4()
         with connections["default"].cursor() as cursor:
-            # Generated server-side: this measures the pages, not stash().
+            # Generated server-side: this measures the pages, not stash(). 10,000 keys of 100 rows;
+            # the first 1,000 rows marked by a leader that is gone, the next 500 by the live leader.
             cursor.execute(f"""
                 INSERT INTO "{table}" (kafka_topic, kafka_key, kafka_value, leader_id, reset_count, last_error)
                 SELECT 'bench-admin-' || (g %% 7), 'key-' || (g %% 10000), repeat('v', 100),
-                       CASE WHEN g <= 1000 THEN '00000000-0000-0000-0000-00000000dead'::uuid END,
+                       CASE WHEN g <= 1000 THEN '00000000-0000-0000-0000-00000000dead'::uuid
+                            WHEN g <= 1500 THEN %s::uuid END,
                        CASE WHEN g %% 50000 = 0 THEN 5 ELSE 0 END,
                        CASE WHEN g %% 50000 = 0 THEN 'Broker: Message size too large' END
-                FROM generate_series(1, %s) AS g""", [rows])
+                FROM generate_series(1, %s) AS g""", [leader_id, rows])
+            # A poison record of key-4242, held by the live leader: its 99 later rows wait behind it.
+            cursor.execute(f"""UPDATE "{table}" SET leader_id = %s, reset_count = 3,
+                               last_error = 'Broker: Message size too large'
+                               WHERE id = (SELECT min(id) FROM "{table}" WHERE kafka_key = 'key-4242')
+                               RETURNING id, kafka_topic""", [leader_id])
+            held_id, held_topic = cursor.fetchone()
+            cursor.execute(f"""
+                INSERT INTO "{dead_letters}" (outbox_id, create_time, kafka_topic, kafka_key, kafka_value,
+                                              kafka_header_keys, kafka_header_values, reason, attempts, parked_at,
+                                              parked_by)
+                SELECT -g, now(), 'bench-admin', 'key-' || g, 'v', '{{}}', '{{}}', 'Broker: Message size too large', 3,
+                       now(), 'harvester bench' FROM generate_series(1, %s) AS g""", [parked])
             cursor.execute(f'ANALYZE "{table}"')
+            cursor.execute(f'ANALYZE "{dead_letters}"')
+        reporter = self._leader_status(leader_id, HeldRecord(held_id, "key-4242", held_topic,
+                                                             "Broker: Message size too large", 3, 120.0, 99, False))
         user = User.objects.create_superuser(f"bench-{uuid.uuid4().hex[:8]}", "bench@example.com", None)
         client = Client()
         client.force_login(user)
-        pages = [("dashboard", "/admin/outbox/dashboard/"), ("records", "/admin/outbox/outboxrecord/"),
-                 ("records, page 100", "/admin/outbox/outboxrecord/?p=100"),
-                 ("records, stuck", "/admin/outbox/outboxrecord/?state=stuck"),
-                 ("records, topic", "/admin/outbox/outboxrecord/?topic=bench-admin-3"),
-                 ("record detail", f"/admin/outbox/outboxrecord/{self._first_id()}/change/")]
-        self.stdout.write(f"admin benchmark: {rows:,} rows in the outbox; median of {repeat} requests")
+        records = "/admin/outbox/outboxrecord/"
+        pages = [("dashboard", "/admin/outbox/dashboard/"), ("records", records),
+                 ("records, page 100", f"{records}?p=100")]
+        pages += [(f"records, {state}", f"{records}?state={state}")
+                  for state in ("waiting", "in_flight", "held", "behind", "stuck")]
+        pages += [("records, topic", f"{records}?topic=bench-admin-3"),
+                  ("record detail", f"{records}{self._first_id()}/change/"),
+                  ("parked records", "/admin/outbox/deadletter/")]
+        self.stdout.write(f"admin benchmark: {rows:,} rows in the outbox, one held (99 behind it), {parked:,} "
+                          f"parked; median of {repeat} requests")
         try:
             with override_settings(ALLOWED_HOSTS=["testserver"], DEBUG=False):
                 for name, url in pages:
@@ -294,11 +323,33 @@ class Command(BaseCommand):
                         times.append((time.perf_counter() - began) * 1000)
                         if response.status_code != 200:
                             raise CommandError(f"{url} answered {response.status_code}")
-                    self.stdout.write(f"  {name:<18} {statistics.median(times):7.1f} ms  (max {max(times):.1f} ms)")
+                    self.stdout.write(f"  {name:<20} {statistics.median(times):7.1f} ms  (max {max(times):.1f} ms)")
         finally:
+            reporter.stop()
+            reporter.join()
             user.delete()
             with connections["default"].cursor() as cursor:
                 cursor.execute(f'TRUNCATE "{table}"')
+                cursor.execute(f'DELETE FROM "{dead_letters}" WHERE outbox_id < 0')
+
+    @staticmethod
+    def _leader_status(leader_id: uuid.UUID, held: HeldRecord) -> StatusReporter:
+        """A live leader's status row, written by the engine's own reporter (removed when it stops)."""
+        from datetime import UTC, datetime
+
+        config = conf.harvest_config(name=f"bench-admin-{uuid.uuid4().hex[:6]}", status_interval=1.0)
+        now = datetime.now(UTC)
+        snapshot = StatusSnapshot(state=ReplicaState.LEADER, leader_id=leader_id, since=now, in_flight=500, queued=0,
+                                  in_flight_keys=[f"key-{i}" for i in range(1001, 1051)], in_flight_key_count=500,
+                                  held=[held], blocked_by=None, throughput=0.0, published=0, failed=0)
+        reporter = StatusReporter(config, snapshot=lambda: snapshot, on_backlog=lambda _rows: None)
+        reporter.start()
+        deadline = time.monotonic() + 10
+        while not HarvesterStatus.objects.filter(name=config.name).exists():
+            if time.monotonic() > deadline:
+                raise CommandError("the leader's status row did not appear within 10 s")
+            time.sleep(0.05)
+        return reporter
 
     @staticmethod
     def _first_id() -> int:

@@ -1,0 +1,55 @@
+"""Status rows of replicas that are not running, written exactly as a running one writes its own.
+
+The row goes through the engine's own UPSERT (outbox.harvest.status) with the parameters its
+StatusReporter builds from a snapshot, so a test's row says only what a real replica can say:
+a leader id only while it leads, `blocked_by` only while it is blocked, held records as the
+engine's HeldRecord.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+from django.db import connections
+from psycopg import sql
+
+from outbox.harvest.contract import HeldRecord, ReplicaState
+from outbox.harvest.status import UPSERT
+from outbox.models import HarvesterStatus
+
+
+def held_record(record_id: int, key: str, *, topic: str = "orders", reason: str = "Broker: Message size too large",
+                attempts: int = 1, held_for: float = 90.0, behind: int = 0, more_behind: bool = False) -> HeldRecord:
+    return HeldRecord(record_id, key, topic, reason, attempts, held_for, behind, more_behind)
+
+
+def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_id: uuid.UUID | None = None,
+               group: str = "g", host: str = "host-a", seen: float = 0.0, held: Sequence[HeldRecord] = (),
+               in_flight_keys: Sequence[str] = (), queued: int = 0, blocked_by: str | None = None,
+               throughput: float = 0.0, published: int = 0, using: str = "default") -> HarvesterStatus:
+    """Upsert a replica's status row; `seen` seconds ago."""
+    if leader_id is not None and state is not ReplicaState.LEADER:
+        raise ValueError("only a leader reports a leader id")
+    if (blocked_by is not None) != (state is ReplicaState.BLOCKED):
+        raise ValueError("a replica reports blocked_by exactly while it is blocked")
+    if held and state is not ReplicaState.LEADER:
+        raise ValueError("only a leader holds records")
+    now = datetime.now(UTC)
+    params = {
+        "name": name, "host": host, "pid": 1234, "started": now - timedelta(hours=1), "harvested_table": "outbox",
+        "leader_topic": group, "leader_group": group, "state": str(state), "leader_id": leader_id,
+        "since": now - timedelta(minutes=5), "in_flight": len(in_flight_keys), "queued": queued,
+        "in_flight_keys": list(in_flight_keys), "in_flight_key_count": len(in_flight_keys),
+        "held_keys": [f"{h.key}: {h.reason}" for h in held], "held": json.dumps([h.as_json() for h in held]),
+        "blocked_by": blocked_by, "throughput": throughput, "published": published, "failed": 0,
+    }
+    connection = connections[using]
+    connection.ensure_connection()
+    with connection.connection.cursor() as cursor:
+        cursor.execute(sql.SQL(UPSERT).format(table=sql.Identifier(HarvesterStatus._meta.db_table)), params)
+    if seen:
+        HarvesterStatus.objects.using(using).filter(name=name).update(last_seen=now - timedelta(seconds=seen))
+    return HarvesterStatus.objects.using(using).get(name=name)
