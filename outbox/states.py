@@ -100,9 +100,10 @@ class Replicas:
 
     @property
     def live_leader_ids(self) -> list[uuid.UUID]:
-        """Leader ids under which rows are in flight now: a row marked with any other is waiting. (A
-        leader's status row carries its leader id only while it leads with a term, fence held.)"""
-        return [r.leader_id for r in self.leaders if r.leader_id is not None]
+        """Leader ids under which rows are in flight now: a row marked with any other is waiting. A live
+        replica's status row carries the leader id of its term, and keeps it while records of an
+        ended or refreshed term are still in flight or held, whatever its state."""
+        return [r.leader_id for r in self.live if r.leader_id is not None]
 
 
 def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:

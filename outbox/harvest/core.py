@@ -112,6 +112,8 @@ class Lane:
     retrying: bool = False
     #: The held record's version is known (its Hold committed): checks compare against it.
     version_known: bool = False
+    #: Holds of its record so far: a check asked before the latest one cannot judge its version.
+    holds: int = 0
     #: Records of this key were dropped from memory while it was held (they stay marked).
     overflowed: bool = False
     #: One record at a time until one goes through (after a failure of this key).
@@ -132,7 +134,12 @@ class Snapshot:
     """What the replica reports about itself (status rows, metrics, health)."""
 
     state: ReplicaState
+    #: The term it leads with (None while it does not lead with one).
     leader_id: uuid.UUID | None
+    #: The leader id its rows in flight are marked under: the term's, or, while a term that ended
+    #: (or is being refreshed) still has records in flight, that term's. Operators' tools treat rows
+    #: marked with it as in flight.
+    marking_id: uuid.UUID | None
     in_flight: int
     queued: int
     in_flight_keys: list[str]
@@ -169,6 +176,7 @@ class Core:
         # -- term
         self.phase = Phase.IDLE
         self.leader_id: uuid.UUID | None = None
+        self._last_term_id: uuid.UUID | None = None  # the last term that marked rows
         self._acquired = False  # a term began since the last acquisition: the next one is a refresh
         self._fence_retry_at = now
         self._fence_pending = False
@@ -211,6 +219,7 @@ class Core:
         self._held: dict[str, Lane] = {}
         self._held_check_at = now
         self._checking_held = False
+        self._asked: dict[int, int] = {}  # record id -> its lane's holds when the CheckHeld under way was asked
         self._parking: set[int] = set()
         # -- counts
         self.published = 0
@@ -279,7 +288,11 @@ class Core:
                 held.append(HeldRecord(entry.record.id, key, entry.record.topic, poison.reason, poison.attempts,
                                        self.now - poison.since, len(lane.queued) - (entry in lane.queued),
                                        lane.overflowed))
+        marking = self.leader_id if self.phase in (Phase.ACTIVE, Phase.DRAINING) else None
+        if marking is None and (self.in_flight or self._held):
+            marking = self._last_term_id
         return Snapshot(state=self.state, leader_id=self.leader_id if self.phase is Phase.ACTIVE else None,
+                        marking_id=marking,
                         in_flight=self.in_flight, queued=self.queued, in_flight_keys=keys,
                         in_flight_key_count=len(self._busy), held=held, fence_holder=self.fence_holder,
                         published=self.published, failed=self.failed)
@@ -516,11 +529,12 @@ class Core:
         """The held rows CheckHeld asked for, as they are now (an id missing: the row is gone)."""
         self._checking_held = False
         self._held_check_at = self.now + self.limits.held_check_interval
-        asked = set(check.ids)
+        asked, self._asked = self._asked, {}
         for lane in list(self._held.values()):
             entry = lane.held
-            if entry is None or lane.retrying or entry.record.id in self._parking or entry.record.id not in asked:
-                continue
+            if entry is None or lane.retrying or entry.record.id in self._parking \
+                    or asked.get(entry.record.id) != lane.holds:
+                continue  # not asked about, or held again since (the answer may predate that Hold)
             record = entry.record
             poison = self._poison.get(record.id)
             current = rows.get(record.id)
@@ -533,6 +547,7 @@ class Core:
 
     def on_held_check_failed(self, error: str) -> None:
         self._checking_held = False
+        self._asked = {}
         self._held_check_at = self.now + self.limits.io_error_backoff
         log.warning("Could not re-read held records: %s", error)
 
@@ -644,6 +659,7 @@ class Core:
         self._commands.append(cmd.TakeFence(self.leader_id))
 
     def _activate(self) -> None:
+        self._last_term_id = self.leader_id
         refreshed = self._acquired
         self._acquired = True
         self.phase = Phase.ACTIVE
@@ -996,6 +1012,7 @@ class Core:
         entry.state = EntryState.HELD
         entry.solo = False
         self._entries[entry.record.id] = entry
+        lane.holds += 1
         lane.held = entry
         lane.retrying = False
         lane.version_known = True
@@ -1021,10 +1038,14 @@ class Core:
     def _check_held(self) -> None:
         if not self._held or self._checking_held or self.now < self._held_check_at:
             return
+        # Only held records whose Hold has committed: an answer could otherwise predate it.
         ids = tuple(lane.held.record.id for lane in self._held.values()
-                    if lane.held is not None and not lane.retrying and lane.held.record.id not in self._parking)
+                    if lane.held is not None and not lane.retrying and lane.version_known
+                    and lane.held.record.id not in self._parking)
         if ids:
             self._checking_held = True
+            self._asked = {lane.held.record.id: lane.holds for lane in self._held.values()
+                           if lane.held is not None and lane.held.record.id in ids}
             self._commands.append(cmd.CheckHeld(ids))
         else:
             self._held_check_at = self.now + self.limits.held_check_interval

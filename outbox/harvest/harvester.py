@@ -275,7 +275,7 @@ class Harvester:
         snapshot = self._snapshot
         state = ReplicaState.STOPPING if self._state is State.STOPPING else snapshot.state
         meter = self.last_meter
-        return StatusSnapshot(state=state, leader_id=snapshot.leader_id, since=self._since,
+        return StatusSnapshot(state=state, leader_id=snapshot.marking_id, since=self._since,
                               in_flight=snapshot.in_flight, queued=snapshot.queued,
                               in_flight_keys=snapshot.in_flight_keys, in_flight_key_count=snapshot.in_flight_key_count,
                               held=snapshot.held, blocked_by=snapshot.fence_holder,

@@ -32,6 +32,7 @@ class StatusSnapshot:
     """What a replica reports about itself at one moment."""
 
     state: ReplicaState
+    #: The leader id its rows in flight are marked under (see core.Snapshot.marking_id).
     leader_id: object
     since: datetime
     in_flight: int
