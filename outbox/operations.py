@@ -213,7 +213,6 @@ def publish_dead_letters(topic: str, records: list[tuple[OutboxRecord, str]]) ->
     using the project's Kafka settings; returns the ids Kafka acknowledged, and the first error."""
     from confluent_kafka import KafkaException, Producer
 
-    from outbox.harvest.harvester import iso_utc
     from outbox.harvest.kafka import dead_letter_producer_config, kafka_reason
 
     config = conf.harvest_config()
@@ -229,9 +228,8 @@ def publish_dead_letters(topic: str, records: list[tuple[OutboxRecord, str]]) ->
     try:
         producer = Producer({**dead_letter_producer_config(config), "client.id": "outbox-admin-dead-letters"})
         for record, reason in records:
-            headers = [*record.headers, (contract.HEADER_ID, str(record.id)),
-                       (contract.HEADER_CREATE_TIME, iso_utc(record.create_time)),
-                       ("outbox-topic", record.kafka_topic), (contract.HEADER_DEAD_LETTER_REASON, reason)]
+            headers = contract.dead_letter_headers(record.id, record.create_time, record.kafka_topic,
+                                                   record.headers, reason)
             producer.produce(topic, value=record.kafka_value, key=record.kafka_key, headers=headers,
                              on_delivery=functools.partial(lambda record_id, error, _message: delivered(
                                  record_id, error), record.id))

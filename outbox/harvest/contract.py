@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 
 #: goharvest's columns: any application can INSERT into a table that has them.
 COLUMNS = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys",
@@ -21,8 +21,9 @@ FAILURE_COLUMNS = ("reset_count", "last_error")
 #: Headers the harvester adds to every message, beside the record's own.
 HEADER_ID = "outbox-id"
 HEADER_CREATE_TIME = "outbox-create-time"
-#: Added to a record published to the dead-letter topic.
+#: Added to a record published to the dead-letter topic: why it was parked, and its own topic.
 HEADER_DEAD_LETTER_REASON = "outbox-dead-letter-reason"
+HEADER_TOPIC = "outbox-topic"
 RESERVED_HEADERS = frozenset({HEADER_ID, HEADER_CREATE_TIME})
 
 
@@ -213,6 +214,18 @@ TABLE_COLUMNS = """
 SELECT attname FROM pg_attribute
 WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
 """
+
+
+def iso_utc(created: datetime) -> str:
+    """The outbox-create-time header: ISO 8601 in UTC."""
+    return created.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def dead_letter_headers(record_id: int, create_time: datetime, topic: str, headers: list[tuple[str, str]],
+                        reason: str) -> list[tuple[str, str]]:
+    """The headers of a parked record on the dead-letter topic: its own, then where it came from and why."""
+    return [*headers, (HEADER_ID, str(record_id)), (HEADER_CREATE_TIME, iso_utc(create_time)),
+            (HEADER_TOPIC, topic), (HEADER_DEAD_LETTER_REASON, reason)]
 
 
 def fence_key(table_oid: int) -> int:

@@ -36,7 +36,7 @@ from outbox.harvest import contract, events
 from outbox.harvest.commands import DeliveryError
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import Connector, ListenerLike, LiveConnector, Store
-from outbox.harvest.contract import HeldRecord, Record, ReplicaState
+from outbox.harvest.contract import HeldRecord, Record, ReplicaState, iso_utc
 from outbox.harvest.core import Core
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import KafkaUnavailable, ProducerLike, kafka_reason
@@ -75,11 +75,6 @@ def delivery_error(error: KafkaError) -> DeliveryError:
     """Kafka's error, as the core sees it."""
     permanent = error.code() in PERMANENT_ERRORS and not error.retriable()
     return DeliveryError(error.name(), error.str(), permanent=permanent, fatal=error.fatal())
-
-
-def iso_utc(created: datetime) -> str:
-    """The outbox-create-time header: ISO 8601 in UTC."""
-    return created.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 class Worker(threading.Thread):
@@ -591,10 +586,9 @@ class Harvester:
         if self._dead_letter_producer is None:
             self._dead_letter_producer = self._connector.dead_letter_producer()
         outcome: list[KafkaError | None] = []
-        headers = [*zip(record.header_keys, record.header_values, strict=False),
-                   (contract.HEADER_ID, str(record.id)),
-                   (contract.HEADER_CREATE_TIME, iso_utc(record.create_time)),
-                   ("outbox-topic", record.topic), (contract.HEADER_DEAD_LETTER_REASON, reason)]
+        headers = contract.dead_letter_headers(record.id, record.create_time, record.topic,
+                                               list(zip(record.header_keys, record.header_values, strict=False)),
+                                               reason)
         try:
             self._dead_letter_producer.produce(topic, value=record.value, key=record.key, headers=headers,
                                                on_delivery=lambda error, _message: outcome.append(error))

@@ -58,7 +58,7 @@ class FenceHolder:
     same_group: bool
 
     def __str__(self) -> str:
-        return f"replica {self.name} of leader group {self.group} on {self.host} (pid {self.pid})"
+        return f"replica {self.name} of leader group {self.group} on {self.host} (database session {self.pid})"
 
 
 def close_quietly(conn: psycopg.Connection | None) -> None:
