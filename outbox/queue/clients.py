@@ -21,6 +21,9 @@ from confluent_kafka import KafkaError
 from outbox.queue.config import QueueConfig
 
 log = logging.getLogger("outbox.queue")
+#: A crashed consumer's or tracker's partitions wait this long for a new owner (librdkafka's default
+#: is 45 s; Kafka's group.min.session.timeout.ms, 6 s by default, is the floor).
+GROUP_TIMEOUTS = {"session.timeout.ms": 10_000, "heartbeat.interval.ms": 2_000}
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
 client_log = logging.getLogger("outbox.queue.librdkafka")
 
@@ -42,7 +45,7 @@ def sender_config(config: QueueConfig, name: str) -> dict[str, Any]:
 
 def queue_consumer_config(config: QueueConfig, queue: str, name: str) -> dict[str, Any]:
     return _merge(config, {"client.id": f"{name}-queue-consumer", "auto.offset.reset": "earliest",
-                           "partition.assignment.strategy": "cooperative-sticky"},
+                           "partition.assignment.strategy": "cooperative-sticky", **GROUP_TIMEOUTS},
                   {"group.id": config.consumer_group(queue), "enable.auto.commit": False,
                    "enable.auto.offset.store": False, "isolation.level": "read_committed",
                    "enable.partition.eof": False})
@@ -63,7 +66,7 @@ def markers_consumer_config(config: QueueConfig, name: str) -> dict[str, Any]:
     # The end-of-partition event tells the tracker it is caught up, so its deadline clock may run
     # on the local monotonic clock (tracking.py).
     return _merge(config, {"client.id": f"{name}-tracker", "auto.offset.reset": "earliest",
-                           "partition.assignment.strategy": "cooperative-sticky"},
+                           "partition.assignment.strategy": "cooperative-sticky", **GROUP_TIMEOUTS},
                   {"group.id": config.tracker_group, "enable.auto.commit": False, "enable.auto.offset.store": False,
                    "isolation.level": "read_committed", "enable.partition.eof": True})
 

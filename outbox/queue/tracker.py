@@ -178,6 +178,7 @@ class RedeliveryTracker:
             except (KafkaException, RuntimeError) as error:
                 log.warning("Closing the markers consumer: %s", kafka_reason(error))
             self._producer = None
+            self.snapshot = self._take_snapshot()
             self.state = State.STOPPED
             log.info("Tracker stopped (redelivered %d, dead-lettered %d)", sum(self._redelivered.values()),
                      sum(self._dead.values()))
