@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import close_old_connections, connections, transaction
+from django.db import connections, transaction
 from django.utils import timezone
 
 from outbox.queue import models
@@ -33,8 +33,18 @@ CLAIM = "INSERT INTO {table} (queue, message_id) VALUES (%s, %s) ON CONFLICT DO 
 
 
 def store_dead_letters(letters: Sequence[DeadLetter]) -> None:
-    """The tracker's dead-letter sink: one row per message; a message already stored is left as it is."""
-    close_old_connections()
+    """The tracker's dead-letter sink: one row per message; a message already stored is left as it is.
+
+    Runs on the tracker's thread; dead letters are rare, so the connection is closed after each
+    call rather than held by a thread that never ends a request.
+    """
+    try:
+        _store_dead_letters(letters)
+    finally:
+        connections["default"].close()
+
+
+def _store_dead_letters(letters: Sequence[DeadLetter]) -> None:
     models.DeadLetter.objects.bulk_create([
         models.DeadLetter(queue=letter.queue, message_id=letter.message_id, key=letter.key, payload=letter.payload,
                           headers=[[k, v.decode("utf-8", "replace")] for k, v in letter.headers],

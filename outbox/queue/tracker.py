@@ -85,6 +85,9 @@ class TrackerSnapshot:
     dead_lettered: dict[str, int] = field(default_factory=dict)
     #: Partitions still replaying the log (not yet caught up).
     replaying: list[int] = field(default_factory=list)
+    #: Start and End markers read since start, per queue (a replay after a rebalance reads some again).
+    starts: dict[str, int] = field(default_factory=dict)
+    ends: dict[str, int] = field(default_factory=dict)
 
 
 class State(enum.Enum):
@@ -117,6 +120,8 @@ class RedeliveryTracker:
         self._failure: BaseException | None = None
         self._redelivered: Counter[str] = Counter()
         self._dead: Counter[str] = Counter()
+        self._starts: Counter[str] = Counter()
+        self._ends: Counter[str] = Counter()
         self._next_commit = 0.0
         self._next_snapshot = 0.0
         self._warned_bad_marker = False
@@ -219,9 +224,14 @@ class RedeliveryTracker:
                 log.warning("Skipping a record of the markers topic that is not a marker (partition %d, offset %d): "
                             "%s", record.partition(), record.offset(), error)
                 self._warned_bad_marker = True
-            marker = Marker(Kind.END, (-1, -1))  # advances the offset and the clock, and changes nothing else
+            tracker.advance(record.offset(), record.timestamp()[1] / 1000, now)
+            return
         queue = (record.key() or b"").decode("utf-8", "replace")
         tracker.apply(queue, marker, record.offset(), record.timestamp()[1] / 1000, now)
+        if marker.kind is Kind.START:
+            self._starts[queue] += 1
+        elif marker.kind is Kind.END:
+            self._ends[queue] += 1
 
     def _settle(self, due: list[Due], now: float) -> None:
         """Dead-letter and redeliver `due`; whatever fails is tried again after RETRY_BACKOFF."""
@@ -330,7 +340,8 @@ class RedeliveryTracker:
                     total.oldest_started = stats.oldest_started
         return TrackerSnapshot(partitions=sorted(self._trackers), queues=queues, redelivered=dict(self._redelivered),
                                dead_lettered=dict(self._dead),
-                               replaying=sorted(p for p, t in self._trackers.items() if not t.caught_up))
+                               replaying=sorted(p for p, t in self._trackers.items() if not t.caught_up),
+                               starts=dict(self._starts), ends=dict(self._ends))
 
     # -- rebalances (called inside consume(), on the tracker thread) ------------------------------
 

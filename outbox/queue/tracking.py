@@ -101,6 +101,10 @@ class PartitionTracker:
                 self._arm(entry, timestamp)
         else:  # END: removed here; its heap entries are dropped when they reach a head
             self.in_progress.pop(marker.ref, None)
+        self.advance(offset, timestamp, now)
+
+    def advance(self, offset: int, timestamp: float, now: float) -> None:
+        """A record at `offset` was read (a marker, or something else to skip): the offset and clock move on."""
         self._next_offset = offset + 1
         if self._last_timestamp is None or timestamp > self._last_timestamp:
             self._last_timestamp = timestamp
