@@ -47,7 +47,7 @@ def send_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None) -
     may have been published: at-least-once, so retrying may duplicate them).
     """
     config = conf.queue_config()
-    _check_queue(queue)
+    validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     rows = [_clean(config, payload, headers, _where(index, payloads)) for index, payload in enumerate(payloads)]
     messages = [(row.value.encode(), list(zip(row.header_keys, map(str.encode, row.header_values), strict=True)))
@@ -68,7 +68,7 @@ def stash(queue: str, payload: Any, *, headers: Headers = None, using: str = "de
 def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None, using: str = "default") -> list[str]:
     """Write many messages for `queue` into the outbox in one statement per 1,000; returns their ids."""
     config = conf.queue_config()
-    _check_queue(queue)
+    validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     records = []
     ids = []
@@ -97,11 +97,19 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
     QueueError with a one-line reason when Kafka cannot be reached or the settings are invalid.
     """
     config = conf.queue_config()
-    _check_queue(queue)
+    validate_queue(queue)
     limits = limits_for(config, queue, redelivery_timeout=redelivery_timeout,
                         keep_alive_interval=keep_alive_interval, max_in_progress=max_in_progress,
                         max_deliveries=max_deliveries)
     return QueueConsumer(config, queue, limits=limits, name=name, instruments=instruments).start()
+
+
+def requeue(letter: Any) -> None:
+    """Send a dead letter (outbox.queue.models.DeadLetter) back to its queue: same id and key, deliveries from 1."""
+    config = conf.queue_config()
+    headers = [(str(name), str(value).encode()) for name, value in letter.headers]
+    _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],
+                           key=bytes(letter.key) if letter.key else None, ids=[letter.message_id])
 
 
 def limits_for(config: QueueConfig, queue: str, **overrides: Any) -> QueueLimits:
@@ -115,7 +123,8 @@ def limits_for(config: QueueConfig, queue: str, **overrides: Any) -> QueueLimits
     return dataclasses.replace(limits, **changes) if changes else limits
 
 
-def _check_queue(queue: Any) -> None:
+def validate_queue(queue: Any) -> None:
+    """InvalidRecord unless `queue` is a valid queue name."""
     if not isinstance(queue, str) or not QUEUE_NAME_PATTERN.fullmatch(queue):
         raise InvalidRecord("queue", queue_name_problem(queue))
 

@@ -40,9 +40,10 @@ class QueueProducer:
         # librdkafka gives up after delivery.timeout.ms; wait a little longer so its report arrives first.
         self._timeout = float(kafka_config["delivery.timeout.ms"]) / 1000 + 5
 
-    def send(self, queue: str, messages: Sequence[Outgoing], *, key: bytes | None = None) -> list[str]:
-        """Publish `messages` to `queue`; returns their ids in order."""
-        ids = [new_message_id() for _ in messages]
+    def send(self, queue: str, messages: Sequence[Outgoing], *, key: bytes | None = None,
+             ids: Sequence[str] | None = None) -> list[str]:
+        """Publish `messages` to `queue` (new ids unless given, e.g. to requeue a dead letter); returns the ids."""
+        ids = list(ids) if ids is not None else [new_message_id() for _ in messages]
         done = threading.Event()
         failures: list[KafkaError] = []
         pending = [len(messages)]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -11,6 +13,9 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connections
 
 from outbox.queue import store
+from outbox.queue.consumer import QueueConsumer
+from outbox.queue.runner import HandlerRunner
+from outbox.queue.tracker import RedeliveryTracker
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,30 @@ class StatusReporter(threading.Thread):
                           if n != done_redelivered.get(q, 0)},
                          {q: n - done_dead.get(q, 0) for q, n in dead.items() if n != done_dead.get(q, 0)})
         self._counted = (redelivered, dead)
+
+
+def tracker_status(tracker: RedeliveryTracker) -> tuple[int, dict[str, Any]]:
+    """A tracker's row: messages in progress per queue (with the oldest start), partitions, markers read."""
+    view = tracker.snapshot
+    queues = {queue: {"in_progress": stats.in_progress, "oldest_started": stats.oldest_started}
+              for queue, stats in view.queues.items()}
+    markers = {queue: {"starts": view.starts.get(queue, 0), "ends": view.ends.get(queue, 0)}
+               for queue in sorted(set(view.starts) | set(view.ends))}
+    return sum(s.in_progress for s in view.queues.values()), {
+        "partitions": view.partitions, "replaying": view.replaying, "queues": queues, "markers": markers,
+        "redelivered": view.redelivered, "dead_lettered": view.dead_lettered}
+
+
+def consumer_status(consumer: QueueConsumer, runner: HandlerRunner | None = None,
+                    handler: str = "") -> tuple[int, dict[str, Any]]:
+    """A consumer's row: what it holds and its totals."""
+    oldest = consumer.oldest_in_progress()
+    return consumer.in_progress, {
+        "handler": handler, "workers": runner.workers if runner else 0, "inbox": bool(runner and runner.inbox),
+        "received": consumer.received, "acked": consumer.acked, "retried": consumer.retried,
+        "abandoned": consumer.abandoned, "skipped": runner.skipped if runner else 0,
+        "limits": dataclasses.asdict(consumer.limits),
+        "oldest_in_progress_seconds": None if oldest is None else round(time.monotonic() - oldest, 3)}
 
 
 def _line(error: BaseException) -> str:

@@ -83,7 +83,7 @@ class TrackerSnapshot:
     #: Totals since start, per queue.
     redelivered: dict[str, int] = field(default_factory=dict)
     dead_lettered: dict[str, int] = field(default_factory=dict)
-    #: Partitions still replaying the log (not yet caught up).
+    #: Partitions still rebuilding their state from the log (not yet read to the end once).
     replaying: list[int] = field(default_factory=list)
     #: Start and End markers read since start, per queue (a replay after a rebalance reads some again).
     starts: dict[str, int] = field(default_factory=dict)
@@ -340,7 +340,7 @@ class RedeliveryTracker:
                     total.oldest_started = stats.oldest_started
         return TrackerSnapshot(partitions=sorted(self._trackers), queues=queues, redelivered=dict(self._redelivered),
                                dead_lettered=dict(self._dead),
-                               replaying=sorted(p for p, t in self._trackers.items() if not t.caught_up),
+                               replaying=sorted(p for p, t in self._trackers.items() if not t.rebuilt),
                                starts=dict(self._starts), ends=dict(self._ends))
 
     # -- rebalances (called inside consume(), on the tracker thread) ------------------------------

@@ -75,6 +75,7 @@ class PartitionTracker:
     _last_timestamp: float | None = None
     _seen_at: float = 0.0
     _caught_up: bool = False
+    _rebuilt: bool = False
     _clock_floor: float = -math.inf
 
     def apply(self, queue: str, marker: Marker, offset: int, timestamp: float, now: float) -> None:
@@ -113,11 +114,17 @@ class PartitionTracker:
 
     def reached_end(self) -> None:
         """The consumer read to the end of the partition (its high watermark, or last stable offset)."""
-        self._caught_up = True
+        self._caught_up = self._rebuilt = True
 
     @property
     def caught_up(self) -> bool:
+        """At the end of the log as far as the tracker knows (until the next marker is read)."""
         return self._caught_up
+
+    @property
+    def rebuilt(self) -> bool:
+        """Read to the end at least once since the partition was assigned: the state is whole."""
+        return self._rebuilt
 
     def logical_now(self, now: float) -> float | None:
         """The deadline clock: None until a marker was read."""

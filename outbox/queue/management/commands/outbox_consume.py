@@ -22,7 +22,7 @@ from outbox.queue import api, cli, conf, metrics, store
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.runner import Handler, HandlerRunner
-from outbox.queue.status import StatusReporter
+from outbox.queue.status import StatusReporter, consumer_status
 
 log = logging.getLogger("outbox.queue")
 #: How often the inbox is pruned of rows older than inbox_retention.
@@ -61,7 +61,7 @@ class Command(BaseCommand):
         handler = self._handler(options["handler"])
         config = conf.queue_config()
         try:
-            api._check_queue(queue)
+            api.validate_queue(queue)
         except InvalidRecord as error:
             raise CommandError(f"--queue: {str(error).removeprefix('queue: ')}") from None
         limits = api.limits_for(config, queue, redelivery_timeout=options["redelivery_timeout"],
@@ -85,7 +85,7 @@ class Command(BaseCommand):
             raise CommandError(str(error)) from None
         runner = HandlerRunner(consumer, handler, workers=workers, inbox=options["inbox"], using=options["database"])
         reporter = StatusReporter(name, "consumer", queue=queue, interval=conf.setting("status_interval"),
-                                  snapshot=lambda: _status(consumer, runner, options["handler"]))
+                                  snapshot=lambda: consumer_status(consumer, runner, options["handler"]))
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
                               lambda: metrics.consumer_gauges(queue, name, lambda: consumer.in_progress))
@@ -125,11 +125,3 @@ class Command(BaseCommand):
         if deleted:
             log.info("Pruned %d inbox row(s)", deleted)
 
-
-def _status(consumer: QueueConsumer, runner: HandlerRunner, handler: str) -> tuple[int, dict[str, Any]]:
-    oldest = consumer.oldest_in_progress()
-    return consumer.in_progress, {
-        "handler": handler, "workers": runner.workers, "inbox": runner.inbox,
-        "received": consumer.received, "acked": consumer.acked, "retried": consumer.retried,
-        "abandoned": consumer.abandoned, "skipped": runner.skipped,
-        "oldest_in_progress_seconds": None if oldest is None else round(time.monotonic() - oldest, 3)}

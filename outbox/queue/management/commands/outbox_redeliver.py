@@ -14,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from outbox.harvest.config import default_name
 from outbox.queue import cli, conf, metrics, store
 from outbox.queue.errors import QueueError
-from outbox.queue.status import StatusReporter
+from outbox.queue.status import StatusReporter, tracker_status
 from outbox.queue.tracker import RedeliveryTracker
 
 
@@ -44,7 +44,7 @@ class Command(BaseCommand):
         except QueueError as error:
             raise CommandError(str(error)) from None
         reporter = StatusReporter(name, "tracker", interval=conf.setting("status_interval"),
-                                  snapshot=lambda: _status(tracker),
+                                  snapshot=lambda: tracker_status(tracker),
                                   totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered))
         reporter.start()
         try:
@@ -59,11 +59,3 @@ class Command(BaseCommand):
             tracker.stop()
             reporter.stop()
 
-
-def _status(tracker: RedeliveryTracker) -> tuple[int, dict[str, Any]]:
-    view = tracker.snapshot
-    queues = {queue: {"in_progress": stats.in_progress, "oldest_started": stats.oldest_started}
-              for queue, stats in view.queues.items()}
-    return sum(s.in_progress for s in view.queues.values()), {
-        "partitions": view.partitions, "replaying": view.replaying, "queues": queues,
-        "redelivered": view.redelivered, "dead_lettered": view.dead_lettered}
