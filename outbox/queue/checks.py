@@ -6,6 +6,7 @@ from typing import Any
 
 from django.core import checks
 
+from outbox.harvest.config import Problem
 from outbox.queue import conf
 
 HINT = "See docs/queues.md for OUTBOX['queues']."
@@ -13,6 +14,9 @@ HINT = "See docs/queues.md for OUTBOX['queues']."
 
 @checks.register("outbox_queue")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    errors = [checks.Error(f"OUTBOX['queues'] {p}", hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.problems()]
-    return errors + [checks.Warning(f"OUTBOX['queues'] {p}", hint=HINT, id=f"outbox_queue.{p.code}")
-                     for p in conf.warnings()]
+    errors = [checks.Error(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.problems()]
+    return errors + [checks.Warning(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.warnings()]
+
+
+def _text(problem: Problem) -> str:
+    return str(problem) if problem.field.startswith("OUTBOX") else f"OUTBOX['queues'] {problem}"

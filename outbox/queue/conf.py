@@ -81,7 +81,7 @@ def problems() -> list[Problem]:
     raw = raw_settings()
     if not isinstance(raw, Mapping):
         return [Problem("E001", "OUTBOX['queues']", f"must be a dict, got {type(raw).__name__}")]
-    found = _unknown(raw, KNOWN_KEYS, "OUTBOX['queues']")
+    found = _unknown(raw, KNOWN_KEYS, "")
     per_queue = raw.get("per_queue", {})
     if not isinstance(per_queue, Mapping):
         found.append(Problem("E003", "per_queue", f"must be a dict of queue name to limits, got {per_queue!r}"))
@@ -90,7 +90,7 @@ def problems() -> list[Problem]:
             if not isinstance(limits, Mapping):
                 found.append(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}"))
             else:
-                found.extend(_unknown(limits, frozenset(LIMIT_NAMES), f"OUTBOX['queues']['per_queue'][{queue!r}]"))
+                found.extend(_unknown(limits, frozenset(LIMIT_NAMES), f"per_queue[{queue!r}]."))
     for key in ("status_interval", "status_gone_after", "inbox_retention"):
         value = setting(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -144,7 +144,7 @@ def _unknown(raw: Mapping[Any, Any], known: frozenset[str], where: str) -> list[
     for key in sorted(set(raw) - known, key=str):
         close = difflib.get_close_matches(str(key), sorted(known), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        found.append(Problem("E002", f"{where}[{key!r}]", f"is not a known setting{hint}"))
+        found.append(Problem("E002", f"{where}{key}", f"is not a known setting{hint}"))
     return found
 
 

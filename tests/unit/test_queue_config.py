@@ -58,8 +58,9 @@ def test_the_example_project_passes_its_checks():
 
 @pytest.mark.parametrize(("queues", "code", "text"), [
     ([], "outbox_queue.E001", "must be a dict"),
-    ({"redelivery_timout": 5}, "outbox_queue.E002", "did you mean 'redelivery_timeout'"),
-    ({"per_queue": {"a": {"max_deliverys": 1}}}, "outbox_queue.E002", "did you mean 'max_deliveries'"),
+    ({"redelivery_timout": 5}, "outbox_queue.E002", "redelivery_timout: is not a known setting (did you mean"),
+    ({"per_queue": {"a": {"max_deliverys": 1}}}, "outbox_queue.E002",
+     "per_queue['a'].max_deliverys: is not a known setting (did you mean 'max_deliveries'"),
     ({"redelivery_timeout": 0}, "outbox_queue.E004", "redelivery_timeout: must be between 0.1 and 43200"),
     ({"redelivery_timeout": "soon"}, "outbox_queue.E003", "redelivery_timeout: must be a number of seconds"),
     ({"keep_alive_interval": 30}, "outbox_queue.E004", "must be above 0 and below redelivery_timeout"),
