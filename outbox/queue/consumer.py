@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 #: How long start() waits for Kafka to answer before reporting it unreachable.
 KAFKA_START_TIMEOUT = 10.0
-#: Records read from the queue topic per fetch (records of other queues included).
+#: Records read from the queue topic at most per poll while paused (then handed back).
 FETCH_BATCH = 500
+#: Held full this long (slow handlers), the consumer pauses its partitions and polls to stay in its group.
+FULL_PAUSE_AFTER = 5.0
 #: Pause after a failed Start transaction before reading again.
 ERROR_BACKOFF = 0.5
 #: Offsets of records of other queues are committed at least this often (seconds) ...
@@ -135,6 +137,8 @@ class QueueConsumer:
         self._fetcher: threading.Thread | None = None
         self._keeper: threading.Thread | None = None
         self._paused = False
+        self._full_since: float | None = None
+        self._room = threading.Event()
         self._pending: dict[int, int] = {}
         self._pending_records = 0
         self._last_foreign_commit = clock()
@@ -259,6 +263,7 @@ class QueueConsumer:
                 return  # acked, retried or abandoned already; or released by close()
             message._state = "done"
             del self._in_progress[message.ref]
+            self._room.set()
             # Under the lock, so a keep-alive for this message can never follow its End or retry marker.
             if kind is not None:
                 self._send_marker(message, kind, delay)
@@ -329,20 +334,24 @@ class QueueConsumer:
         consumer = self._consumer
         free = self.limits.max_in_progress - len(self._in_progress)
         if free <= 0:
-            if not self._paused:
-                consumer.pause(consumer.assignment())
-                self._paused = True
-            # Polls keep the consumer in its group (and serve rebalances) while paused.
-            self._rewind(consumer.consume(FETCH_BATCH, timeout=self.config.poll_interval))
+            self._wait_for_room()
             return
+        self._full_since = None
         if self._paused:
             consumer.resume(consumer.assignment())
             self._paused = False
-        records = consumer.consume(FETCH_BATCH, timeout=self.config.poll_interval)
+        # poll() returns as soon as one record is there; consume(timeout=0) adds what is already
+        # fetched. (consume() with a timeout would wait for the whole batch: latency when quiet.)
+        first = consumer.poll(self.config.poll_interval)
+        if first is None:
+            self._commit_foreign()
+            return
+        # At most `free` records, so never more of this queue than there is room for: the rest
+        # stays in librdkafka's fetch queue (a seek back would discard it and cost a fetch).
+        records = [first, *consumer.consume(free - 1, timeout=0)] if free > 1 else [first]
         ours: list[Any] = []
         positions: dict[int, int] = {}
-        cut: dict[int, int] = {}
-        first: dict[int, int] = {}
+        first_offsets: dict[int, int] = {}
         for record in records:
             error = record.error()
             if error is not None:
@@ -351,24 +360,33 @@ class QueueConsumer:
                 log.warning("Queue consumer: %s", error.str())
                 continue
             partition = record.partition()
-            if partition in cut:
-                continue
-            first.setdefault(partition, record.offset())
+            first_offsets.setdefault(partition, record.offset())
             key = record.key()
             if key == self._key or (key is not None and key.startswith(self._key_prefix)):
-                if len(ours) >= free:  # back-pressure: read this partition again from here later
-                    cut[partition] = record.offset()
-                    continue
                 ours.append(record)
             positions[partition] = record.offset() + 1
-        for partition, offset in cut.items():
-            self._seek(partition, offset)
         if ours:
-            self._start(ours, positions, first)
+            self._start(ours, positions, first_offsets)
         elif positions:
             self._pending.update(positions)
             self._pending_records += len(records)
             self._commit_foreign()
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure: wait for an ack; held full for long, pause the partitions and keep polling."""
+        now = self._clock()
+        if self._full_since is None:
+            self._full_since = now
+        if not self._paused and now - self._full_since < FULL_PAUSE_AFTER:
+            self._room.wait(self.config.poll_interval)
+            self._room.clear()
+            return
+        consumer = self._consumer
+        if not self._paused:
+            consumer.pause(consumer.assignment())
+            self._paused = True
+        # Polls keep the consumer in its group (max.poll.interval.ms) and serve rebalances while paused.
+        self._rewind(consumer.consume(FETCH_BATCH, timeout=self.config.poll_interval))
 
     def _start(self, records: list[Any], positions: dict[int, int], first: dict[int, int]) -> None:
         """Start markers for `records` and the consumer's offsets, in one transaction; then hand them out."""

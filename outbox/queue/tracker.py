@@ -190,7 +190,10 @@ class RedeliveryTracker:
             self._stopped.set()
 
     def _step(self) -> None:
-        records = self._consumer.consume(FETCH_BATCH, timeout=self.config.poll_interval)
+        # poll() wakes at the first record (or the interval, to check deadlines); consume(timeout=0)
+        # adds whatever else is already fetched.
+        first = self._consumer.poll(self.config.poll_interval)
+        records = [] if first is None else [first, *self._consumer.consume(FETCH_BATCH - 1, timeout=0)]
         now = self._clock()
         for record in records:
             error = record.error()
