@@ -340,3 +340,33 @@ def test_sigterm_finishes_the_message_in_hand_releases_the_rest_and_exits_0(
     assert sorted(e.id for e in later) == sorted(set(ids) - {in_hand.id})
     assert all(e.delivery == 1 for e in later), "a released message was never handled: no delivery counted"
     assert 'outbox_queue_messages_redelivered_total{queue="mail"} 2.0' in tracker_metrics
+
+
+def test_the_example_shop_confirms_an_order_through_its_queue(config, database_url, bootstrap_servers):
+    from django.test import Client
+
+    from outbox.models import OutboxRecord
+    from project.shop.handlers import confirm_order
+
+    response = Client(HTTP_HOST="127.0.0.1").post("/", {"item": "teapot", "quantity": 2})
+    assert response.status_code == 302
+    order = Order.objects.get(item="teapot")
+    assert order.confirmed is None
+    assert sorted(OutboxRecord.objects.values_list("kafka_topic", flat=True)) == sorted(["orders", config.topic])
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
+                                        leader_topic=leader, leader_group=leader, limits=Limits(heartbeat_timeout=2.0)))
+    harvester.start()
+    try:
+        with api.consumer("order-confirmations") as consumer:
+            runner = HandlerRunner(consumer, confirm_order, inbox=True)
+            runner.start()
+            try:
+                wait_until(lambda: Order.objects.get(pk=order.pk).confirmed, 30, "the order to be confirmed")
+            finally:
+                runner.stop()
+                runner.join()
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+    assert consumer.acked == 1 and InboxEntry.objects.filter(queue="order-confirmations").count() == 1
