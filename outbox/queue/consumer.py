@@ -203,7 +203,7 @@ class QueueConsumer:
                     continue
                 message._state = "received"
                 message._received_at = self._clock()
-            self.received += 1
+                self.received += 1
             self._instruments.received(self.queue)
             return message
 
@@ -267,14 +267,17 @@ class QueueConsumer:
             # Under the lock, so a keep-alive for this message can never follow its End or retry marker.
             if kind is not None:
                 self._send_marker(message, kind, delay)
+            if kind is Kind.END:
+                self.acked += 1
+            elif kind is Kind.KEEPALIVE:
+                self.retried += 1
+            else:
+                self.abandoned += 1
         if kind is Kind.END:
-            self.acked += 1
             self._instruments.acked(self.queue, self._clock() - message._received_at)
         elif kind is Kind.KEEPALIVE:
-            self.retried += 1
             self._instruments.retried(self.queue)
         else:
-            self.abandoned += 1
             self._instruments.abandoned(self.queue)
 
     def _send_marker(self, message: Message, kind: Kind, delay: float | None = None) -> None:

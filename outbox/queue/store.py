@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
 
 from outbox.queue import models
@@ -30,6 +30,30 @@ ON CONFLICT (queue) DO UPDATE SET redelivered = {table}.redelivered + EXCLUDED.r
     dead_lettered = {table}.dead_lettered + EXCLUDED.dead_lettered, updated = now()
 """
 CLAIM = "INSERT INTO {table} (queue, message_id) VALUES (%s, %s) ON CONFLICT DO NOTHING RETURNING 1"
+
+
+class DatabaseUnavailable(Exception):
+    """The queue's tables cannot be used; the message is one line for the operator."""
+
+
+def require_tables(*tables: type[models.models.Model], using: str = "default") -> None:
+    """Fail early, in one line, when the database is unreachable or the queue app is not migrated."""
+    connection = connections[using]
+    where = f"{connection.settings_dict.get('HOST') or 'localhost'}:{connection.settings_dict.get('PORT') or 5432}/" \
+            f"{connection.settings_dict.get('NAME')}"
+    try:
+        with connection.cursor() as cursor:
+            missing = [t._meta.db_table for t in tables if t._meta.db_table not in
+                       connection.introspection.table_names(cursor)]
+    except DatabaseError as error:
+        text = str(error).strip()
+        raise DatabaseUnavailable(f"cannot connect to Postgres at {where}: "
+                                  f"{text.splitlines()[0] if text else type(error).__name__}") from None
+    finally:
+        connection.close()
+    if missing:
+        raise DatabaseUnavailable(f"table(s) {', '.join(missing)} missing at {where}: "
+                                  f"run manage.py migrate outbox_queue")
 
 
 def store_dead_letters(letters: Sequence[DeadLetter]) -> None:

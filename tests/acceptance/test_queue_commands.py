@@ -65,3 +65,27 @@ def test_check_fails_with_a_queue_error_code_on_a_bad_setting(tmp_path):
     result = manage("outbox_consume", "--queue", "q", "--handler", "x.y",
                     env={"DJANGO_SETTINGS_MODULE": "bad_settings", "PYTHONPATH": f"{tmp_path}:{ROOT}"})
     assert result.returncode == 1 and "outbox_queue.E002" in result.stderr, "commands run the system checks first"
+
+
+@pytest.mark.parametrize("command", [[*CONSUME, "--inbox"], ["outbox_redeliver"]])
+def test_unreachable_postgres_is_one_line_and_non_zero(command):
+    result = manage(*command, env={"DATABASE_URL": "postgres://outbox:outbox@127.0.0.1:1/outbox"})
+    assert one_line(result).startswith("CommandError: cannot connect to Postgres at 127.0.0.1:1/outbox: ")
+
+
+@pytest.mark.integration
+def test_an_unmigrated_database_is_one_line(services):
+    import uuid
+
+    import psycopg
+
+    name = f"outbox_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(services.database_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        result = manage("outbox_redeliver", env={"DATABASE_URL": services.database_url_for(name)})
+        assert "run manage.py migrate outbox_queue" in one_line(result)
+    finally:
+        with psycopg.connect(services.database_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name}")

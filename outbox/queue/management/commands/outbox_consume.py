@@ -21,6 +21,7 @@ from outbox.harvest.config import default_name
 from outbox.queue import api, cli, conf, metrics, store
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
+from outbox.queue.models import InboxEntry
 from outbox.queue.runner import Handler, HandlerRunner
 from outbox.queue.status import StatusReporter, consumer_status
 
@@ -75,6 +76,11 @@ class Command(BaseCommand):
                                f"{workers}; raise --max-in-progress to run more")
         if options["inbox"] and options["database"] not in connections:
             raise CommandError(f"--database: {options['database']!r} is not in DATABASES")
+        if options["inbox"]:
+            try:
+                store.require_tables(InboxEntry, using=options["database"])
+            except store.DatabaseUnavailable as error:
+                raise CommandError(str(error)) from None
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
         name = options["name"] or default_name()

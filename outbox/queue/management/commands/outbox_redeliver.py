@@ -14,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from outbox.harvest.config import default_name
 from outbox.queue import cli, conf, metrics, store
 from outbox.queue.errors import QueueError
+from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
 from outbox.queue.status import StatusReporter, tracker_status
 from outbox.queue.tracker import RedeliveryTracker
 
@@ -36,6 +37,10 @@ class Command(BaseCommand):
             return
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
+        try:
+            store.require_tables(DeadLetter, QueueProcess, QueueCounter)
+        except store.DatabaseUnavailable as error:
+            raise CommandError(str(error)) from None
         name = options["name"] or default_name()
         instruments = metrics.default_instruments()
         tracker = RedeliveryTracker(config, dead_letters=store.store_dead_letters, name=name, instruments=instruments)
