@@ -15,6 +15,8 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.harvester import Harvester
 from outbox.queue import markers, store
 from outbox.queue.config import QueueConfig
 from outbox.queue.tracker import RedeliveryTracker
@@ -117,6 +119,20 @@ def running_tracker(config: QueueConfig, name: str = "tracker") -> Iterator[Rede
     finally:
         tracker.stop()
         tracker.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def running_harvester(database_url: str, bootstrap: str) -> Iterator[Harvester]:
+    """A harvester of the test database's outbox, so stash()ed messages reach the queue topic."""
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap},
+                                        leader_topic=leader, leader_group=leader, limits=Limits(heartbeat_timeout=2.0)))
+    harvester.start()
+    try:
+        yield harvester
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,11 @@ import signal
 import socket
 import time
 import urllib.request
-import uuid
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 from django.db import transaction
 
-from outbox.harvest.config import HarvestConfig, Limits
-from outbox.harvest.harvester import Harvester
 from outbox.queue import api, conf
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import Retry
@@ -37,6 +34,7 @@ from tests.integration.queue_harness import (
     process_env,
     queue_settings,
     read_queue_topic,
+    running_harvester,
     running_tracker,
 )
 
@@ -90,17 +88,9 @@ def test_a_stashed_message_is_published_by_the_harvester_with_its_id(config, dat
     with transaction.atomic():
         order = Order.objects.create(item="lamp")
         message_id = api.stash("confirmations", {"order": order.pk}, headers={"source": "shop"})
-    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
-    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
-                                        leader_topic=leader, leader_group=leader, limits=Limits(heartbeat_timeout=2.0)))
-    harvester.start()
-    try:
-        with api.consumer("confirmations") as consumer:
-            message = wait_until(lambda: consumer.receive(timeout=0.5), 30, "the stashed message")
-            message.ack()
-    finally:
-        harvester.stop()
-        harvester.wait(timeout=30)
+    with running_harvester(database_url, bootstrap_servers), api.consumer("confirmations") as consumer:
+        message = wait_until(lambda: consumer.receive(timeout=0.5), 30, "the stashed message")
+        message.ack()
     assert message.id == message_id and message.json() == {"order": order.pk}
     names = [name for name, _ in message.headers]
     assert ("source", "shop") in message.headers and "outbox-id" in names
@@ -353,20 +343,12 @@ def test_the_example_shop_confirms_an_order_through_its_queue(config, database_u
     order = Order.objects.get(item="teapot")
     assert order.confirmed is None
     assert sorted(OutboxRecord.objects.values_list("kafka_topic", flat=True)) == sorted(["orders", config.topic])
-    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
-    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
-                                        leader_topic=leader, leader_group=leader, limits=Limits(heartbeat_timeout=2.0)))
-    harvester.start()
-    try:
-        with api.consumer("order-confirmations") as consumer:
-            runner = HandlerRunner(consumer, confirm_order, inbox=True)
-            runner.start()
-            try:
-                wait_until(lambda: Order.objects.get(pk=order.pk).confirmed, 30, "the order to be confirmed")
-            finally:
-                runner.stop()
-                runner.join()
-    finally:
-        harvester.stop()
-        harvester.wait(timeout=30)
+    with running_harvester(database_url, bootstrap_servers), api.consumer("order-confirmations") as consumer:
+        runner = HandlerRunner(consumer, confirm_order, inbox=True)
+        runner.start()
+        try:
+            wait_until(lambda: Order.objects.get(pk=order.pk).confirmed, 30, "the order to be confirmed")
+        finally:
+            runner.stop()
+            runner.join()
     assert consumer.acked == 1 and InboxEntry.objects.filter(queue="order-confirmations").count() == 1
