@@ -18,7 +18,7 @@ from typing import Any
 
 from outbox import conf as outbox_conf
 from outbox.errors import InvalidRecord
-from outbox.queue import conf, markers
+from outbox.queue import conf, markers, metrics
 from outbox.queue.config import QUEUE_NAME_PATTERN, QueueConfig, QueueLimits, queue_name_problem
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
@@ -101,7 +101,8 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
     limits = limits_for(config, queue, redelivery_timeout=redelivery_timeout,
                         keep_alive_interval=keep_alive_interval, max_in_progress=max_in_progress,
                         max_deliveries=max_deliveries)
-    return QueueConsumer(config, queue, limits=limits, name=name, instruments=instruments).start()
+    return QueueConsumer(config, queue, limits=limits, name=name,
+                         instruments=instruments or metrics.default_instruments()).start()
 
 
 def requeue(letter: Any) -> None:
@@ -172,7 +173,5 @@ def _producer(config: QueueConfig) -> QueueProducer:
                 ensure_topics(config, 10.0)
             except Exception as error:
                 raise QueueError(str(error)) from None
-            from outbox.queue import metrics
-
             producer = _producers[key] = QueueProducer(config, instruments=metrics.default_instruments())
     return producer
