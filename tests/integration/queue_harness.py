@@ -109,6 +109,15 @@ def consumer_args(queue: str, *extra: str, handler: str = "tests.integration.que
     return ["--queue", queue, "--handler", handler, "--redelivery-timeout", str(REDELIVERY_TIMEOUT), *extra]
 
 
+def group_members(config: QueueConfig, group: str) -> int:
+    """Members of a consumer group that hold partitions."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": config.base_kafka_config["bootstrap.servers"]})
+    described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    return sum(1 for member in described.members if member.assignment.topic_partitions)
+
+
 @contextlib.contextmanager
 def running_tracker(config: QueueConfig, name: str = "tracker") -> Iterator[RedeliveryTracker]:
     """A tracker in this process, storing dead letters in the test database."""
