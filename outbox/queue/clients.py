@@ -16,7 +16,7 @@ import logging
 import uuid
 from typing import Any
 
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox.queue.config import QueueConfig
 
@@ -85,3 +85,19 @@ def log_client_error(error: KafkaError) -> None:
 def kafka_error(error: BaseException) -> KafkaError | None:
     args = getattr(error, "args", ())
     return args[0] if args and isinstance(args[0], KafkaError) else None
+
+
+def init_transactions(producer: Any, config: QueueConfig, timeout: float) -> None:
+    """init_transactions(), failing in one line that says transactions are what is missing."""
+    try:
+        producer.init_transactions(timeout)
+    except KafkaException as error:
+        bootstrap = config.base_kafka_config.get("bootstrap.servers", "?")
+        reason = error.args[0].str() if error.args and isinstance(error.args[0], KafkaError) else str(error)
+        raise TransactionsUnavailable(
+            f"cannot start Kafka transactions at {bootstrap}: {reason} (a single-broker cluster needs "
+            f"transaction.state.log.replication.factor=1 and transaction.state.log.min.isr=1)") from None
+
+
+class TransactionsUnavailable(Exception):
+    """The broker answers but cannot run transactions; the message is one line."""

@@ -156,10 +156,10 @@ class QueueConsumer:
             ensure_topics(self.config, KAFKA_START_TIMEOUT)
             self._markers = self._producer_factory(clients.marker_producer_config(self.config, self.name))
             self._starts = self._producer_factory(clients.start_producer_config(self.config, self.queue, self.name))
-            self._starts.init_transactions(KAFKA_START_TIMEOUT)
+            clients.init_transactions(self._starts, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.queue_consumer_config(self.config, self.queue, self.name))
             self._consumer.subscribe([self.config.topic], on_assign=self._on_assign)
-        except KafkaUnavailable as error:
+        except (KafkaUnavailable, clients.TransactionsUnavailable) as error:
             self._close_clients()
             raise QueueError(str(error)) from None
         except KafkaException as error:

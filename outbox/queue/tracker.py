@@ -137,11 +137,11 @@ class RedeliveryTracker:
         try:
             ensure_topics(self.config, KAFKA_START_TIMEOUT)
             self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name))
-            self._producer.init_transactions(KAFKA_START_TIMEOUT)
+            clients.init_transactions(self._producer, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.markers_consumer_config(self.config, self.name))
             self._consumer.subscribe([self.config.markers_topic], on_assign=self._on_assign,
                                      on_revoke=self._on_revoke, on_lost=self._on_lost)
-        except KafkaUnavailable as error:
+        except (KafkaUnavailable, clients.TransactionsUnavailable) as error:
             raise QueueError(str(error)) from None
         except KafkaException as error:
             bootstrap = self.config.base_kafka_config.get("bootstrap.servers", "?")

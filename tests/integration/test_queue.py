@@ -19,7 +19,7 @@ from django.db import transaction
 
 from outbox.queue import api, conf
 from outbox.queue.consumer import QueueConsumer
-from outbox.queue.errors import Retry
+from outbox.queue.errors import QueueError, Retry
 from outbox.queue.models import DeadLetter, InboxEntry, QueueCounter
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.topics import ensure_topics
@@ -359,3 +359,21 @@ def test_the_example_shop_confirms_an_order_through_its_queue(config, database_u
             runner.stop()
             runner.join()
     assert consumer.acked == 1 and InboxEntry.objects.filter(queue="order-confirmations").count() == 1
+
+
+def test_a_broker_without_transactions_is_one_clear_error(config):
+    class NoTransactions:
+        def __init__(self, kafka_config):
+            self._producer = Producer(kafka_config)
+
+        def init_transactions(self, timeout):
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to initialize Producer ID: timed out"))
+
+        def __getattr__(self, name):
+            return getattr(self._producer, name)
+
+    with pytest.raises(QueueError) as caught:
+        QueueConsumer(config, "q", producer_factory=NoTransactions).start()
+    bootstrap = config.base_kafka_config["bootstrap.servers"]
+    assert str(caught.value).startswith(f"cannot start Kafka transactions at {bootstrap}: Failed to initialize")
+    assert "transaction.state.log.replication.factor=1" in str(caught.value)

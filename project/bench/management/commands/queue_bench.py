@@ -1,9 +1,13 @@
 """Benchmarks of outbox.queue that print figures (never assert them).
 
+    manage.py queue_bench send --messages 5000
     manage.py queue_bench throughput --messages 20000 --consumers 1 --consumers 4
     manage.py queue_bench redelivery --runs 5 --redelivery-timeout 2
 
-Both run the real `manage.py outbox_consume` and `outbox_redeliver` in subprocesses on a fresh
+send: messages/s of send() one at a time (each waits for Kafka's ack) and of send_many() in
+batches of 1,000 (kafka-mq-go's bench measures its Send and SendAsync the same two ways).
+
+throughput and redelivery run the real `manage.py outbox_consume` and `outbox_redeliver` in subprocesses on a fresh
 topic pair of the project's Kafka, and need a migrated database `default` (status rows).
 
 throughput: consumers (one worker each, a no-op handler) start first; then messages of 256 bytes
@@ -45,6 +49,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="mode", required=True)
+        send = sub.add_parser("send", help="messages/s of send() and send_many()")
+        send.add_argument("--messages", type=int, default=5000)
+        send.add_argument("--payload-bytes", type=int, default=256)
         throughput = sub.add_parser("throughput", help="messages/s from the first send to the last ack")
         throughput.add_argument("--messages", type=int, default=20_000)
         throughput.add_argument("--consumers", type=int, action="append",
@@ -60,6 +67,23 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, mode: str, **options: Any) -> None:
         getattr(self, f"bench_{mode}")(**options)
+
+    # -- send -------------------------------------------------------------------------------------
+
+    def bench_send(self, messages: int, payload_bytes: int, **_: Any) -> None:
+        payload = "x" * payload_bytes
+        with self._queues(f"bench-{uuid.uuid4().hex[:8]}", partitions=8):
+            api.send(QUEUE, payload)  # the producer's connection and the topic metadata, outside the timing
+            started = time.perf_counter()
+            for _ in range(messages):
+                api.send(QUEUE, payload)
+            one = messages / (time.perf_counter() - started)
+            started = time.perf_counter()
+            for offset in range(0, messages, 1000):
+                api.send_many(QUEUE, [payload] * min(1000, messages - offset))
+            many = messages / (time.perf_counter() - started)
+        self.stdout.write(f"messages={messages} payload={payload_bytes}B send()={one:,.0f} msg/s "
+                          f"send_many()={many:,.0f} msg/s")
 
     # -- throughput -------------------------------------------------------------------------------
 
@@ -92,7 +116,9 @@ class Command(BaseCommand):
         """Until the consumer group has `members` members with partitions (a warm-up message goes round)."""
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient(dict(config.base_kafka_config))
+        from outbox.harvest.kafka import admin_config
+
+        admin = AdminClient(admin_config(config.base_kafka_config))
         group = config.consumer_group(QUEUE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
