@@ -41,7 +41,6 @@ DJANGO_DEFAULTS: dict[str, Any] = {
     "stuck_after": 300.0,
     "stuck_reset_count": 3,
     "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
-    "queues": {},  # outbox.queue's settings, parsed and checked by that app (outbox/queue/conf.py)
 }
 #: Keys other parts of the app register (outbox.queue adds "queues").
 EXTRA_KEYS: set[str] = set()

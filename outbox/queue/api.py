@@ -57,7 +57,7 @@ def send_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None) -
     return _producer(config).send(queue, messages)
 
 
-def stash(queue: str, payload: Any, *, headers: Headers = None, using: str = "default") -> str:
+def stash(queue: str, payload: Any, *, headers: Headers = None, using: str | None = None) -> str:
     """Write one message for `queue` into the outbox, inside the caller's transaction; returns its id.
 
     outbox.OutsideTransaction outside transaction.atomic(), as the outbox's stash().
@@ -65,7 +65,8 @@ def stash(queue: str, payload: Any, *, headers: Headers = None, using: str = "de
     return stash_many(queue, [payload], headers=headers, using=using)[0]
 
 
-def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None, using: str = "default") -> list[str]:
+def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None,
+               using: str | None = None) -> list[str]:
     """Write many messages for `queue` into the outbox in one statement per 1,000; returns their ids."""
     config = conf.queue_config()
     validate_queue(queue)
