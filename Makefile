@@ -1,5 +1,6 @@
-# Quick start:  `make harvest` runs the harvester on the example project; `make test` runs every test.
-# Both set up what is missing first: a virtualenv in .venv, Postgres and Kafka (bin/services up).
+# Quick start:  `make harvest` runs the harvester on the example project; `make consume` its queue consumer
+# and redelivery tracker (in another terminal); `make test` runs every test.
+# All set up what is missing first: a virtualenv in .venv, Postgres and Kafka (bin/services up).
 
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12
                 $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 STAMP     := $(VENV)/.installed
 
-.PHONY: setup services harvest test images test-docker lint bench down clean
+.PHONY: setup services harvest consume test images test-docker lint bench down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +25,12 @@ services:
 harvest: setup
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py harvest
+
+# The example shop's queue: a redelivery tracker in the background, the order-confirmation consumer in front.
+consume: setup
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py outbox_redeliver & tracker=$$!; trap 'kill $$tracker 2>/dev/null; wait $$tracker' EXIT INT TERM; \
+	  $(PY) manage.py outbox_consume --queue order-confirmations --handler project.shop.handlers.confirm_order --inbox
 
 test: setup
 	$(PY) -m ruff check .

@@ -32,6 +32,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django.contrib.postgres",
     "outbox",
+    "outbox.queue",
     "project.shop",
     "project.bench",
 ]
@@ -68,12 +69,19 @@ WSGI_APPLICATION = "project.wsgi.application"
 DATABASES = {"default": env.db_url("DATABASE_URL")}
 DATABASES["default"]["TEST"] = {"NAME": env("TEST_DATABASE_NAME", default="outbox_test")}
 
+def queue_names(prefix: str) -> dict[str, str]:
+    return {"topic": prefix, "markers_topic": f"{prefix}-markers", "consumer_group_prefix": f"{prefix}-",
+            "tracker_group": f"{prefix}-tracker"}
+
+
 OUTBOX = {
     "base_kafka_config": {"bootstrap.servers": env("KAFKA_BOOTSTRAP_SERVERS")},
     # librdkafka producer settings as "key=value,key=value", e.g. "compression.type=lz4,linger.ms=1"
     "producer_kafka_config": env.dict("OUTBOX_PRODUCER_KAFKA_CONFIG", default={}),
     "leader_topic": env("OUTBOX_LEADER_TOPIC", default="example-outbox-leader"),
     "leader_group": env("OUTBOX_LEADER_GROUP", default="example-outbox-leader"),
+    # outbox.queue: the topic pair and the consumer groups all start with this prefix.
+    "queues": queue_names(env("OUTBOX_QUEUE_PREFIX", default="example-queue")),
 }
 
 AUTH_PASSWORD_VALIDATORS = [

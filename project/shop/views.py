@@ -2,7 +2,7 @@ from django import forms
 from django.db import transaction
 from django.shortcuts import redirect, render
 
-from outbox import stash
+from outbox import queue, stash
 from outbox.models import OutboxRecord
 from project.shop.models import Order
 
@@ -21,6 +21,8 @@ def orders(request):
             order = form.save()
             stash("orders", key=str(order.pk), value={"id": order.pk, "item": order.item,
                                                       "quantity": order.quantity, "event": "placed"})
+            # Work for a queue consumer, sent if and only if the order commits.
+            queue.stash("order-confirmations", {"order": order.pk})
         return redirect("orders")
     context = {
         "form": form,

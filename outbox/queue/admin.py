@@ -1,0 +1,126 @@
+"""Django admin: a page per queue (in progress, oldest, redeliveries, dead letters, live consumers and
+trackers) and the dead letters, read-only, with requeue and delete actions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import path
+from django.utils.html import format_html_join
+
+from outbox.queue import api, conf, overview
+from outbox.queue.config import QUEUE_NAME_PATTERN
+from outbox.queue.errors import QueueError
+from outbox.queue.models import DeadLetter, Queue
+
+#: Dead letters listed on a queue's page (the changelist has them all).
+RECENT_DEAD_LETTERS = 20
+
+
+@admin.register(Queue)
+class QueueAdmin(admin.ModelAdmin):
+    """/admin/outbox_queue/queue/: every queue; /admin/outbox_queue/queue/<name>/: one queue."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.is_active and request.user.is_staff
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[Any]:
+        detail = path("<str:name>/", self.admin_site.admin_view(self.queue_view), name="outbox_queue_queue_detail")
+        return [detail, *super().get_urls()]
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        found = overview.processes()
+        context = {**self._context(request, "Queues"), "queues": overview.queues(found), "processes": found,
+                   **(extra_context or {})}
+        return TemplateResponse(request, "admin/outbox_queue/queues.html", context)
+
+    def queue_view(self, request: HttpRequest, name: str) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise Http404
+        if not QUEUE_NAME_PATTERN.fullmatch(name):
+            raise Http404("not a queue name")
+        config = conf.queue_config()
+        context = {
+            **self._context(request, f"Queue {name}"),
+            "queue": overview.queue(name),
+            "limits": config.limits_for(name),
+            "config": config,
+            "dead_letters": DeadLetter.objects.filter(queue=name).order_by("-id")[:RECENT_DEAD_LETTERS],
+        }
+        return TemplateResponse(request, "admin/outbox_queue/queue.html", context)
+
+    def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
+        return {**self.admin_site.each_context(request), "title": title, "opts": self.model._meta,
+                "gone_after": conf.setting("status_gone_after")}
+
+
+@admin.register(DeadLetter)
+class DeadLetterAdmin(admin.ModelAdmin):
+    """Read-only: dead letters are written by trackers; requeue sends one back to its queue with the same id."""
+
+    list_display = ["id", "queue", "message_id", "deliveries", "last_delivered", "created", "preview"]
+    list_filter = ["queue"]
+    search_fields = ["=message_id"]
+    search_help_text = "Exact message id."
+    list_per_page = 50
+    actions = ["requeue_selected", "delete_selected"]
+    fields = ["id", "queue", "message_id", "deliveries", "last_delivered", "created", "text", "header_table"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_requeue_permission(self, request: HttpRequest) -> bool:
+        """Requeueing removes the row, so it takes the delete permission."""
+        return request.user.has_perm("outbox_queue.delete_deadletter")
+
+    @admin.display(description="payload")
+    def preview(self, letter: DeadLetter) -> str:
+        text = letter.text
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    @admin.display(description="payload")
+    def text(self, letter: DeadLetter) -> str:
+        return letter.text
+
+    @admin.display(description="headers")
+    def header_table(self, letter: DeadLetter) -> str:
+        if not letter.headers:
+            return "(none)"
+        return format_html_join("", "<div><code>{}</code>: <code>{}</code></div>", letter.headers)
+
+    @admin.action(description="Requeue selected dead letters", permissions=["requeue"])
+    def requeue_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+        """Send each back to its queue (same id, deliveries counted from 1) and delete its row; asks first."""
+        letters = list(queryset.order_by("id")[:1000])
+        if request.POST.get("post") != "yes":
+            context = {**self.admin_site.each_context(request), "title": "Requeue dead letters?", "letters": letters,
+                       "opts": self.model._meta, "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME}
+            return TemplateResponse(request, "admin/outbox_queue/requeue_confirmation.html", context)
+        for done, letter in enumerate(letters):
+            try:
+                api.requeue(letter)
+            except QueueError as error:
+                self.message_user(request, f"Stopped after {done} requeued: {error}", messages.ERROR)
+                return None
+            # Logged as a change with the reason, then removed: the message is back in its queue.
+            self.log_change(request, letter, f"Requeued to queue {letter.queue}; the dead letter was removed.")
+            letter.delete()
+        self.message_user(request, f"Requeued {len(letters)} dead letter(s).", messages.SUCCESS)
+        return None

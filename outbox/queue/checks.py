@@ -1,0 +1,22 @@
+"""System checks: `manage.py check` fails on a bad OUTBOX["queues"] setting, with a stable error code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core import checks
+
+from outbox.harvest.config import Problem
+from outbox.queue import conf
+
+HINT = "See docs/queues.md for OUTBOX['queues']."
+
+
+@checks.register("outbox_queue")
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    errors = [checks.Error(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.problems()]
+    return errors + [checks.Warning(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.warnings()]
+
+
+def _text(problem: Problem) -> str:
+    return str(problem) if problem.field.startswith("OUTBOX") else f"OUTBOX['queues'] {problem}"

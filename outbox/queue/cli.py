@@ -1,0 +1,69 @@
+"""What the queue's management commands share: logging, metrics, signals."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+
+log = logging.getLogger("outbox.queue")
+
+
+def add_common_arguments(parser: CommandParser) -> None:
+    parser.add_argument("--name", help="this process's name in logs and status rows (default: host_pid_time)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve Prometheus metrics on this port (http://ADDRESS:PORT/metrics)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
+                        help="address for --metrics-port (default 0.0.0.0)")
+
+
+def configure_logging(verbosity: int) -> None:
+    """Make the queue's log visible when the project has not configured the `outbox` loggers."""
+    logger = logging.getLogger("outbox")
+    if logger.hasHandlers():
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel({0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG))
+
+
+def require_metrics(port: int | None) -> None:
+    """Fail before connecting anywhere when --metrics-port is given without prometheus-client."""
+    from outbox.queue import metrics
+
+    if port is not None and not metrics.available():
+        raise CommandError(f"--metrics-port needs prometheus-client: {metrics.INSTALL_HINT}")
+
+
+def serve_metrics(port: int | None, address: str, collector: Callable[[], Any]) -> None:
+    if port is None:
+        return
+    from outbox.queue import metrics
+
+    try:
+        metrics.serve(port, address, collector())
+    except OSError as error:
+        raise CommandError(f"cannot serve metrics on port {port}: {error}") from None
+    log.info("Metrics on http://%s:%d/metrics", address, port)
+
+
+@contextlib.contextmanager
+def on_stop_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT call `stop` (once each is enough) while the block runs."""
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        log.info("%s received: stopping", signal.Signals(signum).name)
+        stop()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,103 @@
+"""librdkafka settings of every Kafka client the queue uses, in one place.
+
+| client                      | where            | why it is configured so                                        |
+|-----------------------------|------------------|----------------------------------------------------------------|
+| sender                      | send()           | idempotent; random partitioner spreads a queue over partitions |
+| queue consumer              | a consumer       | one group per logical queue; offsets only move in transactions |
+| start producer              | a consumer       | transactional: Start markers and the offset commit are atomic  |
+| marker producer             | a consumer       | idempotent, keeps KeepAlive/End markers in order               |
+| markers consumer            | a tracker        | read_committed, reports the end of a partition                 |
+| redelivery producer         | a tracker        | transactional: redelivered message + End marker are atomic     |
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+
+from outbox.queue.config import QueueConfig
+
+log = logging.getLogger("outbox.queue")
+#: A crashed consumer's or tracker's partitions wait this long for a new owner (librdkafka's default
+#: is 45 s; Kafka's group.min.session.timeout.ms, 6 s by default, is the floor).
+GROUP_TIMEOUTS = {"session.timeout.ms": 10_000, "heartbeat.interval.ms": 2_000}
+#: librdkafka's own log lines go through Python logging instead of straight to stderr.
+client_log = logging.getLogger("outbox.queue.librdkafka")
+
+
+def _merge(config: QueueConfig, own: dict[str, Any], fixed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Our defaults, then the user's base settings, then what correctness depends on."""
+    merged = {**own, **config.base_kafka_config, **(fixed or {})}
+    merged.setdefault("error_cb", log_client_error)
+    merged.setdefault("logger", client_log)
+    return merged
+
+
+def sender_config(config: QueueConfig, name: str) -> dict[str, Any]:
+    # The random partitioner spreads one queue's messages over every partition even though they
+    # share a key (the queue's name), so all of the queue's consumers get work (as kafka-mq-go).
+    return _merge(config, {"partitioner": "random", "linger.ms": 2, "delivery.timeout.ms": 30_000,
+                           "client.id": f"{name}-queue-sender"}, {"enable.idempotence": True})
+
+
+def queue_consumer_config(config: QueueConfig, queue: str, name: str) -> dict[str, Any]:
+    return _merge(config, {"client.id": f"{name}-queue-consumer", "auto.offset.reset": "earliest",
+                           "partition.assignment.strategy": "cooperative-sticky", **GROUP_TIMEOUTS},
+                  {"group.id": config.consumer_group(queue), "enable.auto.commit": False,
+                   "enable.auto.offset.store": False, "isolation.level": "read_committed",
+                   "enable.partition.eof": False})
+
+
+def start_producer_config(config: QueueConfig, queue: str, name: str) -> dict[str, Any]:
+    # A transactional id per consumer instance: since KIP-447 the consumer group's generation,
+    # sent with the offsets, fences a zombie; the id needs no stable mapping to partitions.
+    return _merge(config, {"client.id": f"{name}-queue-starts", "linger.ms": 0, "transaction.timeout.ms": 60_000},
+                  {"transactional.id": f"{config.consumer_group(queue)}-{name}-{uuid.uuid4().hex[:8]}"})
+
+
+def marker_producer_config(config: QueueConfig, name: str) -> dict[str, Any]:
+    return _merge(config, {"client.id": f"{name}-queue-markers", "linger.ms": 2}, {"enable.idempotence": True})
+
+
+def markers_consumer_config(config: QueueConfig, name: str) -> dict[str, Any]:
+    # The end-of-partition event tells the tracker it is caught up, so its deadline clock may run
+    # on the local monotonic clock (tracking.py).
+    return _merge(config, {"client.id": f"{name}-tracker", "auto.offset.reset": "earliest",
+                           "partition.assignment.strategy": "cooperative-sticky", **GROUP_TIMEOUTS},
+                  {"group.id": config.tracker_group, "enable.auto.commit": False, "enable.auto.offset.store": False,
+                   "isolation.level": "read_committed", "enable.partition.eof": True})
+
+
+def redelivery_producer_config(config: QueueConfig, name: str) -> dict[str, Any]:
+    # Random partitioner for redelivered messages; End markers name their partition explicitly.
+    return _merge(config, {"client.id": f"{name}-redeliveries", "partitioner": "random", "linger.ms": 0},
+                  {"transactional.id": f"{config.tracker_group}-{name}-{uuid.uuid4().hex[:8]}"})
+
+
+def log_client_error(error: KafkaError) -> None:
+    # librdkafka reports transient broker trouble here and retries by itself; only fatal errors need us.
+    log.log(logging.ERROR if error.fatal() else logging.WARNING, "Kafka client: %s", error.str())
+
+
+def kafka_error(error: BaseException) -> KafkaError | None:
+    args = getattr(error, "args", ())
+    return args[0] if args and isinstance(args[0], KafkaError) else None
+
+
+def init_transactions(producer: Any, config: QueueConfig, timeout: float) -> None:
+    """init_transactions(), failing in one line that says transactions are what is missing."""
+    try:
+        producer.init_transactions(timeout)
+    except KafkaException as error:
+        bootstrap = config.base_kafka_config.get("bootstrap.servers", "?")
+        reason = error.args[0].str() if error.args and isinstance(error.args[0], KafkaError) else str(error)
+        raise TransactionsUnavailable(
+            f"cannot start Kafka transactions at {bootstrap}: {reason} (a single-broker cluster needs "
+            f"transaction.state.log.replication.factor=1 and transaction.state.log.min.isr=1)") from None
+
+
+class TransactionsUnavailable(Exception):
+    """The broker answers but cannot run transactions; the message is one line."""

@@ -1,0 +1,152 @@
+"""OUTBOX["queues"] (and the environment) to the queue's one frozen QueueConfig.
+
+    OUTBOX = {
+        "base_kafka_config": {"bootstrap.servers": "kafka:9092"},   # shared with the harvester
+        "queues": {
+            "redelivery_timeout": 30,
+            "max_deliveries": 5,
+            "per_queue": {"reports": {"redelivery_timeout": 600, "max_in_progress": 1}},
+        },
+    }
+
+Every key is known here: a typo is a system-check error (outbox_queue.E002), not a silent default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+
+from outbox.harvest.config import Problem
+from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
+
+#: Defaults of every OUTBOX["queues"] key that is not a per-queue limit (those default in QueueLimits).
+DEFAULTS: dict[str, Any] = {
+    "topic": None,  # "<project>-queue"
+    "markers_topic": None,  # "<project>-queue-markers"
+    "partitions": 8,
+    "markers_partitions": 4,
+    "consumer_group_prefix": None,  # "<project>-queue-"
+    "tracker_group": None,  # "<project>-queue-tracker"
+    "per_queue": {},
+    "poll_interval": 0.1,
+    # Status rows of consumers and trackers (the admin's queue pages).
+    "status_interval": 2.0,
+    "status_gone_after": 20.0,
+    # Inbox rows (manage.py outbox_consume --inbox) older than this are deleted.
+    "inbox_retention": 7 * 24 * 3600.0,
+}
+KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
+DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
+_SECONDS = {"redelivery_timeout", "keep_alive_interval", "poll_interval", "status_interval", "status_gone_after",
+            "inbox_retention"}
+
+
+def raw_settings() -> Any:
+    value = _outbox().get("queues", {})
+    return {} if value is None else value
+
+
+def _outbox() -> Mapping[str, Any]:
+    outbox = getattr(settings, "OUTBOX", {})
+    return outbox if isinstance(outbox, Mapping) else {}
+
+
+def base_kafka_config() -> dict[str, Any]:
+    """OUTBOX["base_kafka_config"], shared with the harvester; bootstrap.servers falls back to the environment."""
+    base = _outbox().get("base_kafka_config") or {}
+    base = dict(base) if isinstance(base, Mapping) else {}
+    base.setdefault("bootstrap.servers", os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or DEFAULT_BOOTSTRAP_SERVERS)
+    return base
+
+
+def project_name() -> str:
+    module = os.environ.get("DJANGO_SETTINGS_MODULE") or getattr(settings, "SETTINGS_MODULE", None) or "django"
+    return module.split(".")[0]
+
+
+def setting(name: str) -> Any:
+    """One OUTBOX["queues"] value with its default (durations in seconds)."""
+    raw = raw_settings()
+    return _seconds(raw.get(name, DEFAULTS[name]) if isinstance(raw, Mapping) else DEFAULTS[name])
+
+
+def problems() -> list[Problem]:
+    """Everything wrong with OUTBOX["queues"], for `manage.py check`."""
+    raw = raw_settings()
+    if not isinstance(raw, Mapping):
+        return [Problem("E001", "OUTBOX['queues']", f"must be a dict, got {type(raw).__name__}")]
+    found = _unknown(raw, KNOWN_KEYS, "")
+    per_queue = raw.get("per_queue", {})
+    if not isinstance(per_queue, Mapping):
+        found.append(Problem("E003", "per_queue", f"must be a dict of queue name to limits, got {per_queue!r}"))
+    else:
+        for queue, limits in per_queue.items():
+            if not isinstance(limits, Mapping):
+                found.append(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}"))
+            else:
+                found.extend(_unknown(limits, frozenset(LIMIT_NAMES), f"per_queue[{queue!r}]."))
+    for key in ("status_interval", "status_gone_after", "inbox_retention"):
+        value = setting(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            found.append(Problem("E004", key, f"must be a positive number of seconds, got {value!r}"))
+    if found:
+        return found
+    try:
+        config = queue_config()
+    except (TypeError, ValueError) as error:  # a value too malformed to build the config from
+        return [Problem("E003", "OUTBOX['queues']", str(error))]
+    return config.validate()
+
+
+def warnings() -> list[Problem]:
+    if problems():
+        return []
+    return queue_config().warnings()
+
+
+def queue_config(**overrides: Any) -> QueueConfig:
+    """The queue's config from OUTBOX, the environment and overrides; None overrides are ignored."""
+    raw = raw_settings()
+    raw = raw if isinstance(raw, Mapping) else {}
+    values = {**DEFAULTS, **raw, **{k: v for k, v in overrides.items() if v is not None}}
+    project = project_name()
+    per_queue = values["per_queue"] if isinstance(values["per_queue"], Mapping) else {}
+    # A queue's limits start from the shared ones the user set; what neither sets defaults (and a
+    # keep-alive interval nobody set is derived from the queue's own redelivery timeout).
+    explicit = {name: values[name] for name in LIMIT_NAMES if name in raw}
+    return QueueConfig(
+        base_kafka_config=base_kafka_config(),
+        topic=values["topic"] or f"{project}-queue",
+        markers_topic=values["markers_topic"] or f"{project}-queue-markers",
+        partitions=values["partitions"],
+        markers_partitions=values["markers_partitions"],
+        consumer_group_prefix=values["consumer_group_prefix"] or f"{project}-queue-",
+        tracker_group=values["tracker_group"] or f"{project}-queue-tracker",
+        limits=_limits(values),
+        per_queue={queue: _limits({**explicit, **limits}) for queue, limits in per_queue.items()
+                   if isinstance(limits, Mapping)},
+        poll_interval=_seconds(values["poll_interval"]),
+    )
+
+
+def _limits(values: Mapping[str, Any]) -> QueueLimits:
+    return QueueLimits(**{name: _seconds(values[name]) for name in LIMIT_NAMES if name in values})
+
+
+def _unknown(raw: Mapping[Any, Any], known: frozenset[str], where: str) -> list[Problem]:
+    found = []
+    for key in sorted(set(raw) - known, key=str):
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        found.append(Problem("E002", f"{where}{key}", f"is not a known setting{hint}"))
+    return found
+
+
+def _seconds(value: Any) -> Any:
+    return value.total_seconds() if isinstance(value, timedelta) else value

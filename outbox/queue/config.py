@@ -1,0 +1,184 @@
+"""The queue's configuration: one frozen object for the topic pair, the trackers and every logical queue.
+
+Durations are seconds. Per-queue limits (redelivery timeout, keep-alive interval, max in
+progress, max deliveries) default to the shared ones and may be overridden per queue name.
+Nothing here imports Django.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from outbox.harvest.config import MAX_TOPIC_LENGTH, TOPIC_PATTERN, Problem, redact_kafka_config
+
+#: Logical queue names: Kafka's topic-name characters, so a name never contains the "/" that
+#: separates it from a message id in the keys of stashed messages.
+QUEUE_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,200}")
+#: Longest redelivery timeout: kafka-mq-go's limit (12 hours).
+MAX_REDELIVERY_TIMEOUT = 12 * 3600.0
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """What a consumer of one logical queue promises the trackers, and how much it takes at once."""
+
+    #: A message whose consumer sends no marker for this long is redelivered.
+    redelivery_timeout: float = 30.0
+    #: Keep-alive markers are sent this often while a message is unacknowledged (default: a third of the timeout).
+    keep_alive_interval: float | None = None
+    #: Messages a consumer holds at once (received or buffered, not yet acknowledged): back-pressure.
+    max_in_progress: int = 10
+    #: A message delivered this many times goes to the dead letters instead of round again (None: no limit).
+    max_deliveries: int | None = 5
+
+    def __post_init__(self) -> None:
+        if self.keep_alive_interval is None and _is_number(self.redelivery_timeout):
+            object.__setattr__(self, "keep_alive_interval", self.redelivery_timeout / 3)
+
+    def problems(self, prefix: str = "") -> list[Problem]:
+        found = []
+        timeout, interval = self.redelivery_timeout, self.keep_alive_interval
+        if not _is_number(timeout):
+            found.append(Problem("E003", f"{prefix}redelivery_timeout",
+                                 f"must be a number of seconds, got {timeout!r}"))
+        elif not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT:
+            found.append(Problem("E004", f"{prefix}redelivery_timeout",
+                                 f"must be between 0.1 and {MAX_REDELIVERY_TIMEOUT:g} seconds, got {timeout!r}"))
+        if not _is_number(interval):
+            found.append(Problem("E003", f"{prefix}keep_alive_interval",
+                                 f"must be a number of seconds, got {interval!r}"))
+        elif interval <= 0 or (_is_number(timeout) and interval >= timeout):
+            found.append(Problem("E004", f"{prefix}keep_alive_interval",
+                                 f"must be above 0 and below redelivery_timeout ({timeout!r}s), got {interval!r}: "
+                                 f"a keep-alive must arrive before the deadline it extends"))
+        if not _is_int(self.max_in_progress) or self.max_in_progress < 1:
+            found.append(Problem("E004", f"{prefix}max_in_progress",
+                                 f"must be a positive integer, got {self.max_in_progress!r}"))
+        if self.max_deliveries is not None and (not _is_int(self.max_deliveries) or self.max_deliveries < 1):
+            found.append(Problem("E004", f"{prefix}max_deliveries",
+                                 f"must be a positive integer or None, got {self.max_deliveries!r}"))
+        return found
+
+    def warnings(self, prefix: str = "") -> list[Problem]:
+        timeout, interval = self.redelivery_timeout, self.keep_alive_interval
+        if _is_number(timeout) and _is_number(interval) and timeout / 2 < interval < timeout:
+            return [Problem("W001", f"{prefix}keep_alive_interval",
+                            f"{interval:g}s leaves less than half the redelivery timeout ({timeout:g}s) for a "
+                            f"keep-alive to reach the tracker; one slow marker means a needless redelivery")]
+        return []
+
+
+LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(QueueLimits))
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """The topic pair shared by every logical queue, the trackers' group, and the limits per queue."""
+
+    #: librdkafka settings shared by every client (bootstrap.servers, security.protocol, sasl.*).
+    base_kafka_config: Mapping[str, Any] = field(default_factory=lambda: {"bootstrap.servers": "localhost:9092"})
+    #: Messages of every logical queue, keyed by queue name.
+    topic: str = "outbox-queue"
+    #: Start, KeepAlive and End markers of every logical queue, keyed by queue name.
+    markers_topic: str = "outbox-queue-markers"
+    #: Partition counts used when the topics are created (existing topics are left as they are).
+    partitions: int = 8
+    markers_partitions: int = 4
+    #: Consumers of queue Q share the consumer group f"{consumer_group_prefix}{Q}".
+    consumer_group_prefix: str = "outbox-queue-"
+    #: Redelivery trackers share this consumer group over the markers topic.
+    tracker_group: str = "outbox-queue-tracker"
+    #: Limits of every queue not named in per_queue.
+    limits: QueueLimits = field(default_factory=QueueLimits)
+    #: Limits of named queues.
+    per_queue: Mapping[str, QueueLimits] = field(default_factory=dict)
+    #: Longest wait of a tracker or consumer loop; bounds how late a deadline is noticed.
+    poll_interval: float = 0.1
+
+    def limits_for(self, queue: str) -> QueueLimits:
+        return self.per_queue.get(queue, self.limits)
+
+    def consumer_group(self, queue: str) -> str:
+        return f"{self.consumer_group_prefix}{queue}"
+
+    def validate(self) -> list[Problem]:
+        """Every problem at once; an empty list means the config is usable."""
+        found: list[Problem] = []
+        for name in ("topic", "markers_topic"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not TOPIC_PATTERN.fullmatch(value) or value in {".", ".."}:
+                found.append(Problem("E005", name, f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of "
+                                                   f"a-z A-Z 0-9 . _ -), got {value!r}"))
+        if self.topic == self.markers_topic:
+            found.append(Problem("E005", "markers_topic", "must differ from topic"))
+        for name in ("partitions", "markers_partitions"):
+            value = getattr(self, name)
+            if not _is_int(value) or not 1 <= value <= 10_000:
+                found.append(Problem("E004", name, f"must be an integer from 1 to 10000, got {value!r}"))
+        for name in ("consumer_group_prefix", "tracker_group"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (name == "tracker_group" and not value.strip()):
+                found.append(Problem("E003", name, f"must be a non-empty string, got {value!r}"))
+        if not isinstance(self.base_kafka_config, Mapping) or not self.base_kafka_config.get("bootstrap.servers"):
+            found.append(Problem("E003", "base_kafka_config", "must be a mapping that sets bootstrap.servers"))
+        if not _is_number(self.poll_interval) or not 0.001 <= self.poll_interval <= 5:
+            found.append(Problem("E004", "poll_interval",
+                                 f"must be from 0.001 to 5 seconds, got {self.poll_interval!r}"))
+        found.extend(self.limits.problems())
+        for queue, limits in self.per_queue.items():
+            if not isinstance(queue, str) or not QUEUE_NAME_PATTERN.fullmatch(queue):
+                found.append(Problem("E006", f"per_queue[{queue!r}]", queue_name_problem(queue)))
+            found.extend(limits.problems(prefix=f"per_queue[{queue!r}]."))
+        return found
+
+    def warnings(self) -> list[Problem]:
+        found = self.limits.warnings()
+        for queue, limits in self.per_queue.items():
+            found.extend(limits.warnings(prefix=f"per_queue[{queue!r}]."))
+        return found
+
+    def redacted(self) -> dict[str, Any]:
+        """The configuration as plain data, with secrets masked."""
+        return {
+            "base_kafka_config": redact_kafka_config(self.base_kafka_config),
+            "topic": self.topic,
+            "markers_topic": self.markers_topic,
+            "partitions": self.partitions,
+            "markers_partitions": self.markers_partitions,
+            "consumer_group_prefix": self.consumer_group_prefix,
+            "tracker_group": self.tracker_group,
+            "limits": dataclasses.asdict(self.limits),
+            "per_queue": {queue: dataclasses.asdict(limits) for queue, limits in self.per_queue.items()},
+            "poll_interval": self.poll_interval,
+        }
+
+    def __repr__(self) -> str:  # never let a SASL password reach a log line through repr()
+        return f"QueueConfig({self.redacted()!r})"
+
+
+def queue_name_problem(queue: object) -> str:
+    return f"must be 1-200 characters of a-z A-Z 0-9 . _ - (a queue name), got {_show(queue)}"
+
+
+def check_queue_name(queue: object) -> str:
+    """The name itself, or ValueError naming the rule."""
+    if not isinstance(queue, str) or not QUEUE_NAME_PATTERN.fullmatch(queue):
+        raise ValueError(f"queue: {queue_name_problem(queue)}")
+    return queue
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN fails
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

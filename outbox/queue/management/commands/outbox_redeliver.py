@@ -1,0 +1,66 @@
+"""`manage.py outbox_redeliver`: a redelivery tracker, until SIGTERM or SIGINT.
+
+Run any number of replicas: they share the markers topic's partitions through one consumer
+group, and each rebuilds what it is given from the markers log.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from outbox.harvest.config import default_name
+from outbox.queue import cli, conf, metrics, store
+from outbox.queue.errors import QueueError
+from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
+from outbox.queue.status import StatusReporter, tracker_status
+from outbox.queue.tracker import RedeliveryTracker
+
+
+class Command(BaseCommand):
+    help = "Redeliver queue messages that no consumer finished, and dead-letter those delivered too often."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        cli.add_common_arguments(parser)
+        parser.add_argument("--print-config", action="store_true",
+                            help="print the effective queue configuration (secrets redacted) as JSON and exit")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        problems = conf.problems()
+        if problems:
+            raise CommandError("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems)))
+        config = conf.queue_config()
+        if options["print_config"]:
+            self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
+            return
+        cli.configure_logging(options["verbosity"])
+        cli.require_metrics(options["metrics_port"])
+        try:
+            store.require_tables(DeadLetter, QueueProcess, QueueCounter)
+        except store.DatabaseUnavailable as error:
+            raise CommandError(str(error)) from None
+        name = options["name"] or default_name()
+        instruments = metrics.default_instruments()
+        tracker = RedeliveryTracker(config, dead_letters=store.store_dead_letters, name=name, instruments=instruments)
+        try:
+            tracker.start()
+        except QueueError as error:
+            raise CommandError(str(error)) from None
+        reporter = StatusReporter(name, "tracker", interval=conf.setting("status_interval"),
+                                  snapshot=lambda: tracker_status(tracker),
+                                  totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered))
+        reporter.start()
+        try:
+            cli.serve_metrics(options["metrics_port"], options["metrics_address"],
+                              lambda: metrics.tracker_gauges(lambda: tracker.snapshot))
+            with cli.on_stop_signals(tracker.stop):
+                while not tracker.wait(timeout=0.5):
+                    pass
+        except QueueError as error:
+            raise CommandError(str(error)) from None
+        finally:
+            tracker.stop()
+            reporter.stop()
+

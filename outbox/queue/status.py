@@ -1,0 +1,113 @@
+"""A queue process's status row (the admin's live consumers and trackers), written from a thread of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import DatabaseError, close_old_connections, connections
+
+from outbox.queue import store
+from outbox.queue.consumer import QueueConsumer
+from outbox.queue.runner import HandlerRunner
+from outbox.queue.tracker import RedeliveryTracker
+
+log = logging.getLogger(__name__)
+
+#: () -> (messages in progress, stats for the row)
+Snapshot = Callable[[], tuple[int, dict[str, Any]]]
+#: () -> (redelivered, dead-lettered) totals per queue since the process started
+Totals = Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
+
+
+class StatusReporter(threading.Thread):
+    """Upserts the row every `interval` seconds until stopped, then deletes it; a tracker's counts ride along."""
+
+    def __init__(self, name: str, kind: str, *, interval: float, snapshot: Snapshot, queue: str = "",
+                 totals: Totals | None = None) -> None:
+        super().__init__(name="queue-status", daemon=True)
+        self.process_name, self.kind, self.queue = name, kind, queue
+        self._interval, self._snapshot, self._totals = interval, snapshot, totals
+        self._since = datetime.now(UTC)
+        self._halt = threading.Event()
+        self._counted: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._failing = False
+
+    def stop(self) -> None:
+        """Write the last counts, delete the row and end the thread (waits up to 10 s)."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout=10)
+
+    def run(self) -> None:
+        try:
+            self._write()
+            while not self._halt.wait(self._interval):
+                self._write()
+            self._count()
+            store.remove_status(self.process_name)
+        except DatabaseError as error:
+            log.warning("Could not remove the status row of %s: %s", self.process_name, _line(error))
+        finally:
+            connections.close_all()
+
+    def _write(self) -> None:
+        close_old_connections()
+        try:
+            in_progress, stats = self._snapshot()
+            store.write_status(self.process_name, self.kind, queue=self.queue, started=self._since,
+                               in_progress=in_progress, stats=stats)
+            self._count()
+        except DatabaseError as error:
+            if not self._failing:
+                log.warning("Status row of %s not written: %s (retrying every %gs)", self.process_name, _line(error),
+                            self._interval)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("Status row of %s written again", self.process_name)
+        self._failing = False
+
+    def _count(self) -> None:
+        if self._totals is None:
+            return
+        redelivered, dead = (dict(t) for t in self._totals())
+        done_redelivered, done_dead = self._counted
+        store.add_counts({q: n - done_redelivered.get(q, 0) for q, n in redelivered.items()
+                          if n != done_redelivered.get(q, 0)},
+                         {q: n - done_dead.get(q, 0) for q, n in dead.items() if n != done_dead.get(q, 0)})
+        self._counted = (redelivered, dead)
+
+
+def tracker_status(tracker: RedeliveryTracker) -> tuple[int, dict[str, Any]]:
+    """A tracker's row: messages in progress per queue (with the oldest start), partitions, markers read."""
+    view = tracker.snapshot
+    queues = {queue: {"in_progress": stats.in_progress, "oldest_started": stats.oldest_started}
+              for queue, stats in view.queues.items()}
+    markers = {queue: {"starts": view.starts.get(queue, 0), "ends": view.ends.get(queue, 0)}
+               for queue in sorted(set(view.starts) | set(view.ends))}
+    return sum(s.in_progress for s in view.queues.values()), {
+        "partitions": view.partitions, "replaying": view.replaying, "queues": queues, "markers": markers,
+        "redelivered": view.redelivered, "dead_lettered": view.dead_lettered}
+
+
+def consumer_status(consumer: QueueConsumer, runner: HandlerRunner | None = None,
+                    handler: str = "") -> tuple[int, dict[str, Any]]:
+    """A consumer's row: what it holds and its totals."""
+    oldest = consumer.oldest_in_progress()
+    return consumer.in_progress, {
+        "handler": handler, "workers": runner.workers if runner else 0, "inbox": bool(runner and runner.inbox),
+        "received": consumer.received, "acked": consumer.acked, "retried": consumer.retried,
+        "abandoned": consumer.abandoned, "skipped": runner.skipped if runner else 0,
+        "limits": dataclasses.asdict(consumer.limits),
+        "oldest_in_progress_seconds": None if oldest is None else round(time.monotonic() - oldest, 3)}
+
+
+def _line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,178 @@
+"""Pieces for the queue's integration tests: settings on fresh topics, processes, the handlers' event log."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.harvester import Harvester
+from outbox.queue import markers, store
+from outbox.queue.config import QueueConfig
+from outbox.queue.tracker import RedeliveryTracker
+from project.settings import queue_names
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Short timeouts keep the tests quick; consumers in subprocesses get them as flags.
+REDELIVERY_TIMEOUT = 2.0
+
+
+def queue_settings(prefix: str, **extra: object) -> dict[str, object]:
+    return {**queue_names(prefix), "partitions": 4, "markers_partitions": 2, "redelivery_timeout": REDELIVERY_TIMEOUT,
+            "status_interval": 0.5, "poll_interval": 0.05, **extra}
+
+
+def new_prefix() -> str:
+    return f"mq-{uuid.uuid4().hex[:10]}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line a test handler wrote."""
+
+    event: str
+    queue: str
+    id: str
+    delivery: int
+    pid: int
+
+
+def events(path: Path) -> list[Event]:
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 5:  # a line being written is skipped until complete
+            found.append(Event(parts[0], parts[1], parts[2], int(parts[3]), int(parts[4])))
+    return found
+
+
+class Process:
+    """`manage.py <command>` in a subprocess, logging to its own file."""
+
+    def __init__(self, name: str, command: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), command, "--name", name, *args],
+                                        cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+
+def process_env(database_url: str, bootstrap: str, prefix: str, event_log: Path, mode: str = "quick") -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "DATABASE_URL": database_url,
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "OUTBOX_QUEUE_PREFIX": prefix,
+        "DJANGO_SETTINGS_MODULE": "project.settings",
+        "LOG_LEVEL": "INFO",
+        "PYTHONUNBUFFERED": "1",
+        "QUEUE_TEST_LOG": str(event_log),
+        "QUEUE_TEST_MODE": mode,
+    })
+    return env
+
+
+def consumer_args(queue: str, *extra: str, handler: str = "tests.integration.queue_handlers.record") -> list[str]:
+    return ["--queue", queue, "--handler", handler, "--redelivery-timeout", str(REDELIVERY_TIMEOUT), *extra]
+
+
+def group_members(config: QueueConfig, group: str) -> int:
+    """Members of a consumer group that hold partitions."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": config.base_kafka_config["bootstrap.servers"]})
+    described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    return sum(1 for member in described.members if member.assignment.topic_partitions)
+
+
+@contextlib.contextmanager
+def running_tracker(config: QueueConfig, name: str = "tracker") -> Iterator[RedeliveryTracker]:
+    """A tracker in this process, storing dead letters in the test database."""
+    tracker = RedeliveryTracker(config, dead_letters=store.store_dead_letters, name=name)
+    tracker.start()
+    try:
+        yield tracker
+    finally:
+        tracker.stop()
+        tracker.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def running_harvester(database_url: str, bootstrap: str) -> Iterator[Harvester]:
+    """A harvester of the test database's outbox, so stash()ed messages reach the queue topic."""
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap},
+                                        leader_topic=leader, leader_group=leader, limits=Limits(heartbeat_timeout=2.0)))
+    harvester.start()
+    try:
+        yield harvester
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+
+
+@dataclass(frozen=True)
+class QueueRecord:
+    key: str
+    id: str
+    deliveries: int
+    payload: bytes
+
+
+def read_queue_topic(bootstrap: str, topic: str, timeout: float = 30) -> list[QueueRecord]:
+    """Every committed record of the queue topic, read to the end of each partition."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "enable.partition.eof": True,
+                         "isolation.level": "read_committed"})
+    found: list[QueueRecord] = []
+    try:
+        partitions = list(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        at_end: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(at_end) < len(partitions):
+            assert time.monotonic() < deadline, f"timed out reading {topic} to its end"
+            for record in consumer.consume(500, timeout=0.5):
+                if record.error():
+                    assert record.error().code() == KafkaError._PARTITION_EOF, record.error()
+                    at_end.add(record.partition())
+                    continue
+                headers = record.headers() or []
+                found.append(QueueRecord(record.key().decode(), markers.header_text(headers, markers.ID_HEADER) or "",
+                                         markers.deliveries_of(headers), record.value()))
+    finally:
+        consumer.close()
+    return found

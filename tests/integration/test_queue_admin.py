@@ -1,0 +1,125 @@
+"""The queue pages in admin: the overview, one queue's figures and processes, dead letters and their requeue."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from outbox.queue import api, conf
+from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
+from outbox.queue.topics import ensure_topics
+from tests.integration.harness import wait_until
+from tests.integration.queue_harness import new_prefix, queue_settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
+
+QUEUES = "/admin/outbox_queue/queue/"
+DEAD_LETTERS = "/admin/outbox_queue/deadletter/"
+
+
+def process(name: str, kind: str, *, queue: str = "", seen: float = 0, in_progress: int = 0,
+            stats: dict | None = None) -> QueueProcess:
+    now = timezone.now()
+    return QueueProcess.objects.create(name=name, kind=kind, queue=queue, host="host-a", pid=42,
+                                       started=now - timedelta(hours=1), last_seen=now - timedelta(seconds=seen),
+                                       in_progress=in_progress, stats=stats or {})
+
+
+def dead_letter(queue: str, message_id: str, payload: bytes = b'{"x":1}') -> DeadLetter:
+    return DeadLetter.objects.create(queue=queue, message_id=message_id, key=queue.encode(), payload=payload,
+                                     headers=[["trace", "t-1"]], deliveries=5,
+                                     last_delivered=timezone.now() - timedelta(minutes=3))
+
+
+@pytest.fixture
+def superuser_client() -> Client:
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
+    return client
+
+
+@pytest.fixture
+def example(db):
+    """Two live consumers of emails, one gone; a tracker holding 3 emails in progress since 10 minutes."""
+    started = (datetime.now(UTC) - timedelta(minutes=10)).timestamp()
+    process("tracker-1", "tracker", in_progress=3, stats={
+        "partitions": [0, 1], "replaying": [], "queues": {"emails": {"in_progress": 3, "oldest_started": started}},
+        "markers": {"emails": {"starts": 40, "ends": 37}}})
+    process("emails-1", "consumer", queue="emails", in_progress=2,
+            stats={"handler": "shop.handlers.send", "workers": 2, "inbox": True, "received": 40, "acked": 37,
+                   "retried": 1, "abandoned": 0})
+    process("emails-2", "consumer", queue="emails", stats={"handler": "shop.handlers.send", "workers": 1})
+    process("old-1", "consumer", queue="emails", seen=600)
+    QueueCounter.objects.create(queue="emails", redelivered=7, dead_lettered=1)
+    dead_letter("emails", "m-1")
+    dead_letter("reports", "m-2")
+
+
+def test_the_pages_are_for_staff_only():
+    assert Client().get(QUEUES).url.startswith("/admin/login/")
+    assert Client().get(f"{QUEUES}emails/").url.startswith("/admin/login/")
+    client = Client()
+    client.force_login(User.objects.create_user("plain", password="pw"))
+    assert client.get(QUEUES).status_code == 302
+
+
+def test_the_overview_lists_every_queue_with_its_figures(superuser_client, example):
+    page = superuser_client.get(QUEUES).content.decode()
+    assert page.count('class="queue-row"') == 2  # emails (consumed, tracked) and reports (dead letters only)
+    emails = page.split('class="queue-row"')[1]
+    assert ">emails</a>" in emails and ">3</td>" in emails and "10\xa0minutes" in emails and ">7</td>" in emails
+    assert "old-1" in page and "consumer, gone" in page
+    assert 'id="no-tracker"' not in page
+
+
+def test_a_queue_page_shows_in_progress_oldest_redeliveries_dead_letters_consumers_and_trackers(
+        superuser_client, example):
+    response = superuser_client.get(f"{QUEUES}emails/")
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert '<td id="in-progress">3</td>' in page
+    assert "10\xa0minutes ago" in page
+    assert '<td id="redelivered">7</td>' in page
+    assert f'{DEAD_LETTERS}?queue__exact=emails">1</a>' in page
+    assert '<td id="live">2 / 1</td>' in page
+    assert page.count('class="consumer-row"') == 2 and "(inbox), 2 worker(s)" in page
+    assert "37 / 37" not in page and "40 / 37" in page
+    assert page.count('class="dead-letter-row"') == 1 and "m-1" in page and "m-2" not in page
+
+
+def test_a_queue_nobody_tracks_says_so(superuser_client, db):
+    page = superuser_client.get(f"{QUEUES}unknown/").content.decode()
+    assert 'id="no-tracker"' in page and '<td id="in-progress">0</td>' in page
+    assert superuser_client.get(f"{QUEUES}bad%20name/").status_code == 404
+
+
+def test_dead_letters_are_read_only(superuser_client, example):
+    letter = DeadLetter.objects.get(message_id="m-1")
+    assert superuser_client.get(f"{DEAD_LETTERS}{letter.pk}/change/").status_code == 200
+    assert superuser_client.get(f"{DEAD_LETTERS}add/").status_code == 403
+    page = superuser_client.get(f"{DEAD_LETTERS}?queue__exact=emails").content.decode()
+    assert "m-1" in page and "m-2" not in page
+
+
+@pytest.mark.django_db(transaction=True)
+def test_requeue_sends_a_dead_letter_back_with_its_id_after_a_confirmation(superuser_client, settings):
+    settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix())}
+    ensure_topics(conf.queue_config(), 10)
+    letter = dead_letter("emails", "m-requeued", payload=b"again")
+    form = {"action": "requeue_selected", "_selected_action": [letter.pk]}
+    confirm = superuser_client.post(DEAD_LETTERS, form)
+    assert b"Requeue these 1 dead letter(s)?" in confirm.content and DeadLetter.objects.filter(pk=letter.pk).exists()
+    done = superuser_client.post(DEAD_LETTERS, {**form, "post": "yes"}, follow=True)
+    assert b"Requeued 1 dead letter(s)." in done.content
+    assert not DeadLetter.objects.filter(pk=letter.pk).exists()
+    assert LogEntry.objects.get(object_id=str(letter.pk)).action_flag == CHANGE
+    with api.consumer("emails") as consumer:
+        message = wait_until(lambda: consumer.receive(timeout=0.5), 30, "the requeued message")
+        message.ack()
+    assert (message.id, message.payload, message.deliveries, message.headers) == ("m-requeued", b"again", 1,
+                                                                                  [("trace", "t-1")])
