@@ -96,6 +96,9 @@ def test_four_replicas_with_leaders_killed_repeatedly(database_url, bootstrap_se
             replicas.append(Replica(f"replica-{number}", env, tmp_path, args))
         stashed = generator.stop()
         wait_until(lambda: outbox_count(database_url) == 0, 120, "the outbox to drain after the last kill")
+        # The last kill may have been moments ago: give the group a session timeout to settle on one leader.
+        leaders = wait_until(lambda: [r for r in replicas if r.is_leading()] or None, 30, "a leader after the kills")
+        time.sleep(2 * Replica.STATUS_INTERVAL)
         leaders = [r for r in replicas if r.is_leading()]
         assert len(leaders) == 1, f"exactly one of the remaining replicas leads: {[r.name for r in leaders]}"
     finally:
