@@ -21,6 +21,10 @@ leader_acquired = Signal()  # leader_id
 leader_refreshed = Signal()  # leader_id
 leader_revoked = Signal()
 leader_fenced = Signal()
+leader_blocked = Signal()  # holder: the replica (or session) holding the table's database fence
+record_held = Signal()  # record_id, key, reason
+record_released = Signal()  # record_id, key, how: a short phrase saying what released it
+record_parked = Signal()  # record_id, key, reason
 meter_read = Signal()  # stats: outbox.harvest.events.MeterStats
 
 _SIGNALS: dict[type, Signal] = {
@@ -28,6 +32,10 @@ _SIGNALS: dict[type, Signal] = {
     events.LeaderRefreshed: leader_refreshed,
     events.LeaderRevoked: leader_revoked,
     events.LeaderFenced: leader_fenced,
+    events.LeaderBlocked: leader_blocked,
+    events.RecordHeld: record_held,
+    events.RecordReleased: record_released,
+    events.RecordParked: record_parked,
     events.MeterRead: meter_read,
 }
 
