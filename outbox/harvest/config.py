@@ -61,12 +61,13 @@ class Limits:
                                            "leader (LISTEN off, or the table has no NOTIFY trigger).")
     idle_poll_interval: float = limit(1.0, 0.001, "Safety-net poll of an idle leader whose table's trigger "
                                                   "wakes it with NOTIFY.")
-    max_in_flight_records: int = limit(1000, 1, "At most this many records are sent and not yet acknowledged "
+    # Defaults measured on a stock Postgres (docs/operations.md, "Choosing the limits").
+    max_in_flight_records: int = limit(4000, 1, "At most this many records are sent and not yet acknowledged "
                                                 "and purged.")
-    max_in_flight_per_key: int = limit(1, 1, "At most this many records of one key in flight at once (1 is "
-                                             "goharvest's barrier; more pipelines hot keys, see "
-                                             "docs/operations.md).")
-    mark_query_records: int = limit(100, 1, "Rows marked by one mark query.")
+    max_in_flight_per_key: int = limit(256, 1, "At most this many records of one key in flight at once (1 is "
+                                               "goharvest's barrier; more pipelines hot keys, see "
+                                               "docs/guarantees.md).")
+    mark_query_records: int = limit(1000, 1, "Rows marked by one mark query.")
     rescan_interval: float = limit(10.0, 0.001, "How often the leader re-reads the table from its head for rows "
                                                 "that came back below the marks (requeued, or committed late).")
     held_check_interval: float = limit(1.0, 0.001, "How often a leader re-reads its held (poison) rows, so a "
@@ -223,7 +224,7 @@ class HarvestConfig:
                     found.append(Problem("E014", "producer_kafka_config",
                                          f"{key} must not be set when max_in_flight_per_key > 1: the engine sets it "
                                          f"so a key's records reach Kafka without holes (use the delivery_timeout "
-                                         f"limit instead)"))
+                                         f"limit instead, or set max_in_flight_per_key to 1)"))
         return found
 
     def warnings(self) -> list[Problem]:

@@ -97,7 +97,7 @@ class Audit:
     def duplicates(self) -> int:
         return self.messages - len(self.ids)
 
-    def reversals(self, *, strict: bool = True) -> list[tuple[str, int, int]]:
+    def reversals(self, *, strict: bool = False) -> list[tuple[str, int, int]]:
         """(key, highest id before, id) for each id below an earlier one of its key. Not `strict`
         (several records of a key in flight): only an id published for the first time counts; a
         repeat of one already published is a duplicate, not a reversal."""
@@ -175,7 +175,10 @@ class LiveConsumer(threading.Thread):
         return self.audit
 
 
-def assert_complete_and_ordered(audit: Audit, stashed: Sequence[int], *, strict: bool = True) -> None:
+def assert_complete_and_ordered(audit: Audit, stashed: Sequence[int], *, strict: bool = False) -> None:
+    """Every stashed id published, and no id published for the first time after a later id of its key.
+    `strict` (one record per key in flight, goharvest's barrier): no id after a later one at all, repeats
+    included."""
     missing = set(stashed) - audit.ids
     assert not missing, f"{len(missing)} stashed record(s) never published, e.g. {sorted(missing)[:5]}"
     reversals = audit.reversals(strict=strict)
