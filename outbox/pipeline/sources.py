@@ -18,6 +18,8 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from pyspark.sql import DataFrame, SparkSession
 
+from outbox.harvest.kafka import ConnectionProblems
+
 KAFKA_PREFIX = "kafka."
 # Larger fetches than the Java client's defaults (1 MiB a partition): ~15% faster scans of small messages.
 FETCH_DEFAULTS = {"kafka.max.partition.fetch.bytes": str(16 << 20), "kafka.fetch.max.bytes": str(64 << 20),
@@ -69,11 +71,15 @@ def _known_config(config: dict[str, object], make: type) -> object:
 
 def partitions(kafka: Kafka, topics: Sequence[str], timeout: float = 10.0) -> dict[str, list[int]]:
     """Each topic's partition ids; SourceError when Kafka does not answer or a topic does not exist."""
-    admin = _known_config(kafka.client_config(), AdminClient)
+    problems = ConnectionProblems()
+    admin = _known_config({**kafka.client_config(), "error_cb": problems.error_cb}, AdminClient)
     try:
         metadata = admin.list_topics(timeout=timeout)  # type: ignore[attr-defined]
     except KafkaException as error:
         text = error.args[0].str() if error.args else str(error)
+        admin.poll(0)  # type: ignore[attr-defined]  # serves the error callbacks: a refused login, a bad certificate
+        if problems.hopeless is not None:
+            raise SourceError(problems.describe(kafka.bootstrap_servers, text)) from None
         raise SourceError(f"Kafka at {kafka.bootstrap_servers} is unreachable: {text}") from None
     missing = [topic for topic in topics if topic not in metadata.topics]
     if missing:
