@@ -68,9 +68,23 @@ def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
     return merged
 
 
+def election_socket_timeout_ms(config: HarvestConfig) -> int:
+    """How long the leader election's clients wait on one request to a broker (librdkafka's default is 60 s).
+
+    A broker that hangs rather than dies (a paused VM, a network black hole) keeps its sockets open:
+    a request to it is only abandoned after this long, and only then does the client look up the
+    partition's new leader or the group's new coordinator. At librdkafka's 60 s a fenced leader
+    (and any successor) saw no heartbeat for a minute after Kafka had already moved the partition
+    (measured: docs/operations.md, "Production Kafka"); at two heartbeat timeouts it resumes within
+    about three.
+    """
+    return max(1000, int(2 * config.limits.heartbeat_timeout * 1000))
+
+
 def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
     """The leader's heartbeat producer: unbatched, and a delivery deadline of one heartbeat timeout (as goneli)."""
     merged: dict[str, Any] = dict(config.base_kafka_config)
+    merged.setdefault("socket.timeout.ms", election_socket_timeout_ms(config))
     merged.update({
         "linger.ms": 0,
         "delivery.timeout.ms": int(config.limits.heartbeat_timeout * 1000),
@@ -88,6 +102,7 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
     its own heartbeats fences itself well before Kafka could give partition 0 to another replica.
     """
     merged: dict[str, Any] = dict(config.base_kafka_config)
+    merged.setdefault("socket.timeout.ms", election_socket_timeout_ms(config))
     merged.update({
         "group.id": config.leader_group,
         "client.id": f"{config.name}-leader",
