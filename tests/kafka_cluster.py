@@ -16,13 +16,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from confluent_kafka import ElectionType, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from tests.integration.harness import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The tests' own admin clients log nowhere: a killed broker is the point, not news.
@@ -38,16 +40,6 @@ CLIENT_SETTINGS = {
     "KAFKA_SASL_PASSWORD": "sasl.password",
     "KAFKA_SSL_CA_LOCATION": "ssl.ca.location",
 }
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @dataclass(frozen=True)
@@ -101,7 +93,7 @@ class Cluster:
         if result.returncode != 0:
             raise RuntimeError(f"bin/services up {' '.join(self.flags)} failed: "
                                f"{(result.stderr or result.stdout).strip()}")
-        wait_for(lambda: len(self.broker_ids()) == self.brokers, 120, f"{self.brokers} brokers in the metadata")
+        wait_until(lambda: len(self.broker_ids()) == self.brokers, 120, f"{self.brokers} brokers in the metadata")
 
     def down(self) -> None:
         self.services("down", *self.flags)
@@ -114,7 +106,7 @@ class Cluster:
                 os.kill(pid, signal.SIGCONT)
         if any(node.pid() is None for node in self.nodes.values()):
             self.up()
-        wait_for(self.all_in_sync, 120, "every partition's replicas back in sync")
+        wait_until(self.all_in_sync, 120, "every partition's replicas back in sync")
         self.balance()
 
     def balance(self) -> None:
@@ -124,7 +116,7 @@ class Cluster:
             admin.elect_leaders(ElectionType.PREFERRED, None).result(timeout=30)
         except KafkaException:
             pass  # "election not needed" for some partitions is reported as an error
-        wait_for(self.balanced, 60, "every partition led by its preferred replica")
+        wait_until(self.balanced, 60, "every partition led by its preferred replica")
 
     def balanced(self) -> bool:
         metadata = self.admin().list_topics(timeout=5)
@@ -142,7 +134,7 @@ class Cluster:
         pid = self.pid(number)
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: self.nodes[number].pid() is None, 30, f"node {number} to die")
+        wait_until(lambda: self.nodes[number].pid() is None, 30, f"node {number} to die")
         return killed_at
 
     def pause(self, number: int) -> float:
@@ -203,7 +195,7 @@ class Cluster:
             topic = NewTopic(name, num_partitions=partitions, replica_assignment=assignment, config=config or {})
         admin = self.admin()  # kept alive until the future completes
         admin.create_topics([topic])[name].result(timeout=30)
-        wait_for(lambda: self.leaders(name) and all(self.leaders(name).values()), 30, f"leaders for {name}")
+        wait_until(lambda: self.leaders(name) and all(self.leaders(name).values()), 30, f"leaders for {name}")
         return name
 
     def leaders(self, topic: str) -> dict[int, int]:

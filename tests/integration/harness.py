@@ -267,7 +267,23 @@ def replica_env(database_url: str, bootstrap: str, leader_topic: str) -> dict[st
     return env
 
 
-class FaultyProducer:
+class WrappedProducer:
+    """A real producer behind the engine's producer interface, for wrappers that change produce()."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._producer = Producer(config)
+
+    def poll(self, timeout: float = 0) -> int:
+        return self._producer.poll(timeout)
+
+    def flush(self, timeout: float = 0) -> int:
+        return self._producer.flush(timeout)
+
+    def __len__(self) -> int:
+        return len(self._producer)
+
+
+class FaultyProducer(WrappedProducer):
     """A real producer that sometimes refuses a record or reports a delivery as failed.
 
     A reported failure may follow a real delivery (the ack was "lost"), so the harvester resends
@@ -275,7 +291,7 @@ class FaultyProducer:
     """
 
     def __init__(self, config: dict[str, Any], *, fail_delivery: float, refuse: float, seed: int) -> None:
-        self._producer = Producer(config)
+        super().__init__(config)
         self._random = random.Random(seed)
         self._fail_delivery, self._refuse = fail_delivery, refuse
         self.injected = 0
@@ -293,17 +309,8 @@ class FaultyProducer:
 
         self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery, **kwargs)
 
-    def poll(self, timeout: float = 0) -> int:
-        return self._producer.poll(timeout)
 
-    def flush(self, timeout: float = 0) -> int:
-        return self._producer.flush(timeout)
-
-    def __len__(self) -> int:
-        return len(self._producer)
-
-
-class RecordingProducer:
+class RecordingProducer(WrappedProducer):
     """A real producer that notes each acknowledged delivery: (the broker's append time, the replica's name,
     when the acknowledgement arrived, the outbox id).
 
@@ -312,7 +319,7 @@ class RecordingProducer:
     """
 
     def __init__(self, config: dict[str, Any], name: str, deliveries: list[tuple[float, str, float, int]]) -> None:
-        self._producer = Producer(config)
+        super().__init__(config)
         self._name = name
         self._deliveries = deliveries
 
@@ -327,15 +334,6 @@ class RecordingProducer:
                 real(error, message)
 
         self._producer.produce(topic, value=value, key=key, on_delivery=noted, **kwargs)
-
-    def poll(self, timeout: float = 0) -> int:
-        return self._producer.poll(timeout)
-
-    def flush(self, timeout: float = 0) -> int:
-        return self._producer.flush(timeout)
-
-    def __len__(self) -> int:
-        return len(self._producer)
 
 
 class FaultyStore:

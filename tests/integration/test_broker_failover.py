@@ -198,6 +198,8 @@ def test_broker_cut_off_leader_fences_itself_and_never_two_publish(cluster, data
         wait_until(lambda: tail.audit.messages > 2000, 60, "harvesting under way")
         newest = max(generator.ids)
         paused_at = cluster.pause(victim)
+        status = cluster.services("status", *cluster.flags).stdout
+        assert f"node {victim}: paused (SIGSTOP)" in status, status
         fenced_at = wait_until(lambda: next((t for t, n, e in events if n == leader and e == "LeaderFenced"
                                              and t > paused_at), None), 30, f"{leader} to fence itself")
         wait_until(lambda: sum(record_id > newest for *_, record_id in deliveries) > 2000, 90,

@@ -128,6 +128,9 @@ def test_harvest_health_dashboard_and_audit_on_the_secure_cluster(secure_cluster
     assert_complete_and_ordered(read_topic(secure_cluster.bootstrap_servers, topic, expected=500,
                                            config=secure_cluster.client_config()), ids)
     seen["the harvester's log (DEBUG)"] = replica.log()
+    status = secure_cluster.services("status", *secure_cluster.flags)
+    assert "3 of 3 node(s) running" in status.stdout and "SASL_SSL" in status.stdout, status.stdout
+    seen["bin/services status"] = status.stdout + status.stderr
     for node in secure_cluster.nodes.values():
         seen[f"broker {node.number}'s log"] = node.log_file.read_text(errors="replace")
     for where, text in seen.items():
