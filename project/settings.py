@@ -69,13 +69,27 @@ WSGI_APPLICATION = "project.wsgi.application"
 DATABASES = {"default": env.db_url("DATABASE_URL")}
 DATABASES["default"]["TEST"] = {"NAME": env("TEST_DATABASE_NAME", default="outbox_test")}
 
+
 def queue_names(prefix: str) -> dict[str, str]:
     return {"topic": prefix, "markers_topic": f"{prefix}-markers", "consumer_group_prefix": f"{prefix}-",
             "tracker_group": f"{prefix}-tracker"}
 
 
+# Kafka security from the environment, for clusters behind TLS and SASL (`bin/services up --secure` writes
+# these variables to .services/<layout>/client.env). Only those set are passed on.
+KAFKA_SECURITY_ENVIRONMENT = {
+    "KAFKA_SECURITY_PROTOCOL": "security.protocol",  # e.g. SASL_SSL
+    "KAFKA_SASL_MECHANISM": "sasl.mechanism",  # e.g. SCRAM-SHA-512, PLAIN
+    "KAFKA_SASL_USERNAME": "sasl.username",
+    "KAFKA_SASL_PASSWORD": "sasl.password",
+    "KAFKA_SSL_CA_LOCATION": "ssl.ca.location",  # the CA that signed the brokers' certificates (a PEM file)
+}
+
 OUTBOX = {
-    "base_kafka_config": {"bootstrap.servers": env("KAFKA_BOOTSTRAP_SERVERS")},
+    "base_kafka_config": {
+        "bootstrap.servers": env("KAFKA_BOOTSTRAP_SERVERS"),
+        **{key: env(name) for name, key in KAFKA_SECURITY_ENVIRONMENT.items() if env(name, default="")},
+    },
     # librdkafka producer settings as "key=value,key=value", e.g. "compression.type=lz4,linger.ms=1"
     "producer_kafka_config": env.dict("OUTBOX_PRODUCER_KAFKA_CONFIG", default={}),
     "leader_topic": env("OUTBOX_LEADER_TOPIC", default="example-outbox-leader"),

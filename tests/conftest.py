@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import environ
 import pytest
 
+from tests.kafka_cluster import Cluster
 from tests.services import Services, resolve
 
 
@@ -86,3 +87,23 @@ def new_topic(bootstrap_servers: str) -> Callable[..., str]:
         return name
 
     return create
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(services: Services) -> Iterator[Cluster]:
+    """`bin/services up --brokers 3`: three nodes, replication factor 3 (stopped at the end if started here)."""
+    cluster = Cluster(3)
+    cluster.start()
+    yield cluster
+    if cluster.started_here:
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def secure_cluster(services: Services) -> Iterator[Cluster]:
+    """`bin/services up --brokers 3 --secure`: the same behind SASL_SSL (stopped at the end if started here)."""
+    cluster = Cluster(3, secure=True)
+    cluster.start()
+    yield cluster
+    if cluster.started_here:
+        cluster.down()

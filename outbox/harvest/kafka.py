@@ -6,6 +6,8 @@ Factories take the merged librdkafka config, so tests swap in fakes with the sam
 from __future__ import annotations
 
 import logging
+import re
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -102,9 +104,23 @@ def dead_letter_producer_config(config: HarvestConfig) -> dict[str, Any]:
     return merged
 
 
+def election_socket_timeout_ms(config: HarvestConfig) -> int:
+    """How long the leader election's clients wait on one request to a broker (librdkafka's default is 60 s).
+
+    A broker that hangs rather than dies (a paused VM, a network black hole) keeps its sockets open:
+    a request to it is only abandoned after this long, and only then does the client look up the
+    partition's new leader or the group's new coordinator. At librdkafka's 60 s a fenced leader
+    (and any successor) saw no heartbeat for a minute after Kafka had already moved the partition
+    (measured: docs/operations.md, "Production Kafka"); at two heartbeat timeouts it resumes within
+    about three.
+    """
+    return max(1000, int(2 * config.limits.heartbeat_timeout * 1000))
+
+
 def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
     """The leader's heartbeat producer: unbatched, and a delivery deadline of one heartbeat timeout (as goneli)."""
     merged: dict[str, Any] = dict(config.base_kafka_config)
+    merged.setdefault("socket.timeout.ms", election_socket_timeout_ms(config))
     merged.update({
         "linger.ms": 0,
         "delivery.timeout.ms": int(config.limits.heartbeat_timeout * 1000),
@@ -122,6 +138,7 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
     its own heartbeats fences itself well before Kafka could give partition 0 to another replica.
     """
     merged: dict[str, Any] = dict(config.base_kafka_config)
+    merged.setdefault("socket.timeout.ms", election_socket_timeout_ms(config))
     merged.update({
         "group.id": config.leader_group,
         "client.id": f"{config.name}-leader",
@@ -168,16 +185,73 @@ def admin_config(base: Mapping[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in base.items() if not callable(v)}, "logger": client_log}
 
 
-def ensure_topic(base: dict[str, Any], topic: str, timeout: float) -> None:
-    """Create `topic` (one partition) unless it exists; raise KafkaUnavailable if Kafka cannot be reached."""
-    admin = AdminClient(admin_config(base))
+#: Errors no retry can fix: the client's credentials or its trust in the brokers' certificates are wrong.
+CONFIGURATION_ERRORS = frozenset({KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError._SSL})
+_BROKER_PREFIX = re.compile(r"^(?:\w+://)?[^\s/]+/\w+: ")  # "sasl_ssl://127.0.0.1:9194/bootstrap: ", "b1:9092/2: "
+_STATE_SUFFIX = re.compile(r" \(after \d+ms in state \w+[^)]*\)$")  # " (after 308ms in state AUTH_REQ)"
+
+
+class ConnectionProblems:
+    """What a client met while first connecting (its error callbacks), to say in one line why it could not.
+
+    Also a logger for the client: librdkafka's own lines about those attempts go to DEBUG, as the
+    one-line reason says it all.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[KafkaError] = []
+
+    def error_cb(self, error: KafkaError) -> None:
+        self.errors.append(error)
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        client_log.debug(msg, *args)
+
+    @property
+    def hopeless(self) -> KafkaError | None:
+        """The first authentication or TLS error, if any: retrying will not help."""
+        return next((e for e in self.errors if e.code() in CONFIGURATION_ERRORS), None)
+
+    def describe(self, bootstrap: str, fallback: str) -> str:
+        """One line: why Kafka at `bootstrap` could not be used (`fallback`: the failed call's own error)."""
+        hopeless = self.hopeless
+        if hopeless is not None and hopeless.code() == KafkaError._SSL:
+            return f"TLS with Kafka at {bootstrap} failed: {_clean(hopeless.str())}"
+        if hopeless is not None:
+            return f"Kafka at {bootstrap} refused the login: {_clean(hopeless.str())}"
+        transport = next((e for e in reversed(self.errors) if e.code() == KafkaError._TRANSPORT), None)
+        return f"Kafka is unreachable at {bootstrap}: {_clean(transport.str()) if transport else fallback}"
+
+
+def _clean(text: str) -> str:
+    return _STATE_SUFFIX.sub("", _BROKER_PREFIX.sub("", text.strip()))
+
+
+def cluster_metadata(base: Mapping[str, Any], timeout: float) -> Any:
+    """Kafka's metadata, or KafkaUnavailable saying why not: unreachable, a refused login, an untrusted certificate.
+
+    Asks once a second until `timeout`, and gives up at once on an error no retry can fix.
+    """
+    problems = ConnectionProblems()
+    admin = AdminClient({**admin_config(base), "error_cb": problems.error_cb, "logger": problems})
     bootstrap = base.get("bootstrap.servers", "?")
-    try:
-        metadata = admin.list_topics(timeout=timeout)
-    except KafkaException as error:
-        raise KafkaUnavailable(f"Kafka is unreachable at {bootstrap}: {kafka_reason(error)}") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return admin.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except KafkaException as error:
+            admin.poll(0)  # serves the error callbacks
+            if problems.hopeless is not None or time.monotonic() >= deadline:
+                raise KafkaUnavailable(problems.describe(bootstrap, kafka_reason(error))) from None
+
+
+def ensure_topic(base: dict[str, Any], topic: str, timeout: float) -> None:
+    """Create `topic` (one partition) unless it exists; raise KafkaUnavailable if Kafka cannot be used."""
+    metadata = cluster_metadata(base, timeout)
     if topic in metadata.topics and metadata.topics[topic].error is None:
         return
+    admin = AdminClient(admin_config(base))
+    bootstrap = base.get("bootstrap.servers", "?")
     futures = admin.create_topics([NewTopic(topic, num_partitions=1)], request_timeout=timeout)
     try:
         futures[topic].result(timeout=timeout)

@@ -46,6 +46,9 @@ class Defaults:
     spark_jars: str | Sequence[str] | None = None
     ledger_url: str | None = None
     ledger_properties: dict[str, str] = field(default_factory=dict)
+    #: librdkafka settings (the management command: OUTBOX's base_kafka_config); their security part
+    #: (security.protocol, sasl.*, ssl.*) is used for the pre-flight check and passed to Spark's source.
+    kafka_config: dict[str, Any] = field(default_factory=dict)
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -210,7 +213,8 @@ def run(args: argparse.Namespace, *, defaults: Defaults | None = None, stdout: T
             jar_list = jar_lookup.resolve(args.jars, defaults.spark_jars)
         bootstrap = (args.bootstrap_servers or defaults.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
                      or DEFAULT_BOOTSTRAP_SERVERS)
-        kafka = sources.Kafka(bootstrap, dict(args.kafka_option))
+        security = sources.security_settings(defaults.kafka_config)
+        kafka = sources.Kafka(bootstrap, {**sources.java_options(security), **dict(args.kafka_option)}, security)
         partitions = sources.partitions(kafka, args.topics, timeout=args.kafka_timeout)
     except (UsageError, jar_lookup.JarsNotFound, sources.SourceError) as error:
         stderr.write(f"{prog}: error: {error}\n")

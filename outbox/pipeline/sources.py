@@ -12,11 +12,13 @@ import json
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from pyspark.sql import DataFrame, SparkSession
+
+from outbox.harvest.kafka import ConnectionProblems
 
 KAFKA_PREFIX = "kafka."
 # Larger fetches than the Java client's defaults (1 MiB a partition): ~15% faster scans of small messages.
@@ -32,25 +34,78 @@ class SourceError(Exception):
     """A one-line reason why Kafka cannot be read (unreachable, unknown topic...)."""
 
 
+#: Java client options that librdkafka refuses outright (rather than ignoring as unknown).
+_JAVA_ONLY = ("kafka.sasl.jaas.config", "kafka.ssl.truststore.", "kafka.ssl.keystore.")
+
+
 @dataclass(frozen=True)
 class Kafka:
-    """Where to read: bootstrap servers plus Spark Kafka source options (`kafka.*` for the client)."""
+    """Where to read: bootstrap servers plus Spark Kafka source options (`kafka.*` for the client).
+
+    `client` holds librdkafka settings for the preflight checks that have no `kafka.*` twin (a SASL
+    login is `sasl.username`/`sasl.password` for librdkafka but `kafka.sasl.jaas.config` for Spark).
+    """
 
     bootstrap_servers: str
     options: Mapping[str, str]
+    client: Mapping[str, object] = field(default_factory=dict)
 
     def client_config(self) -> dict[str, object]:
         """A librdkafka config for the preflight checks: bootstrap servers and the `kafka.*` options it knows."""
         config: dict[str, object] = {"bootstrap.servers": self.bootstrap_servers, "logger": _quiet,
                                      "socket.connection.setup.timeout.ms": 5000}
         for key, value in self.options.items():
-            if key.startswith(KAFKA_PREFIX) and key != "kafka.bootstrap.servers":
+            if key.startswith(KAFKA_PREFIX) and key != "kafka.bootstrap.servers" and not key.startswith(_JAVA_ONLY):
                 config[key.removeprefix(KAFKA_PREFIX)] = value
+        config.update(self.client)
         return config
 
     def spark_options(self) -> dict[str, str]:
         return {"kafka.bootstrap.servers": self.bootstrap_servers, "includeHeaders": "true", **FETCH_DEFAULTS,
                 **self.options}
+
+
+#: JAAS login modules of the Java client for librdkafka's sasl.mechanism values.
+_LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
+
+
+def security_settings(config: Mapping[str, object]) -> dict[str, object]:
+    """The security part of a librdkafka config: security.protocol, sasl.* and ssl.*."""
+    return {key: value for key, value in config.items()
+            if key == "security.protocol" or key.startswith(("sasl.", "ssl."))}
+
+
+def java_options(security: Mapping[str, object]) -> dict[str, str]:
+    """librdkafka security settings as Spark Kafka source options (the Java client's names).
+
+    Covers TLS with a CA file and a SASL PLAIN or SCRAM login; anything else (client certificates,
+    OAUTHBEARER, Kerberos) goes in --kafka-option kafka.... as the Java client names it.
+    """
+    options: dict[str, str] = {}
+    if security.get("security.protocol"):
+        options["kafka.security.protocol"] = str(security["security.protocol"]).upper()
+    mechanism = str(security.get("sasl.mechanism") or security.get("sasl.mechanisms") or "").upper()
+    if mechanism:
+        options["kafka.sasl.mechanism"] = mechanism
+    if mechanism in _LOGIN_MODULES and "sasl.username" in security and "sasl.password" in security:
+        options["kafka.sasl.jaas.config"] = (
+            f'{_LOGIN_MODULES[mechanism]} required username="{_jaas(security["sasl.username"])}" '
+            f'password="{_jaas(security["sasl.password"])}";')
+    if security.get("ssl.ca.location"):
+        options["kafka.ssl.truststore.type"] = "PEM"
+        options["kafka.ssl.truststore.location"] = str(security["ssl.ca.location"])
+    if "ssl.endpoint.identification.algorithm" in security:
+        algorithm = str(security["ssl.endpoint.identification.algorithm"])
+        options["kafka.ssl.endpoint.identification.algorithm"] = "" if algorithm == "none" else algorithm
+    return options
+
+
+def _jaas(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _known_config(config: dict[str, object], make: type) -> object:
@@ -69,11 +124,15 @@ def _known_config(config: dict[str, object], make: type) -> object:
 
 def partitions(kafka: Kafka, topics: Sequence[str], timeout: float = 10.0) -> dict[str, list[int]]:
     """Each topic's partition ids; SourceError when Kafka does not answer or a topic does not exist."""
-    admin = _known_config(kafka.client_config(), AdminClient)
+    problems = ConnectionProblems()
+    admin = _known_config({**kafka.client_config(), "error_cb": problems.error_cb}, AdminClient)
     try:
         metadata = admin.list_topics(timeout=timeout)  # type: ignore[attr-defined]
     except KafkaException as error:
         text = error.args[0].str() if error.args else str(error)
+        admin.poll(0)  # type: ignore[attr-defined]  # serves the error callbacks: a refused login, a bad certificate
+        if problems.hopeless is not None:
+            raise SourceError(problems.describe(kafka.bootstrap_servers, text)) from None
         raise SourceError(f"Kafka at {kafka.bootstrap_servers} is unreachable: {text}") from None
     missing = [topic for topic in topics if topic not in metadata.topics]
     if missing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -20,6 +21,10 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 ROOT = Path(__file__).resolve().parents[2]
+#: librdkafka's log lines of the tests' own consumers go nowhere (brokers die on purpose here).
+QUIET = logging.getLogger("tests.integration.librdkafka")
+QUIET.addHandler(logging.NullHandler())
+QUIET.propagate = False
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
@@ -88,6 +93,8 @@ class Audit:
 
     by_key: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     messages: int = 0
+    #: Each message's Kafka timestamp in seconds (the broker's append time on a LogAppendTime topic).
+    timestamps: list[float] = field(default_factory=list)
 
     @property
     def ids(self) -> set[int]:
@@ -113,10 +120,14 @@ class Audit:
         return found
 
 
-def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 120) -> Audit:
-    """Read `topic` from the beginning until at least `expected` distinct outbox ids have arrived."""
+def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 120,
+               config: dict[str, Any] | None = None) -> Audit:
+    """Read `topic` from the beginning until at least `expected` distinct outbox ids have arrived.
+
+    `config` adds librdkafka settings, e.g. a secure cluster's security.protocol and sasl.*.
+    """
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False, **(config or {})})
     audit = Audit()
     seen: set[int] = set()
     try:
@@ -133,6 +144,7 @@ def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 120) 
                 record_id = int(dict(message.headers())["outbox-id"])
                 audit.by_key[message.key().decode()].append(record_id)
                 audit.messages += 1
+                audit.timestamps.append(message.timestamp()[1] / 1000)
                 seen.add(record_id)
     finally:
         consumer.close()
@@ -173,6 +185,63 @@ class LiveConsumer(threading.Thread):
         self.halt.set()
         self.join(timeout=30)
         return self.audit
+
+
+class TopicTail(threading.Thread):
+    """A real consumer reading `topic` from the beginning while the test runs, noting when each message arrived.
+
+    A consumer only sees what every in-sync replica has (the high watermark), so the arrival times
+    show when records became visible downstream: the gap around a fault is the stall a user sees.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, config: dict[str, Any] | None = None) -> None:
+        super().__init__(name=f"tail-{topic}", daemon=True)
+        # librdkafka waits 60 s (socket.timeout.ms) on a request to a broker that hangs before it looks for
+        # the partition's new leader; a consumer that waited that long would report a stall the harvester
+        # never had. Ten seconds, as the harvester's own election clients.
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"tail-{uuid.uuid4().hex}",
+                                   "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                                   "socket.timeout.ms": 10_000, "logger": QUIET, **(config or {})})
+        self.topic = topic
+        self.audit = Audit()
+        #: (when it arrived, outbox id) for every message, in arrival order.
+        self.arrivals: list[tuple[float, int]] = []
+        self._seen: set[int] = set()
+        self._halt = threading.Event()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            partitions = self._consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+            self._consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
+            while not self._halt.is_set():
+                for message in self._consumer.consume(1000, timeout=0.2):
+                    if message.error():
+                        continue  # transient: a broker down is what these tests do
+                    now = time.time()
+                    record_id = int(dict(message.headers())["outbox-id"])
+                    self.audit.by_key[message.key().decode()].append(record_id)
+                    self.audit.messages += 1
+                    self.audit.timestamps.append(message.timestamp()[1] / 1000)
+                    self.arrivals.append((now, record_id))
+                    self._seen.add(record_id)
+        except BaseException as error:
+            self.failure = error
+        finally:
+            self._consumer.close()
+
+    def has(self, ids: Sequence[int]) -> bool:
+        return self._seen.issuperset(ids)
+
+    def stop(self) -> Audit:
+        self._halt.set()
+        self.join(timeout=30)
+        assert self.failure is None, f"the consumer failed: {self.failure!r}"
+        return self.audit
+
+    def first_arrival_after(self, moment: float, newer_than: int) -> float:
+        """Seconds from `moment` until a record with an id above `newer_than` (stashed after it) arrived."""
+        return min(when for when, record_id in self.arrivals if record_id > newer_than) - moment
 
 
 def assert_complete_and_ordered(audit: Audit, stashed: Sequence[int], *, strict: bool = False) -> None:
@@ -250,7 +319,26 @@ def replica_env(database_url: str, bootstrap: str, leader_topic: str) -> dict[st
     return env
 
 
-class FaultyProducer:
+class WrappedProducer:
+    """A real producer behind the engine's producer interface, for wrappers that change produce()."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._producer = Producer(config)
+
+    def poll(self, timeout: float = 0) -> int:
+        return self._producer.poll(timeout)
+
+    def flush(self, timeout: float = 0) -> int:
+        return self._producer.flush(timeout)
+
+    def purge(self, *args: Any, **kwargs: Any) -> None:
+        self._producer.purge(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._producer)
+
+
+class FaultyProducer(WrappedProducer):
     """A real producer that sometimes refuses a record or reports a delivery as failed.
 
     A reported failure may follow a real delivery (the ack was "lost"), so the harvester resends
@@ -258,7 +346,7 @@ class FaultyProducer:
     """
 
     def __init__(self, config: dict[str, Any], *, fail_delivery: float, refuse: float, seed: int) -> None:
-        self._producer = Producer(config)
+        super().__init__(config)
         self._random = random.Random(seed)
         self._fail_delivery, self._refuse = fail_delivery, refuse
         self.injected = 0
@@ -276,17 +364,31 @@ class FaultyProducer:
 
         self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery, **kwargs)
 
-    def poll(self, timeout: float = 0) -> int:
-        return self._producer.poll(timeout)
 
-    def flush(self, timeout: float = 0) -> int:
-        return self._producer.flush(timeout)
+class RecordingProducer(WrappedProducer):
+    """A real producer that notes each acknowledged delivery: (the broker's append time, the replica's name,
+    when the acknowledgement arrived, the outbox id).
 
-    def purge(self, *args: Any, **kwargs: Any) -> None:
-        self._producer.purge(*args, **kwargs)
+    On a LogAppendTime topic the delivery report carries the time the broker appended the message,
+    so deliveries of several replicas can be put in one order, as Kafka saw them.
+    """
 
-    def __len__(self) -> int:
-        return len(self._producer)
+    def __init__(self, config: dict[str, Any], name: str, deliveries: list[tuple[float, str, float, int]]) -> None:
+        super().__init__(config)
+        self._name = name
+        self._deliveries = deliveries
+
+    def produce(self, topic: str, value: Any = None, key: Any = None, on_delivery: Any = None, **kwargs: Any) -> None:
+        real = on_delivery
+        record_id = int(dict(kwargs.get("headers") or []).get("outbox-id", -1))  # a delivery report has no headers
+
+        def noted(error: Any, message: Any) -> None:
+            if error is None:
+                self._deliveries.append((message.timestamp()[1] / 1000, self._name, time.time(), record_id))
+            if real is not None:
+                real(error, message)
+
+        self._producer.produce(topic, value=value, key=key, on_delivery=noted, **kwargs)
 
 
 class FaultyStore:

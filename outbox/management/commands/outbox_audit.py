@@ -1,7 +1,8 @@
 """`manage.py outbox_audit --topics T1,T2 --out DIR`: audit what the harvester published.
 
 A thin wrapper over `outbox.pipeline.cli` (which runs without Django, e.g. under spark-submit):
-it only adds defaults from settings. Kafka comes from OUTBOX["base_kafka_config"], the jars
+it only adds defaults from settings. Kafka comes from OUTBOX["base_kafka_config"] (its bootstrap
+servers, and its security settings, translated for Spark's Kafka source), the jars
 from OUTBOX["spark_jars"], and `--ledger-table` without `--ledger-url` reads the table from the
 outbox's own database. Exit status: 0 clean, 1 reversals or missing ids, 2 bad arguments or
 unreachable Kafka, 3 Spark failed. See docs/audit.md.
@@ -58,4 +59,4 @@ class Command(BaseCommand):
                       if database.get(name)}
         bootstrap = base.get("bootstrap.servers") or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")  # as harvest does
         return cli.Defaults(bootstrap_servers=bootstrap, spark_jars=conf.setting("spark_jars"),
-                            ledger_url=url, ledger_properties=properties)
+                            ledger_url=url, ledger_properties=properties, kafka_config=dict(base))
