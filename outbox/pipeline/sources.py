@@ -13,10 +13,13 @@ import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
-from pyspark.sql import DataFrame, SparkSession
+
+if TYPE_CHECKING:  # the pre-flight checks run before (and without) pyspark
+    from pyspark.sql import DataFrame, SparkSession
 
 KAFKA_PREFIX = "kafka."
 # Larger fetches than the Java client's defaults (1 MiB a partition): ~15% faster scans of small messages.

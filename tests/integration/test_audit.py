@@ -109,13 +109,16 @@ def test_repeats_are_counted_exactly_and_are_not_reversals(spark, bootstrap_serv
 
 def test_a_reversal_is_found_with_its_example(spark, bootstrap_servers, new_topic, tmp_path):
     topic = new_topic("audit-reversal")
-    produce(bootstrap_servers, topic, in_order(2, "k", 30, 31, 32, 30) + in_order(0, "j", 40, 41))
+    # k: 31 was never published before 32 (a reversal); j: a repeated run after a failure (duplicates).
+    produce(bootstrap_servers, topic, in_order(2, "k", 30, 32, 31) + in_order(0, "j", 40, 41, 42, 41, 42, 43))
     code, report, stdout, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic)
 
     assert code == 1
-    assert report["reversals"] == 1
+    assert (report["reversals"], report["duplicates"]) == (1, 2)
     assert report["examples"]["reversals"] == [
-        {"topic": topic, "partition": 2, "offset": 3, "key": "k", "outbox_id": 30, "previous_max_id": 32}]
+        {"topic": topic, "partition": 2, "offset": 2, "key": "k", "outbox_id": 31,
+         "after": {"outbox_id": 32, "partition": 2, "offset": 1}}]
+    assert "reversal: " in stdout and "id 31 after id 32 (offset 1)" in stdout
     assert "result: FAILED" in stdout
 
 
@@ -180,12 +183,15 @@ def test_follow_resumes_from_its_checkpoint_without_double_counting(spark, boots
     code, first, _, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow", "--once")
     assert (code, first["messages"], first["duplicates"]) == (0, 4, 1)
 
-    produce(bootstrap_servers, topic, in_order(0, "k", 3, 1) + in_order(1, "j", 10, 11))  # a reversal, a repeat
+    # 0 was never published and is below k's 2 from the first run: a reversal; 1 and 10 are repeats.
+    produce(bootstrap_servers, topic, in_order(0, "k", 0, 1) + in_order(1, "j", 10, 11))
     code, second, _, stderr = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow",
                                     "--max-batches", "1", "--trigger-interval", "1 second")
     totals = {k: second[k] for k in ("messages", "distinct_ids", "duplicates", "reversals")}
     assert (code, totals) == (1, {"messages": 8, "distinct_ids": 5, "duplicates": 3, "reversals": 1}), stderr
-    assert second["examples"]["reversals"][0]["offset"] == 4
+    assert second["examples"]["reversals"][0]["offset"] == 3
+    assert second["examples"]["reversals"][0]["after"] == {"outbox_id": 2, "partition": 0, "offset": 1}
+    assert second["run"]["offsets"][topic] == {"0": [0, 5], "1": [0, 3], "2": [0, 0], "3": [0, 0]}
 
     # Spark replays a micro-batch whose commit it did not record (a crash after our state was saved).
     commits = tmp_path / "checkpoint" / "spark" / "commits"
