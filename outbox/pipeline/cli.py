@@ -230,11 +230,11 @@ def check_before_spark(args: argparse.Namespace, defaults: Defaults) -> list[str
     preflight.check_master(master_of(args))
     folders = {"--out": args.out, "--sink": args.sink, "--latest": args.latest, "--checkpoint": checkpoint_of(args)}
     preflight.check_distinct(folders, replaced=("--sink", "--latest"))
-    for flag, path in folders.items():
-        if path and not preflight.has_scheme(path):
-            preflight.check_writable_folder(flag, path)
     if args.ledger:
         preflight.check_ledger_file(args.ledger)
+    for flag, path in folders.items():  # last: this creates the folders
+        if path and not preflight.has_scheme(path):
+            preflight.check_writable_folder(flag, path)
     submitted = _submitted_jars()
     if "spark-sql-kafka" in submitted:
         return []
