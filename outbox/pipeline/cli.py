@@ -1,8 +1,10 @@
 """The audit's command line: `python -m outbox.pipeline`, `spark-submit .../outbox/pipeline/cli.py`, and
 `manage.py outbox_audit` (which adds defaults from Django settings and calls `run()`).
 
-Exit status: 0 clean, 1 reversals or missing ids, 2 bad arguments or Kafka/jars/ledger not
-usable (one line on stderr), 3 the audit started but Spark failed.
+Exit status: 0 clean, 1 reversals or missing ids, 2 bad arguments, or Kafka, the master, the
+jars, a path or the ledger not usable (one line on stderr, before Spark does any work), 3 the
+audit started but Spark failed. This module imports pyspark only once those checks passed, so
+that an install without it gets one line saying which extra to install.
 """
 
 from __future__ import annotations
@@ -19,12 +21,22 @@ from typing import Any, TextIO
 
 from outbox.harvest.config import TOPIC_PATTERN
 from outbox.pipeline import jars as jar_lookup
+from outbox.pipeline import preflight, sources
 from outbox.pipeline import report as reports
-from outbox.pipeline import sources
 
 EXIT_FAILED = 3
 DEFAULT_MASTER = "local[*]"
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
+SPARK_EXTRA = "pip install 'django-outbox-harvest[spark]'"
+
+
+def pyspark_missing() -> str | None:
+    """One line saying how to install PySpark when it cannot be imported, else None."""
+    try:
+        import pyspark  # noqa: F401
+    except ImportError as error:
+        return f"PySpark is needed for the audit and cannot be imported ({error}); install it with {SPARK_EXTRA}"
+    return None
 
 
 class UsageError(Exception):
@@ -108,12 +120,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ledger.add_argument("--ledger-property", type=_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="JDBC connection property such as user=... (repeatable)")
     parser.add_argument("--sink", metavar="DIR", help="write the de-duplicated records as Parquet (batch mode)")
+    parser.add_argument("--latest", metavar="DIR",
+                        help="write each key's newest record as Parquet (tombstoned keys left out; follow mode "
+                             "updates it after every micro-batch)")
     parser.add_argument("--examples", type=_non_negative_int, default=10, metavar="N",
                         help="examples kept of each kind of violation (default: 10)")
     spark = parser.add_argument_group("Spark")
     spark.add_argument("--master", help=f"Spark master (default: {DEFAULT_MASTER}, or spark-submit's)")
     spark.add_argument("--conf", type=_pair, action="append", default=[], metavar="KEY=VALUE",
                        help="Spark setting (repeatable), e.g. spark.driver.memory=8g")
+    spark.add_argument("--executor-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                       help="on a cluster master, how long to wait for a first executor (default: 60)")
     spark.add_argument("--jars", metavar="DIR|JAR,JAR",
                        help=f"Kafka connector jars (default: ${jar_lookup.ENV_VAR}, OUTBOX['spark_jars'], "
                             f".services/spark/jars-{jar_lookup.SPARK_VERSION})")
@@ -146,8 +163,6 @@ def validate(args: argparse.Namespace, defaults: Defaults) -> None:
         raise UsageError("--ledger-table needs --ledger-url")
     if (args.ledger_url or args.ledger_property) and not args.ledger_table:
         raise UsageError("--ledger-url and --ledger-property go with --ledger-table")
-    if args.ledger and "://" not in args.ledger and not Path(args.ledger).is_file():
-        raise UsageError(f"--ledger: no such file: {args.ledger}")
     follow_only = [name for name in ("checkpoint", "once", "max_batches", "idle_timeout", "max_offsets_per_trigger")
                    if getattr(args, name)]
     if follow_only and not args.follow:
@@ -189,6 +204,10 @@ def main(argv: Sequence[str] | None = None, *, defaults: Defaults | None = None,
          stderr: TextIO | None = None, prog: str = "python -m outbox.pipeline") -> int:
     """Parse `argv` and run the audit; returns the exit status."""
     stderr = stderr or sys.stderr
+    missing = pyspark_missing()
+    if missing:
+        stderr.write(f"{prog}: error: {missing}\n")
+        return reports.EXIT_USAGE
     try:
         args = build_parser(prog).parse_args(argv)
     except UsageError as error:
@@ -199,41 +218,103 @@ def main(argv: Sequence[str] | None = None, *, defaults: Defaults | None = None,
     return run(args, defaults=defaults, stdout=stdout, stderr=stderr, prog=prog)
 
 
+def master_of(args: argparse.Namespace) -> str | None:
+    """The master asked for: --master, else spark-submit's (None), else local[*]."""
+    return args.master or (None if "PYSPARK_GATEWAY_PORT" in os.environ else DEFAULT_MASTER)
+
+
+def checkpoint_of(args: argparse.Namespace) -> str | None:
+    return (args.checkpoint or str(Path(args.out) / "checkpoint")) if args.follow else None
+
+
+def check_before_spark(args: argparse.Namespace, defaults: Defaults) -> list[str]:
+    """Everything that can be checked before the JVM starts; returns the jars. Raises on the first problem."""
+    validate(args, defaults)
+    preflight.check_master(master_of(args))
+    folders = {"--out": args.out, "--sink": args.sink, "--latest": args.latest, "--checkpoint": checkpoint_of(args)}
+    preflight.check_distinct(folders, replaced=("--sink", "--latest"))
+    if args.ledger:
+        preflight.check_ledger_file(args.ledger)
+    for flag, path in folders.items():  # last: this creates the folders
+        if path and not preflight.has_scheme(path):
+            preflight.check_writable_folder(flag, path)
+    submitted = _submitted_jars()
+    if "spark-sql-kafka" in submitted:
+        return []
+    jar_list = jar_lookup.resolve(args.jars, defaults.spark_jars)
+    jar_lookup.check_versions(jar_list, *jar_lookup.pyspark_versions())
+    return jar_list
+
+
 def run(args: argparse.Namespace, *, defaults: Defaults | None = None, stdout: TextIO | None = None,
         stderr: TextIO | None = None, prog: str = "outbox_audit") -> int:
     """Run the audit for parsed arguments; returns the exit status. Errors are one line on `stderr`."""
     defaults = defaults or Defaults()
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    missing = pyspark_missing()
+    if missing:
+        stderr.write(f"{prog}: error: {missing}\n")
+        return reports.EXIT_USAGE
     try:
-        validate(args, defaults)
-        submitted = _submitted_jars()
-        if "spark-sql-kafka" in submitted:
-            jar_list: list[str] = []
-        else:
-            jar_list = jar_lookup.resolve(args.jars, defaults.spark_jars)
+        jar_list = check_before_spark(args, defaults)
         bootstrap = (args.bootstrap_servers or defaults.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
                      or DEFAULT_BOOTSTRAP_SERVERS)
         security = sources.security_settings(defaults.kafka_config)
         kafka = sources.Kafka(bootstrap, {**sources.java_options(security), **dict(args.kafka_option)}, security)
         partitions = sources.partitions(kafka, args.topics, timeout=args.kafka_timeout)
-    except (UsageError, jar_lookup.JarsNotFound, sources.SourceError) as error:
+    except (UsageError, preflight.PreflightError, jar_lookup.JarsNotFound, sources.SourceError) as error:
         stderr.write(f"{prog}: error: {error}\n")
         return reports.EXIT_USAGE
     from outbox.pipeline.ledger import LedgerError
+    from outbox.pipeline.state import StateError
 
     progress = Progress(stderr)
     try:
         return _audit(args, defaults, kafka, partitions, jar_list, progress, stdout)
-    except (sources.SourceError, LedgerError) as error:
+    except (sources.SourceError, LedgerError, StateError, preflight.PreflightError) as error:
         stderr.write(f"{prog}: error: {error}\n")
         return reports.EXIT_USAGE
     except KeyboardInterrupt:
         stderr.write(f"{prog}: interrupted\n")
         return EXIT_FAILED
     except Exception as error:  # Spark's own failures: one line here, the details are in Spark's log above
-        text = str(error).strip().splitlines()
-        stderr.write(f"{prog}: failed: {type(error).__name__}: {text[0] if text else ''}\n")
+        stderr.write(f"{prog}: failed: {_one_line(error)}\n")
         return EXIT_FAILED
+
+
+def _one_line(error: BaseException) -> str:
+    """The first line of an error, with the Java exception's own message when py4j wraps one."""
+    java = getattr(error, "java_exception", None)
+    text = str(java.toString() if java is not None else error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _run_info(args: argparse.Namespace, kafka: sources.Kafka, started: datetime, master: str | None,
+              checkpoint: str | None) -> dict[str, Any]:
+    """`run` of the report: the same keys in batch and follow mode (None where a mode has no such thing)."""
+    return {"mode": "follow" if args.follow else "batch", "started": started.isoformat(), "seconds": None,
+            "master": master, "bootstrap_servers": kafka.bootstrap_servers, "offsets": {},
+            "sink": args.sink, "latest": args.latest, "checkpoint": checkpoint,
+            "batches_folded": [], "batches_skipped": [], "stopped": None}
+
+
+def _start_spark(spark: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> None:
+    """After the session is up and before any job: executors on a cluster, its defaults, remote paths."""
+    from outbox.pipeline import session
+
+    master = spark.sparkContext.master
+    if not preflight.is_local_master(master):
+        progress(f"waiting for executors of {master}")
+        cores = preflight.wait_for_executors(spark, args.executor_timeout)
+        applied = session.cluster_defaults(spark, dict(args.conf), cores)
+        progress(f"{cores} executor core(s)" + "".join(f"; {key}={value}" for key, value in applied.items()))
+    preflight.check_remote_paths(
+        spark, {"--sink": args.sink, "--latest": args.latest, "--checkpoint": checkpoint_of(args)},
+        {"--ledger": args.ledger})
+    note = preflight.note_shared_storage(master, {"--ledger": args.ledger, "--checkpoint": checkpoint_of(args),
+                                                  "--sink": args.sink, "--latest": args.latest})
+    if note:
+        progress(note)
 
 
 def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, partitions: dict[str, list[int]],
@@ -241,9 +322,8 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
     from outbox.pipeline import audit, session
 
     started = datetime.now(UTC)
-    master = args.master or (None if "PYSPARK_GATEWAY_PORT" in os.environ else DEFAULT_MASTER)
-    run_info: dict[str, Any] = {"mode": "follow" if args.follow else "batch", "started": started.isoformat(),
-                                "bootstrap_servers": kafka.bootstrap_servers, "master": master}
+    master = master_of(args)
+    run_info = _run_info(args, kafka, started, master, checkpoint_of(args))
     offsets = None
     if not args.follow:
         offsets = sources.watermarks(kafka, partitions, timeout=args.kafka_timeout)
@@ -255,6 +335,7 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
     progress(f"starting Spark ({master or 'from spark-submit'})")
     with session.spark_session(master, dict(args.conf), jar_list) as spark:
         run_info["master"] = spark.sparkContext.master
+        _start_spark(spark, args, progress)
         ledger_frame, ledger_label = _ledger(spark, args, defaults)
         if args.follow:
             findings = _follow(spark, args, kafka, ledger_frame, ledger_label, run_info, progress, stdout)
@@ -262,9 +343,15 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
             assert offsets is not None
             batch = audit.normalize(sources.read_batch(spark, kafka, offsets))
             progress("reading the messages and checking them (Spark's stages below)")
-            state = audit.fold(None, batch, examples=args.examples)
+            state = audit.fold(None, batch, examples=args.examples, latest=bool(args.latest))
             try:
                 findings = audit.summarize(state, ledger=ledger_frame, examples=args.examples, progress=progress)
+                if args.latest:
+                    from outbox.pipeline import latest
+
+                    assert state.latest is not None
+                    progress(f"writing each key's newest record to {args.latest}")
+                    latest.write(state.latest, args.latest)
             finally:
                 state.release()
             if args.sink:
@@ -272,7 +359,7 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
                 from outbox.pipeline import sink
 
                 sink.write(batch, args.sink)
-                run_info["sink"] = args.sink
+            run_info.update(batches_folded=[0], stopped="end of the offsets pinned at start")
     run_info["seconds"] = round((datetime.now(UTC) - started).total_seconds(), 3)
     built = reports.build(findings, args.topics, ledger=ledger_label, run=run_info)
     path = reports.write(built, args.out)
@@ -299,31 +386,31 @@ def _follow(spark: Any, args: argparse.Namespace, kafka: sources.Kafka, ledger_f
     from outbox.pipeline import audit
     from outbox.pipeline.follow import FollowOptions, FollowRun, follow
 
-    checkpoint = args.checkpoint or str(Path(args.out) / "checkpoint")
+    checkpoint = checkpoint_of(args)
+    assert checkpoint is not None
     options = FollowOptions(checkpoint=checkpoint, once=args.once, max_batches=args.max_batches,
                             idle_timeout=args.idle_timeout, trigger_interval=args.trigger_interval,
-                            max_offsets_per_trigger=args.max_offsets_per_trigger, examples=args.examples)
-    run_info["checkpoint"] = checkpoint
-    latest: list[Any] = []
+                            max_offsets_per_trigger=args.max_offsets_per_trigger, examples=args.examples,
+                            latest=args.latest)
+    newest: list[Any] = []
 
-    def on_state(state: audit.AuditState, run: FollowRun) -> None:
+    def on_state(state: audit.AuditState, offsets: dict[str, Any], run: FollowRun) -> None:
         findings = audit.summarize(state, ledger=ledger_frame, examples=args.examples)
-        latest[:] = [findings]
-        info = {**run_info, "batches_folded": list(run.folded), "batches_skipped": list(run.skipped)}
+        newest[:] = [findings]
+        info = {**run_info, "offsets": offsets, "batches_folded": list(run.folded),
+                "batches_skipped": list(run.skipped)}
         built = reports.build(findings, args.topics, ledger=ledger_label, run=info)
         reports.write(built, args.out)
         progress(f"{built['messages']:,} messages so far, {built['duplicates']:,} duplicates, "
                  f"{built['reversals']:,} reversals, {built['missing']:,} missing; report.json updated")
 
     progress(f"following {', '.join(args.topics)} (checkpoint {checkpoint})")
-    state, run = follow(spark, kafka, args.topics, options, on_state, progress)
+    state, offsets, run = follow(spark, kafka, args.topics, options, on_state, progress)
     progress(f"stopped: {run.stopped_because}; {len(run.folded)} batch(es) folded, {len(run.skipped)} skipped")
-    run_info.update(batches_folded=run.folded, batches_skipped=run.skipped, stopped=run.stopped_because)
-    if run.last_progress:
-        run_info["offsets"] = {str(source.get("description")): source.get("endOffset")
-                               for source in run.last_progress.get("sources", [])}
-    if latest and run.folded:
-        return latest[0]
+    run_info.update(batches_folded=run.folded, batches_skipped=run.skipped, stopped=run.stopped_because,
+                    offsets=offsets)
+    if newest and run.folded:
+        return newest[0]
     if state is None:
         return audit.Findings(topics={}, latency_ms={"p50": None, "p95": None, "p99": None},
                               examples={kind: [] for kind in audit.EXAMPLE_KINDS})

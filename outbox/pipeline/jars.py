@@ -11,6 +11,7 @@ to Spark unchecked, for clusters.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +20,7 @@ ENV_VAR = "OUTBOX_SPARK_JARS"
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 DEFAULT_DIR = REPO_ROOT / ".services" / "spark" / f"jars-{SPARK_VERSION}"
 CONNECTOR = "spark-sql-kafka-0-10"
+CONNECTOR_NAME = re.compile(r"spark-sql-kafka-0-10_(?P<scala>\d+\.\d+)-(?P<spark>\d+\.\d+)\.[^/]*\.jar")
 HOW_TO_FETCH = (f"run `bin/services up` (copies them into {DEFAULT_DIR}) or `mvn -B -q -f services/spark/pom.xml "
                 f"dependency:copy-dependencies -DoutputDirectory=DIR -DincludeScope=runtime`, then pass --jars DIR "
                 f"or set {ENV_VAR}")
@@ -74,3 +76,39 @@ def resolve(flag: str | None = None, setting: str | Sequence[str] | None = None,
     if default_dir.is_dir():
         return expand(str(default_dir), str(default_dir))
     raise JarsNotFound(f"the Kafka connector's jars were not found; {HOW_TO_FETCH}")
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def check_versions(jars: Sequence[str], pyspark_version: str, scala_version: str | None) -> None:
+    """The connector jar is built for pyspark's Spark minor version and Scala version, or JarsNotFound.
+
+    A connector of another Spark minor version fails deep inside Spark (NoSuchMethodError and
+    the like) after the JVM started; checked here it is one line. A jar named otherwise (renamed,
+    or a URL without a version) is taken on trust.
+    """
+    for jar in jars:
+        found = CONNECTOR_NAME.search(jar.rsplit("/", 1)[-1])
+        if found is None:
+            continue
+        name = jar.rsplit("/", 1)[-1]
+        if found["spark"] != _minor(pyspark_version):
+            raise JarsNotFound(f"the Kafka connector {name} is for Spark {found['spark']} but pyspark is "
+                               f"{pyspark_version}: use the connector jars of Spark {_minor(pyspark_version)} "
+                               f"(services/spark/pom.xml pins them) or install pyspark {found['spark']}.*")
+        if scala_version and found["scala"] != scala_version:
+            raise JarsNotFound(f"the Kafka connector {name} is built for Scala {found['scala']} but pyspark's "
+                               f"Spark uses Scala {scala_version}: use the _{scala_version} connector jars")
+
+
+def pyspark_versions() -> tuple[str, str | None]:
+    """(pyspark's version, the Scala version of the Spark it ships, when its jars show it)."""
+    import pyspark
+    from pyspark.version import __version__
+
+    home = Path(os.environ.get("SPARK_HOME") or Path(pyspark.__file__).parent)
+    scala = next((match[1] for jar in (home / "jars").glob("scala-library-*.jar")
+                  if (match := re.fullmatch(r"scala-library-(\d+\.\d+)\..*\.jar", jar.name))), None)
+    return __version__, scala

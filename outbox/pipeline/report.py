@@ -13,9 +13,10 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from outbox.pipeline.audit import Findings
+if TYPE_CHECKING:  # plain Python: the report needs no pyspark
+    from outbox.pipeline.audit import Findings
 
 COUNTERS = ("messages", "distinct_ids", "duplicates", "reversals", "without_headers")
 EXIT_OK, EXIT_VIOLATIONS, EXIT_USAGE = 0, 1, 2
@@ -87,7 +88,8 @@ def summary(report: Mapping[str, Any], path: Path | str | None = None) -> str:
                      f"{detail['without_headers']:,} without headers")
     for example in report["examples"].get("reversals", [])[:3]:
         lines.append(f"  reversal: {example['topic']}[{example['partition']}]@{example['offset']} key "
-                     f"{example['key']!r}: id {example['outbox_id']} after {example['previous_max_id']}")
+                     f"{example['key']!r}: id {example['outbox_id']} after id {example['after']['outbox_id']}"
+                     + ("" if example["after"].get("offset") is None else f" (offset {example['after']['offset']})"))
     if report["examples"].get("missing"):
         shown = ", ".join(str(i) for i in report["examples"]["missing"][:5])
         lines.append(f"  missing ids: {shown}{', ...' if report['missing'] > 5 else ''}")

@@ -1,10 +1,12 @@
-"""The SparkSession: `--master`, `--conf` and the jars, with defaults that suit one machine.
+"""The SparkSession: `--master`, `--conf` and the jars, with defaults that suit the master.
 
 On a `local[...]` master the driver binds to 127.0.0.1, Python workers (should any be needed: the
 checks themselves are SQL expressions, run in the JVM) use this interpreter and shuffles use a
-few partitions (adaptive execution merges them further). Every default yields to
-an explicit `--conf`. When a session is already running (spark-submit, a notebook, the tests) it
-is used as it is, and left running at the end.
+few partitions (adaptive execution merges them further). On a cluster master the shuffle
+partitions follow the cores the cluster offers once its executors registered (`cluster_defaults`)
+instead of Spark's 200, which on a small cluster cost more in task overhead than the work itself.
+Every default yields to an explicit `--conf` (or spark-submit's). When a session is already
+running (spark-submit, a notebook, the tests) it is used as it is, and left running at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ LOCAL_DEFAULTS = {
     "spark.sql.shuffle.partitions": "8",
     "spark.ui.showConsoleProgress": "true",
 }
+SHUFFLE_PARTITIONS_PER_CORE = 4  # as local[2] with its 8: enough to spread skew, few enough to stay cheap
 
 
 def settings(master: str | None, confs: Mapping[str, str], jars: Sequence[str]) -> dict[str, str]:
@@ -63,3 +66,13 @@ def spark_session(master: str | None, confs: Mapping[str, str], jars: Sequence[s
     finally:
         if existing is None:
             spark.stop()
+
+
+def cluster_defaults(spark: SparkSession, confs: Mapping[str, str], cores: int) -> dict[str, str]:
+    """On a cluster master, set the shuffle partitions from its `cores` unless given; returns what was set."""
+    key = "spark.sql.shuffle.partitions"
+    if key in confs or spark.sparkContext.getConf().contains(key):
+        return {}
+    value = str(max(SHUFFLE_PARTITIONS_PER_CORE, SHUFFLE_PARTITIONS_PER_CORE * cores))
+    spark.conf.set(key, value)
+    return {key: value}

@@ -13,10 +13,13 @@ import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
-from pyspark.sql import DataFrame, SparkSession
+
+if TYPE_CHECKING:  # the pre-flight checks run before (and without) pyspark
+    from pyspark.sql import DataFrame, SparkSession
 
 from outbox.harvest.kafka import ConnectionProblems
 

@@ -2,10 +2,11 @@
 
 Layout under the state folder:
 
-    batch-000000000007/{counters,ids,keys,latency,examples}/   Parquet
-    batch-000000000007/_FOLDED                                  written last
+    batch-000000000007/{counters,ids,keys,latency,examples[,latest]}/   Parquet
+    batch-000000000007/_FOLDED                                         written last
 
-A version counts only once `_FOLDED` exists. Structured Streaming may run a micro-batch again
+A version counts only once `_FOLDED` exists; the marker holds the state's format, the tables it
+has and the Kafka offsets the state covers. Structured Streaming may run a micro-batch again
 after a crash (same id, same offsets) when its state was saved but its commit was not: such a
 batch finds its version folded and is skipped, so nothing is counted twice. A batch that died
 half-way has no marker, and is folded again from the previous version. Older versions are
@@ -14,6 +15,8 @@ deleted once a newer one is folded.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -22,6 +25,13 @@ from outbox.pipeline.audit import AuditState
 
 PREFIX = "batch-"
 MARKER = "_FOLDED"
+FORMAT = 2  # 1: ids as 4 KiB bitmaps (before ids.py), no marker content
+
+Offsets = dict[str, dict[str, list[int]]]
+
+
+class StateError(Exception):
+    """A one-line reason why the saved state cannot be used."""
 
 
 class StateStore:
@@ -48,26 +58,71 @@ class StateStore:
         ids = [int(name.removeprefix(PREFIX)) for name in names if name.startswith(PREFIX)]
         return sorted(batch_id for batch_id in ids if self.folded(batch_id))
 
-    def latest(self, before: int | None = None) -> tuple[int, AuditState] | None:
-        """The newest folded version (older than `before` when given) and its state."""
+    def latest(self, before: int | None = None) -> tuple[int, AuditState, Offsets] | None:
+        """The newest folded version (older than `before` when given): its id, state and offsets."""
         ids = [batch_id for batch_id in self.versions() if before is None or batch_id < before]
         if not ids:
             return None
-        return ids[-1], self.load(ids[-1])
+        return ids[-1], *self.load(ids[-1])
 
-    def load(self, batch_id: int) -> AuditState:
+    def _read_text(self, path: str) -> str:
+        stream = self._fs.open(self._path(path))
+        try:
+            return bytes(self.spark.sparkContext._jvm.org.apache.commons.io.IOUtils.toByteArray(stream)).decode()
+        finally:
+            stream.close()
+
+    def _marker(self, batch_id: int) -> dict[str, Any]:
+        text = self._read_text(f"{self._version(batch_id)}/{MARKER}")
+        marker = json.loads(text) if text.strip() else {"format": 1}
+        if marker.get("format") != FORMAT:
+            raise StateError(f"the state in {self.root} was written by an older version of the audit; "
+                             f"delete the checkpoint folder to start over")
+        return marker
+
+    def load(self, batch_id: int) -> tuple[AuditState, Offsets]:
+        marker = self._marker(batch_id)
         version = self._version(batch_id)
         read = self.spark.read
-        return AuditState(**{name: read.schema(schema).parquet(f"{version}/{name}")
-                             for name, schema in AuditState.SCHEMAS.items()})
+        tables = {name: read.schema(AuditState.SCHEMAS[name]).parquet(f"{version}/{name}")
+                  for name in marker["tables"]}
+        return AuditState(**tables), marker.get("offsets", {})
 
-    def save(self, batch_id: int, state: AuditState) -> AuditState:
-        """Write `state` as version `batch_id`, mark it folded, drop old versions; returns it re-read."""
+    def save(self, batch_id: int, state: AuditState, offsets: Offsets,
+             before_marking: Callable[[AuditState], None] | None = None) -> AuditState:
+        """Write `state` as version `batch_id`, mark it folded, drop old versions; returns it re-read.
+
+        `before_marking` sees the written state before the marker exists: what it writes (the
+        latest-state table) is then redone if the process dies before the version counts.
+        """
         version = self._version(batch_id)
         self._fs.delete(self._path(version), True)  # a half-written earlier attempt
-        for name, frame in state.tables().items():
+        tables = state.tables()
+        for name, frame in tables.items():
             frame.write.mode("overwrite").parquet(f"{version}/{name}")
-        self._fs.create(self._path(f"{version}/{MARKER}"), True).close()
+        read = self.spark.read
+        saved = AuditState(**{name: read.schema(AuditState.SCHEMAS[name]).parquet(f"{version}/{name}")
+                              for name in tables})
+        if before_marking is not None:
+            before_marking(saved)
+        marker = json.dumps({"format": FORMAT, "tables": list(tables), "offsets": offsets})
+        out = self._fs.create(self._path(f"{version}/{MARKER}"), True)
+        try:
+            out.write(bytearray(marker.encode()))
+        finally:
+            out.close()
         for old in self.versions()[:-self.keep]:
             self._fs.delete(self._path(self._version(old)), True)
-        return self.load(batch_id)
+        return saved
+
+    def spark_offsets(self, checkpoint: str, batch_id: int) -> dict[str, dict[str, int]] | None:
+        """The Kafka offsets Spark's offset log gives as the end of micro-batch `batch_id` (None: not there).
+
+        The log (`<checkpoint>/offsets/<id>`) is written before the batch runs: a version line,
+        a metadata line, then one line per source, here the Kafka source's `{topic: {partition: offset}}`.
+        """
+        path = f"{checkpoint.rstrip('/')}/offsets/{batch_id}"
+        if not self._fs.exists(self._path(path)):
+            return None
+        lines = [line for line in self._read_text(path).splitlines() if line.strip()]
+        return json.loads(lines[2]) if len(lines) >= 3 else None

@@ -90,16 +90,23 @@ def publish(bootstrap: str, topic: str, messages: int, keys: int, value_bytes: i
 
 
 def run(messages: int, keys: int, partitions: int, bootstrap: str, master: str, value_bytes: int,
-        confs: Sequence[str], keep_topic: bool, jars: str | None, stdout: TextIO) -> int:
-    topic = f"outbox-audit-bench-{uuid.uuid4().hex[:8]}"
+        confs: Sequence[str], keep_topic: bool, jars: str | None, stdout: TextIO, topic: str | None = None) -> int:
+    """Publish to a new topic (or, with `topic`, audit that existing one as it is), audit, print figures."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])[topic].result(30)
+    reuse = topic is not None
+    if topic is None:
+        topic = f"outbox-audit-bench-{uuid.uuid4().hex[:8]}"
+        admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])[topic].result(30)
     try:
-        stdout.write(f"audit benchmark: {messages:,} messages over {keys:,} keys, {partitions} partitions, "
-                     f"{value_bytes}-byte values, topic {topic}\n")
-        stdout.flush()
-        seconds = publish(bootstrap, topic, messages, keys, value_bytes)
-        stdout.write(f"  produced        {messages / seconds:>12,.0f} messages/s  ({seconds:.1f} s)\n")
+        if reuse:
+            messages = _count(bootstrap, topic)
+            stdout.write(f"audit benchmark: existing topic {topic}, {messages:,} messages\n")
+        else:
+            stdout.write(f"audit benchmark: {messages:,} messages over {keys:,} keys, {partitions} partitions, "
+                         f"{value_bytes}-byte values, topic {topic}\n")
+            stdout.flush()
+            seconds = publish(bootstrap, topic, messages, keys, value_bytes)
+            stdout.write(f"  produced        {messages / seconds:>12,.0f} messages/s  ({seconds:.1f} s)\n")
         stdout.flush()
         argv = ["--topics", topic, "--bootstrap-servers", bootstrap, "--master", master]
         for conf in confs:
@@ -124,8 +131,17 @@ def run(messages: int, keys: int, partitions: int, bootstrap: str, master: str, 
                      f"{memory.interval:g} s)\n")
         return code
     finally:
-        if not keep_topic:
+        if not keep_topic and not reuse:
             admin.delete_topics([topic])[topic].result(30)
+
+
+def _count(bootstrap: str, topic: str) -> int:
+    """Messages in `topic` now (high minus low watermark, summed over its partitions)."""
+    from outbox.pipeline import sources
+
+    kafka = sources.Kafka(bootstrap, {})
+    marks = sources.watermarks(kafka, sources.partitions(kafka, [topic]))
+    return sum(high - low for parts in marks.values() for low, high in parts.values())
 
 
 class _Timestamps(io.TextIOBase):
@@ -162,6 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--jars", default=None)
     parser.add_argument("--keep-topic", action="store_true", help="leave the benchmark topic in Kafka")
+    parser.add_argument("--topic", help="audit this existing topic (e.g. one left by --keep-topic) instead of "
+                                        "publishing a new one")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bootstrap = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or "localhost:9092"
     return run(args.messages, args.keys, args.partitions, bootstrap, args.master, args.value_bytes, args.conf,
-               args.keep_topic, args.jars, sys.stdout)
+               args.keep_topic, args.jars, sys.stdout, topic=args.topic)
 
 
 if __name__ == "__main__":

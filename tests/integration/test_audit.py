@@ -109,13 +109,16 @@ def test_repeats_are_counted_exactly_and_are_not_reversals(spark, bootstrap_serv
 
 def test_a_reversal_is_found_with_its_example(spark, bootstrap_servers, new_topic, tmp_path):
     topic = new_topic("audit-reversal")
-    produce(bootstrap_servers, topic, in_order(2, "k", 30, 31, 32, 30) + in_order(0, "j", 40, 41))
+    # k: 31 was never published before 32 (a reversal); j: a repeated run after a failure (duplicates).
+    produce(bootstrap_servers, topic, in_order(2, "k", 30, 32, 31) + in_order(0, "j", 40, 41, 42, 41, 42, 43))
     code, report, stdout, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic)
 
     assert code == 1
-    assert report["reversals"] == 1
+    assert (report["reversals"], report["duplicates"]) == (1, 2)
     assert report["examples"]["reversals"] == [
-        {"topic": topic, "partition": 2, "offset": 3, "key": "k", "outbox_id": 30, "previous_max_id": 32}]
+        {"topic": topic, "partition": 2, "offset": 2, "key": "k", "outbox_id": 31,
+         "after": {"outbox_id": 32, "partition": 2, "offset": 1}}]
+    assert "reversal: " in stdout and "id 31 after id 32 (offset 1)" in stdout
     assert "result: FAILED" in stdout
 
 
@@ -180,12 +183,15 @@ def test_follow_resumes_from_its_checkpoint_without_double_counting(spark, boots
     code, first, _, _ = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow", "--once")
     assert (code, first["messages"], first["duplicates"]) == (0, 4, 1)
 
-    produce(bootstrap_servers, topic, in_order(0, "k", 3, 1) + in_order(1, "j", 10, 11))  # a reversal, a repeat
+    # 0 was never published and is below k's 2 from the first run: a reversal; 1 and 10 are repeats.
+    produce(bootstrap_servers, topic, in_order(0, "k", 0, 1) + in_order(1, "j", 10, 11))
     code, second, _, stderr = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow",
                                     "--max-batches", "1", "--trigger-interval", "1 second")
     totals = {k: second[k] for k in ("messages", "distinct_ids", "duplicates", "reversals")}
     assert (code, totals) == (1, {"messages": 8, "distinct_ids": 5, "duplicates": 3, "reversals": 1}), stderr
-    assert second["examples"]["reversals"][0]["offset"] == 4
+    assert second["examples"]["reversals"][0]["offset"] == 3
+    assert second["examples"]["reversals"][0]["after"] == {"outbox_id": 2, "partition": 0, "offset": 1}
+    assert second["run"]["offsets"][topic] == {"0": [0, 5], "1": [0, 3], "2": [0, 0], "3": [0, 0]}
 
     # Spark replays a micro-batch whose commit it did not record (a crash after our state was saved).
     commits = tmp_path / "checkpoint" / "spark" / "commits"
@@ -276,6 +282,10 @@ def test_unreachable_kafka_exits_2_with_one_line(tmp_path):
     ["--topics", "t", "--out", "x", "--ledger", "/no/such/ledger.txt"],
     ["--topics", "t", "--out", "x", "--ledger-url", "jdbc:postgresql://h/db"],
     ["--topics", "t", "--out", "x", "--max-batches", "0", "--follow"],
+    ["--topics", "t", "--out", "x", "--master", "loca[2]"],
+    ["--topics", "t", "--out", "/proc/outbox-audit"],                     # cannot be written
+    ["--topics", "t", "--out", "x", "--sink", "x/sink"],                   # --sink would replace the report
+    ["--topics", "t", "--out", "x", "--sink", "s", "--latest", "s"],
 ])
 @pytest.mark.parametrize("command", [["manage.py", "outbox_audit"], ["-m", "outbox.pipeline"]])
 def test_bad_arguments_exit_2_with_one_line(command, args):
@@ -286,9 +296,180 @@ def test_bad_arguments_exit_2_with_one_line(command, args):
     assert ": error: " in lines[0]
 
 
+@pytest.mark.parametrize("option", ["--out", "--sink", "--latest", "--checkpoint"])
+def test_a_folder_under_a_plain_file_exits_2_before_spark_starts(tmp_path, option):
+    plain = tmp_path / "plain"
+    plain.write_text("not a folder")
+    args = ["--topics", "t", "--out", str(tmp_path / "out"), option, str(plain / "x")]
+    if option == "--checkpoint":
+        args.append("--follow")
+    began = time.monotonic()
+    result = run_command("-m", "outbox.pipeline", *args)
+    assert (result.returncode, result.stderr.strip()) == (
+        2, f"python -m outbox.pipeline: error: {option} {plain / 'x'}: cannot write there: Not a directory")
+    assert time.monotonic() - began < 15  # no JVM was started, no message read
+
+
+def test_a_bad_ledger_line_exits_2_before_spark_starts(tmp_path):
+    ledger = tmp_path / "ids.txt"
+    ledger.write_text("id\n1\n")
+    result = run_command("manage.py", "outbox_audit", "--topics", "t", "--out", str(tmp_path), "--ledger", str(ledger))
+    assert (result.returncode, result.stderr.strip()) == (
+        2, f"outbox_audit: error: --ledger {ledger}: line 1 is not an outbox id: 'id'")
+
+
+def test_an_unreachable_master_exits_2_with_its_cause_within_15_s(tmp_path):
+    began = time.monotonic()
+    result = run_command("manage.py", "outbox_audit", "--topics", "t", "--out", str(tmp_path),
+                         "--master", "spark://127.0.0.1:1")
+    assert time.monotonic() - began < 15
+    assert (result.returncode, result.stderr.strip()) == (
+        2, "outbox_audit: error: the Spark master spark://127.0.0.1:1 is unreachable: 127.0.0.1:1: Connection refused")
+
+
+def test_a_connector_for_another_spark_version_exits_2_with_one_line(tmp_path):
+    for name in ("spark-sql-kafka-0-10_2.13-4.1.0.jar", "kafka-clients-3.9.2.jar"):
+        (tmp_path / name).touch()
+    result = run_command("-m", "outbox.pipeline", "--topics", "t", "--out", str(tmp_path / "out"),
+                         env={"OUTBOX_SPARK_JARS": str(tmp_path)})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "spark-sql-kafka-0-10_2.13-4.1.0.jar is for Spark 4.1 but pyspark is 4.2." in lines[0]
+
+
+@pytest.mark.parametrize("command", [["manage.py", "outbox_audit", "--help"], ["-m", "outbox.pipeline", "--help"],
+                                     ["manage.py", "outbox_audit", "--topics", "t", "--out", "x"]])
+def test_without_pyspark_one_line_names_the_extra(tmp_path, command):
+    fake = tmp_path / "pyspark"  # shadows the installed pyspark, as if it were not installed
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pyspark'\", name='pyspark')\n")
+    result = run_command(*command, env={"PYTHONPATH": str(tmp_path)})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].endswith("install it with pip install 'django-outbox-harvest[spark]'")
+    assert "No module named 'pyspark'" in lines[0]
+    assert result.stdout == ""
+
+
 def test_missing_jars_exit_2_saying_how_to_fetch_them(tmp_path):
     result = run_command("-m", "outbox.pipeline", "--topics", "t", "--out", str(tmp_path),
                          env={"OUTBOX_SPARK_JARS": str(tmp_path / "nothing-here")})
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "bin/services up" in lines[0], result.stderr
+
+
+def newest_by_reference(messages: list[dict]) -> dict[str, tuple[str, int | None]]:
+    """The latest-state table computed in plain Python, walking each key's messages in offset order.
+
+    A message becomes its key's newest when it has no outbox id, or an id higher than any the key
+    had; per key the partition where it reached its highest id wins; tombstones drop the key.
+    """
+    walked: dict[tuple[int, str], tuple[dict, int | None]] = {}
+    for message in sorted(messages, key=lambda m: (m["partition"], m["offset"])):
+        place = (message["partition"], message["key"])
+        newest, highest = walked.get(place, (None, None))
+        outbox_id = message["outbox_id"]
+        if outbox_id is None or highest is None or outbox_id > highest:
+            newest = message
+            highest = outbox_id if outbox_id is not None else highest
+        walked[place] = (newest, highest)
+    chosen: dict[str, tuple[tuple, dict]] = {}
+    for (partition, key), (newest, highest) in walked.items():
+        rank = (highest is not None, highest or 0, partition)
+        if key not in chosen or rank > chosen[key][0]:
+            chosen[key] = (rank, newest)
+    return {key: (newest["value"], newest["outbox_id"]) for key, (_, newest) in chosen.items()
+            if newest["value"] is not None}
+
+
+class Ledgered:
+    """Messages produced to one topic, remembered with their offsets for the reference."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap, self.topic = bootstrap, topic
+        self.sent: list[dict] = []
+
+    def send(self, *messages: tuple[int, str, int | None, str | None]) -> None:
+        batch = []
+        for partition, key, outbox_id, value in messages:
+            offset = sum(1 for m in self.sent if m["partition"] == partition)
+            self.sent.append({"partition": partition, "offset": offset, "key": key, "outbox_id": outbox_id,
+                              "value": value})
+            batch.append(harvested(partition, key, outbox_id, value=value))
+        produce(self.bootstrap, self.topic, batch)
+
+
+def latest_table(spark, path: Path, topic: str) -> dict[str, tuple[str, int | None]]:
+    rows = spark.read.parquet(str(path)).collect()
+    assert {row["topic"] for row in rows} <= {topic}
+    assert len(rows) == len({row["key"] for row in rows})  # one row per key
+    return {row["key"]: (row["value"], row["outbox_id"]) for row in rows}
+
+
+def test_latest_state_matches_a_plain_python_reference_across_a_restart(spark, bootstrap_servers, new_topic,
+                                                                       tmp_path):
+    topic = new_topic("audit-latest")
+    messages = Ledgered(bootstrap_servers, topic)
+    messages.send(
+        (0, "a", 1, "a1"), (0, "a", 2, "a2"), (0, "a", 2, "a2"),      # a repeat
+        (0, "b", 3, "b3"), (0, "b", 4, None),                         # deleted by a tombstone
+        (1, "c", 5, "c5"), (1, "c", 7, "c7"), (1, "c", 6, "c6"),      # 6 reversed: 7 stays newest
+        (1, "d", None, "d-plain"), (1, "d", 8, "d8"),                 # no outbox-id: offset order
+        (2, "e", 9, "e9"), (2, "e", None, "e-plain"),
+        (3, "f", 10, "f10"), (2, "f", 12, "f12"),                     # one key in two partitions
+    )
+    latest, batch_latest = tmp_path / "latest", tmp_path / "batch-latest"
+    code, report, _, stderr = audit(spark, bootstrap_servers, tmp_path / "batch", "--topics", topic,
+                                    "--latest", str(batch_latest))
+    assert (code, report["reversals"], report["run"]["latest"]) == (1, 1, str(batch_latest)), stderr
+    assert latest_table(spark, batch_latest, topic) == newest_by_reference(messages.sent)
+    assert set(newest_by_reference(messages.sent)) == {"a", "c", "d", "e", "f"}
+
+    follow = ["--topics", topic, "--follow", "--once", "--latest", str(latest)]
+    code, _, _, stderr = audit(spark, bootstrap_servers, tmp_path / "follow", *follow)
+    assert code == 1, stderr
+    assert latest_table(spark, latest, topic) == newest_by_reference(messages.sent)
+
+    messages.send(
+        (0, "a", 1, "a1"),                                            # late repeats of older ids: never newest
+        (0, "b", 3, "b3"),                                            # ... nor do they bring a deleted key back
+        (1, "c", 11, "c11"),
+        (1, "d", None, "d-plain-2"),
+        (2, "e", 13, "e13"),
+        (3, "g", 14, "g14"), (3, "g", 15, None),                      # created and deleted in one batch
+        (0, "h", 16, None),                                           # a tombstone for a key never seen
+        (0, "b", 17, "b17"),                                          # a new record after the tombstone
+    )
+    code, report, _, stderr = audit(spark, bootstrap_servers, tmp_path / "follow", *follow)  # resumes
+    assert code == 1 and report["run"]["batches_folded"] and not report["run"]["batches_skipped"], stderr
+    expected = newest_by_reference(messages.sent)
+    assert expected == {"a": ("a2", 2), "b": ("b17", 17), "c": ("c11", 11), "d": ("d-plain-2", None),
+                        "e": ("e13", 13), "f": ("f12", 12)}
+    assert latest_table(spark, latest, topic) == expected
+
+    code, _, _, stderr = audit(spark, bootstrap_servers, tmp_path / "batch", "--topics", topic,
+                               "--latest", str(batch_latest))
+    assert latest_table(spark, batch_latest, topic) == expected, stderr
+
+
+def test_batch_and_follow_reports_have_one_shape_and_agree(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-shape")
+    produce(bootstrap_servers, topic, in_order(0, "k", 1, 3, 2, 2) + in_order(1, "j", 5) + [harvested(2, "x", None)])
+    code_batch, batch, _, _ = audit(spark, bootstrap_servers, tmp_path / "batch", "--topics", topic)
+    code_follow, follow, _, _ = audit(spark, bootstrap_servers, tmp_path / "follow", "--topics", topic, "--follow",
+                                      "--once")
+
+    def shape(value):
+        if isinstance(value, dict):
+            return {key: shape(item) for key, item in value.items() if key != "run"}
+        return type(value).__name__
+
+    assert shape(batch) == shape(follow)
+    assert set(batch["run"]) == set(follow["run"])
+    assert batch["run"]["offsets"] == follow["run"]["offsets"] == {
+        topic: {"0": [0, 4], "1": [0, 1], "2": [0, 1], "3": [0, 0]}}
+    assert (batch["run"]["mode"], follow["run"]["mode"]) == ("batch", "follow")
+    figures = ("messages", "distinct_ids", "duplicates", "reversals", "missing", "without_headers", "examples")
+    assert {k: batch[k] for k in figures} == {k: follow[k] for k in figures}
+    assert (code_batch, code_follow, batch["reversals"], batch["duplicates"]) == (1, 1, 1, 1)

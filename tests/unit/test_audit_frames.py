@@ -85,11 +85,35 @@ def test_repeats_are_duplicates_not_reversals(spark):
         (2, 1, 1), (4, 2, 3), (5, 2, 3)]
 
 
-def test_going_back_is_a_reversal(spark):
-    found = figures(spark, ids_in_order("k", 0, 1, 2, 0) + ids_in_order("j", 5, 6, start=4))  # R0 R1 R2 R0
-    assert (found.topics["t"]["reversals"], found.topics["t"]["duplicates"]) == (1, 1)
+@pytest.mark.parametrize(("ids", "reversals", "duplicates"), [
+    ((0, 1, 2, 1, 2, 3), 0, 2),  # a repeated run after a failure with several records in flight
+    ((0, 2, 1), 1, 0),           # 1 was never published before 2: it went back
+    ((0, 1, 2, 0, 1), 0, 2),     # repeats of ids already published, however old
+    ((0, 1, 1, 2), 0, 1),
+    ((0, 2, 1, 1, 3, 2), 1, 2),  # the second 1 repeats the reversal: one reversal only
+])
+def test_a_reversal_is_a_first_occurrence_below_a_higher_id(spark, ids, reversals, duplicates):
+    found = figures(spark, ids_in_order("k", *ids))
+    assert (found.topics["t"]["reversals"], found.topics["t"]["duplicates"]) == (reversals, duplicates)
+
+
+@pytest.mark.parametrize(("first", "second", "reversals", "duplicates"), [
+    ((0, 1, 2), (1, 2, 3), 0, 2),
+    ((0, 2), (1,), 1, 0),
+    ((0, 1, 2), (0, 1), 0, 2),
+    ((0, 1, 2, 1), (2, 3), 0, 2),
+])
+def test_the_rule_holds_across_batches(spark, first, second, reversals, duplicates):
+    found = figures(spark, ids_in_order("k", *first), ids_in_order("k", *second, start=len(first)))
+    assert (found.topics["t"]["reversals"], found.topics["t"]["duplicates"]) == (reversals, duplicates)
+
+
+def test_a_reversal_names_a_higher_id_published_before_it(spark):
+    found = figures(spark, ids_in_order("k", 0, 2, 1) + ids_in_order("j", 5, 6, start=3))  # R0 R2 R1
     assert found.examples["reversals"] == [
-        {"topic": "t", "partition": 0, "offset": 3, "key": "k", "outbox_id": 0, "previous_max_id": 2}]
+        {"topic": "t", "partition": 0, "offset": 2, "key": "k", "outbox_id": 1,
+         "after": {"outbox_id": 2, "partition": 0, "offset": 1}}]
+    assert found.examples["duplicates"] == []
 
 
 def test_order_is_per_key_and_partition(spark):
@@ -101,13 +125,22 @@ def test_order_is_per_key_and_partition(spark):
 
 def test_two_batches_add_up_to_one(spark):
     first = ids_in_order("k", 1, 2, 3) + ids_in_order("j", 10, 11, start=3)
-    second = ids_in_order("k", 3, 2, 4, start=5) + ids_in_order("j", 9, start=8)  # repeat, reversal, reversal
+    second = ids_in_order("k", 3, 2, 4, start=5) + ids_in_order("j", 9, start=8)  # repeat, repeat, reversal
     once = figures(spark, first + second)
     twice = figures(spark, first, second)
     assert once.topics == twice.topics
-    assert once.topics["t"]["reversals"] == 2
+    assert once.topics["t"]["reversals"] == 1
     assert once.topics["t"]["duplicates"] == 2
-    assert once.examples["reversals"] == twice.examples["reversals"]
+
+    def where(found):
+        return {kind: [(e["partition"], e["offset"], e["outbox_id"]) for e in items]
+                for kind, items in found.examples.items()}
+
+    assert where(once) == where(twice) == {"reversals": [(0, 8, 9)], "duplicates": [(0, 5, 3), (0, 6, 2)],
+                                           "without_headers": []}
+    # Across batches the higher id named is the key's highest from the earlier ones.
+    assert twice.examples["reversals"][0]["after"] == {"outbox_id": 11, "partition": 0, "offset": 4}
+    assert twice.examples["duplicates"][0]["first_seen"] == {"partition": 0, "offset": 2}
 
 
 def test_missing_ids_come_from_the_ledger(spark):

@@ -5,7 +5,8 @@ it only adds defaults from settings. Kafka comes from OUTBOX["base_kafka_config"
 servers, and its security settings, translated for Spark's Kafka source), the jars
 from OUTBOX["spark_jars"], and `--ledger-table` without `--ledger-url` reads the table from the
 outbox's own database. Exit status: 0 clean, 1 reversals or missing ids, 2 bad arguments or
-unreachable Kafka, 3 Spark failed. See docs/audit.md.
+unreachable Kafka, 3 Spark failed. See docs/audit.md. Without pyspark (the `spark` extra) every
+use, `--help` included, is one line saying what to install, and exit status 2.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ PROG = "outbox_audit"
 class Command(BaseCommand):
     help = "Audit and de-duplicate Kafka topics written by the harvester, with Spark (see docs/audit.md)."
     requires_system_checks: list[str] = []  # a read-only audit; don't fail on unrelated settings
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        missing = cli.pyspark_missing()
+        if missing:
+            self.stderr.write(f"{PROG}: error: {missing}\n")
+            sys.exit(2)
+        super().run_from_argv(argv)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)

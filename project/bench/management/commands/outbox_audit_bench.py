@@ -30,6 +30,6 @@ class Command(BaseCommand):
             jars = ",".join(jars)
         code = bench.run(options["messages"], options["keys"], options["partitions"], bootstrap or "localhost:9092",
                          options["master"], options["value_bytes"], options["conf"], options["keep_topic"], jars,
-                         self.stdout)
+                         self.stdout, topic=options["topic"])
         if code:
             sys.exit(code)
