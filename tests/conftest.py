@@ -11,8 +11,19 @@ from collections.abc import Callable, Iterator
 import environ
 import pytest
 
-from tests.kafka_cluster import Cluster
 from tests.services import Services, resolve
+from tests.support.kafka_cluster import Cluster
+
+#: Each folder's tests carry its marker, so `-m` selects by what a test needs (README, "Tests").
+FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "spark": "spark",
+                  "browser": "browser", "docker": "docker"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.parent.name
+        if folder in FOLDER_MARKERS and item.get_closest_marker(FOLDER_MARKERS[folder]) is None:
+            item.add_marker(FOLDER_MARKERS[folder])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -16,8 +16,8 @@ from outbox import stash_many
 from outbox.harvest.contract import ReplicaState
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
 from tests.acceptance.test_harvest_command import manage
-from tests.integration.harness import Replica, outbox_count, replica_env, wait_until
-from tests.integration.status_rows import held_record, status_row
+from tests.support.harness import Replica, outbox_count, replica_env, wait_until
+from tests.support.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

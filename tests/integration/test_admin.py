@@ -1,6 +1,6 @@
 """The admin through Django's test client: dashboard, records and parked records, their actions
 (retry now, park, republish, requeue, delete), their confirmation pages, messages and permissions.
-Replicas are status rows written as a running replica writes its own (tests/integration/status_rows.py)."""
+Replicas are status rows written as a running replica writes its own (tests/support/status_rows.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from outbox.harvest.contract import ReplicaState, notify_channel
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
-from tests.integration.status_rows import held_record, status_row
+from tests.support.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 

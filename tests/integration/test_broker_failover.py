@@ -24,7 +24,7 @@ from confluent_kafka import Producer
 
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.harvester import Harvester, HarvestError
-from tests.integration.harness import (
+from tests.support.harness import (
     Generator,
     RecordingProducer,
     Replica,
@@ -34,7 +34,7 @@ from tests.integration.harness import (
     replica_env,
     wait_until,
 )
-from tests.kafka_cluster import Cluster
+from tests.support.kafka_cluster import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -68,6 +68,11 @@ def start_replicas(cluster: Cluster, database_url: str, leader_topic: str, group
     return [Replica(f"replica-{i}", env, tmp_path) for i in range(count)]
 
 
+#: Log lines that start and end a term. Status rows say who leads now; overlaps in the past are in the logs.
+LEADING = re.compile(r"Leading with leader id|Refreshed leader id")
+NOT_LEADING = re.compile(r"Fenced|revoked|lost|Stopped|another replica holds")
+
+
 def leadership_terms(replica: Replica) -> list[tuple[float, float]]:
     """(start, end) wall-clock times during which the replica's log says it led (end: now if still leading)."""
     terms, start = [], None
@@ -76,9 +81,9 @@ def leadership_terms(replica: Replica) -> list[tuple[float, float]]:
         if not match:
             continue
         when = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        if Replica.LEADING.search(line) and start is None:
+        if LEADING.search(line) and start is None:
             start = when
-        elif Replica.NOT_LEADING.search(line) and start is not None:
+        elif NOT_LEADING.search(line) and start is not None:
             terms.append((start, when))
             start = None
     if start is not None:

@@ -19,7 +19,7 @@ from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester
 from outbox.models import HarvesterStatus
-from tests.integration.harness import (
+from tests.support.harness import (
     Generator,
     Replica,
     assert_complete_and_ordered,

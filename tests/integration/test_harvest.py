@@ -17,7 +17,7 @@ from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.connector import LiveConnector
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.kafka import record_producer_config
-from tests.integration.harness import (
+from tests.support.harness import (
     FaultyProducer,
     FaultyStore,
     Generator,

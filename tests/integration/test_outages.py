@@ -12,7 +12,7 @@ import pytest
 
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
-from tests.integration.harness import Generator, assert_complete_and_ordered, outbox_count, read_topic, wait_until
+from tests.support.harness import Generator, assert_complete_and_ordered, outbox_count, read_topic, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

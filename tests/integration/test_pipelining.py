@@ -16,7 +16,7 @@ from django.db import transaction
 from outbox import stash_many
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
-from tests.integration.harness import LiveConsumer, assert_complete_and_ordered, outbox_count, wait_until
+from tests.support.harness import LiveConsumer, assert_complete_and_ordered, outbox_count, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -16,7 +16,7 @@ from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
 from outbox.models import DeadLetter
-from tests.integration.harness import assert_complete_and_ordered, outbox_count, read_topic, wait_until
+from tests.support.harness import assert_complete_and_ordered, outbox_count, read_topic, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

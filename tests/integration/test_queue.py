@@ -24,8 +24,8 @@ from outbox.queue.models import DeadLetter, InboxEntry, QueueCounter
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.topics import ensure_topics
 from project.shop.models import Order
-from tests.integration.harness import wait_until
-from tests.integration.queue_harness import (
+from tests.support.harness import wait_until
+from tests.support.queue_harness import (
     REDELIVERY_TIMEOUT,
     Process,
     consumer_args,
@@ -235,7 +235,7 @@ def test_a_message_delivered_max_deliveries_times_goes_to_the_dead_letters(confi
 def test_the_inbox_acks_a_redelivered_message_whose_effects_committed_without_running_it_again(
         config, database_url, bootstrap_servers, prefix, event_log, tmp_path):
     env = process_env(database_url, bootstrap_servers, prefix, event_log)
-    args = consumer_args("orders", "--inbox", handler="tests.integration.queue_handlers.order_then_crash")
+    args = consumer_args("orders", "--inbox", handler="tests.support.queue_handlers.order_then_crash")
     message_id = api.send("orders", "place it")
     with running_tracker(config) as tracker:
         first = Process("consumer-1", "outbox_consume", args, env, tmp_path)

@@ -13,8 +13,8 @@ from django.utils import timezone
 from outbox.queue import api, conf
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
 from outbox.queue.topics import ensure_topics
-from tests.integration.harness import wait_until
-from tests.integration.queue_harness import new_prefix, queue_settings
+from tests.support.harness import wait_until
+from tests.support.queue_harness import new_prefix, queue_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 

@@ -24,7 +24,7 @@ from django.test import Client
 from outbox import stash_many
 from outbox.models import HarvesterStatus
 from tests.acceptance.test_harvest_command import manage
-from tests.integration.harness import (
+from tests.support.harness import (
     Replica,
     assert_complete_and_ordered,
     outbox_count,
@@ -32,7 +32,7 @@ from tests.integration.harness import (
     replica_env,
     wait_until,
 )
-from tests.kafka_cluster import Cluster
+from tests.support.kafka_cluster import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -13,7 +13,7 @@ from outbox import states
 from outbox.harvest.contract import ReplicaState
 from outbox.models import DeadLetter, OutboxRecord
 from outbox.states import Facts, RecordState
-from tests.integration.status_rows import held_record, status_row
+from tests.support.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 

@@ -11,7 +11,7 @@ from django.utils import timezone
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
 from outbox.models import HarvesterStatus
-from tests.integration.harness import wait_until
+from tests.support.harness import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

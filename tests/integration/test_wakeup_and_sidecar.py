@@ -15,7 +15,7 @@ from outbox import stash
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
-from tests.integration.harness import outbox_count, read_topic, wait_until
+from tests.support.harness import outbox_count, read_topic, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

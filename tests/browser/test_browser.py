@@ -4,11 +4,9 @@ Playwright; screenshots go to .artifacts/screenshots/ (git-ignored)."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import uuid
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,14 +22,11 @@ from outbox.harvest.harvester import Harvester
 from outbox.harvest.kafka import record_producer_config
 from outbox.harvest.store import PostgresStore
 from outbox.models import OutboxRecord
-from tests.integration.harness import wait_until
+from tests.browser.conftest import SCREENSHOTS
+from tests.support.harness import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-SCREENSHOTS = Path(__file__).resolve().parents[2] / ".artifacts" / "screenshots"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 
 
 class HeldProducer:
@@ -78,18 +73,6 @@ class FirstBatchStore:
         return getattr(self._store, name)
 
 
-@pytest.fixture
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail("Chromium is missing: `bin/services up` installs Debian's chromium package")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        instance = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        yield instance
-        instance.close()
-
-
 def login(page: Any, url: str) -> None:
     page.goto(url)
     assert "/admin/login/" in page.url, "a stranger is sent to the login page"
@@ -114,7 +97,6 @@ def test_operator_sees_every_state_the_fence_alarm_and_acts_on_a_poison_record(
     operator: every record state on the records page, the fence alarm on the dashboard, then
     retry now, park and republish of a record too large for Kafka."""
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs an event loop
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
     topic = new_topic("browser")
     with transaction.atomic():
@@ -137,11 +119,12 @@ def test_operator_sees_every_state_the_fence_alarm_and_acts_on_a_poison_record(
 
     def config(name: str) -> HarvestConfig:
         group = f"test-leader-{uuid.uuid4().hex[:8]}"
-        # Nothing is given up while reports are held back: delivery and queue timeouts out of the way.
+        # Nothing is given up while reports are held back: delivery and queue timeouts out of the way. One
+        # record per key in flight, so the record behind the poison waits in its lane, never sent with it.
         return HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
                              leader_topic=group, leader_group=group, name=name,
                              limits=Limits(heartbeat_timeout=5.0, status_interval=0.3, delivery_timeout=600,
-                                           queue_timeout=600))
+                                           queue_timeout=600, max_in_flight_per_key=1))
 
     leader_config = config("browser-a")
     harvester = Harvester(leader_config, connector=Held(leader_config))

@@ -24,11 +24,11 @@ from typing import Any
 from confluent_kafka import ElectionType, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from tests.integration.harness import wait_until
+from tests.support.harness import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The tests' own admin clients log nowhere: a killed broker is the point, not news.
-QUIET = logging.getLogger("tests.kafka_cluster.librdkafka")
+QUIET = logging.getLogger("tests.support.kafka_cluster.librdkafka")
 QUIET.addHandler(logging.NullHandler())
 QUIET.propagate = False
 SERVICES = ROOT / "bin" / "services"

@@ -105,7 +105,7 @@ def process_env(database_url: str, bootstrap: str, prefix: str, event_log: Path,
     return env
 
 
-def consumer_args(queue: str, *extra: str, handler: str = "tests.integration.queue_handlers.record") -> list[str]:
+def consumer_args(queue: str, *extra: str, handler: str = "tests.support.queue_handlers.record") -> list[str]:
     return ["--queue", queue, "--handler", handler, "--redelivery-timeout", str(REDELIVERY_TIMEOUT), *extra]
 
 

@@ -3,8 +3,6 @@ letter requeued. Headless Debian Chromium via Playwright; screenshots in .artifa
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from django.contrib.auth.models import User
 from django.db import connections
@@ -13,30 +11,14 @@ from outbox.queue import api, conf
 from outbox.queue.models import DeadLetter
 from outbox.queue.status import StatusReporter, consumer_status, tracker_status
 from outbox.queue.topics import ensure_topics
-from tests.integration.harness import wait_until
-from tests.integration.queue_harness import new_prefix, queue_settings, running_tracker
-from tests.integration.test_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.browser.conftest import SCREENSHOTS
+from tests.support.harness import wait_until
+from tests.support.queue_harness import new_prefix, queue_settings, running_tracker
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-SCREENSHOTS = Path(__file__).resolve().parents[2] / ".artifacts" / "screenshots"
-
-
-@pytest.fixture
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail("Chromium is missing: `bin/services up` installs Debian's chromium package")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        instance = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        yield instance
-        instance.close()
-
-
 def test_an_operator_watches_a_queue_and_requeues_a_dead_letter(live_server, browser, settings, monkeypatch):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs an event loop
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix(), status_gone_after=60)}
     config = conf.queue_config()
     ensure_topics(config, 10)

@@ -1,0 +1,1 @@
+"""Helpers shared by the integration, acceptance, spark and browser tests (no tests here)."""
