@@ -20,10 +20,11 @@ from datetime import datetime
 from itertools import groupby
 
 import pytest
-from confluent_kafka import Producer
 
-from outbox.harvest.config import HarvestConfig
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.connector import LiveConnector
 from outbox.harvest.harvester import Harvester, HarvestError
+from outbox.harvest.kafka import record_producer_config
 from tests.support.harness import (
     Generator,
     RecordingProducer,
@@ -183,14 +184,13 @@ def test_broker_cut_off_leader_fences_itself_and_never_two_publish(cluster, data
     events: list[tuple[float, str, str]] = []
 
     def harvester(name: str) -> Harvester:
-        def producer_factory(conf):
-            if str(conf.get("client.id", "")).endswith("-records"):
-                return RecordingProducer(conf, name, deliveries)
-            return Producer(conf)
+        class Recording(LiveConnector):
+            def record_producer(self) -> RecordingProducer:
+                return RecordingProducer(record_producer_config(self.config), name, deliveries)
 
         config = HarvestConfig(dsn=database_url, base_kafka_config=cluster.client_config(), leader_topic=leader_topic,
-                               leader_group=group, name=name)
-        return Harvester(config, producer_factory=producer_factory, status_reports=False,
+                               leader_group=group, name=name, limits=Limits(status_interval=0))
+        return Harvester(config, connector=Recording(config),
                          on_event=lambda event: events.append((time.time(), name, type(event).__name__)))
 
     harvesters = [harvester("cut-a"), harvester("cut-b")]

@@ -24,10 +24,9 @@ from outbox.queue.models import DeadLetter, InboxEntry, QueueCounter
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.topics import ensure_topics
 from project.shop.models import Order
-from tests.support.harness import wait_until
+from tests.support.harness import Process, wait_until
 from tests.support.queue_harness import (
     REDELIVERY_TIMEOUT,
-    Process,
     consumer_args,
     events,
     group_members,

@@ -254,26 +254,49 @@ def assert_complete_and_ordered(audit: Audit, stashed: Sequence[int], *, strict:
     assert not reversals, f"{len(reversals)} per-key reversal(s), e.g. (key, seen, then) {reversals[:5]}"
 
 
-class Replica:
-    """`manage.py harvest` in a subprocess, logging to its own file; what it is doing is read from
-    its status row, as the dashboard and the health probe read it."""
+class Process:
+    """`manage.py <command> --name NAME ...` in a subprocess, logging to its own file."""
+
+    def __init__(self, name: str, command: str, args: Sequence[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), command, "--name", name, *args],
+                                        cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+
+class Replica(Process):
+    """`manage.py harvest` in a subprocess; what it is doing is read from its status row, as the
+    dashboard and the health probe read it."""
 
     STATUS_INTERVAL = 0.3
 
     def __init__(self, name: str, env: dict[str, str], log_dir: Path, args: Sequence[str] = ()) -> None:
-        self.name = name
         self.database_url = env["DATABASE_URL"]
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
         if "--status-interval" not in args:
             args = [*args, "--status-interval", str(self.STATUS_INTERVAL)]
-        self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), "harvest", "--name", name, *args],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        super().__init__(name, "harvest", args, env, log_dir)
 
     def state(self) -> str | None:
         """The state its status row reports, if the row is fresh (a frozen or dead replica's is not)."""
@@ -289,20 +312,6 @@ class Replica:
 
     def is_leading(self) -> bool:
         return self.state() == "leader"
-
-    def signal(self, signum: int) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.wait()
 
 
 def replica_env(database_url: str, bootstrap: str, leader_topic: str) -> dict[str, str]:

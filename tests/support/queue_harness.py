@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -56,38 +53,6 @@ def events(path: Path) -> list[Event]:
         if len(parts) == 5:  # a line being written is skipped until complete
             found.append(Event(parts[0], parts[1], parts[2], int(parts[3]), int(parts[4])))
     return found
-
-
-class Process:
-    """`manage.py <command>` in a subprocess, logging to its own file."""
-
-    def __init__(self, name: str, command: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
-        self.process = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), command, "--name", name, *args],
-                                        cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def signal(self, signum: int) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.wait()
 
 
 def process_env(database_url: str, bootstrap: str, prefix: str, event_log: Path, mode: str = "quick") -> dict[str, str]:

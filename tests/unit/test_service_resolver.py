@@ -147,4 +147,18 @@ def test_image_names_agree_with_bin_services_and_compose():
     for image in (built.postgres, built.kafka_image, built.python):
         assert f"{image}" in override
     compose = (ROOT / "docker-compose.yml").read_text()
-    assert re.findall(r"image: (\S+)", compose) == [OFFICIAL_POSTGRES, OFFICIAL_KAFKA]
+    assert set(re.findall(r"image: (\S+)", compose)) == {OFFICIAL_POSTGRES, OFFICIAL_KAFKA}  # the cluster's nodes too
+    assert set(re.findall(r"image: (\S+)", override)) == {built.postgres, built.kafka_image}
+    with_images = services_with(compose, r"image:|<<: \*kafka-node")  # the cluster's nodes share kafka-1's
+    assert with_images - services_with(override, r"image:") == set(), "every official image is swapped locally"
+
+
+def services_with(compose: str, pattern: str) -> set[str]:
+    """Names of the compose file's services whose block has a line matching `pattern`."""
+    found, service = set(), None
+    for line in compose.splitlines():
+        if match := re.match(r"^  ([a-z0-9-]+):", line):
+            service = match[1]
+        elif service and re.search(pattern, line):
+            found.add(service)
+    return found
