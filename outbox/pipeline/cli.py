@@ -305,9 +305,10 @@ def _start_spark(spark: Any, args: argparse.Namespace, progress: Callable[[str],
     master = spark.sparkContext.master
     if not preflight.is_local_master(master):
         progress(f"waiting for executors of {master}")
-        cores = preflight.wait_for_executors(spark, args.executor_timeout)
-        applied = session.cluster_defaults(spark, dict(args.conf), cores)
-        progress(f"{cores} executor core(s)" + "".join(f"; {key}={value}" for key, value in applied.items()))
+        executors, parallelism = preflight.wait_for_executors(spark, args.executor_timeout)
+        applied = session.cluster_defaults(spark, dict(args.conf), parallelism)
+        progress(f"{executors} executor(s), default parallelism {parallelism}"
+                 + "".join(f"; {key}={value}" for key, value in applied.items()))
     preflight.check_remote_paths(
         spark, {"--sink": args.sink, "--latest": args.latest, "--checkpoint": checkpoint_of(args)},
         {"--ledger": args.ledger})

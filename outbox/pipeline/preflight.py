@@ -167,8 +167,10 @@ def _java_reason(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def wait_for_executors(spark: Any, timeout: float) -> int:
-    """Wait until at least one executor has registered; returns the cores the cluster offers.
+def wait_for_executors(spark: Any, timeout: float) -> tuple[int, int]:
+    """Wait until at least one executor has registered; returns (executors, Spark's default parallelism).
+
+    The parallelism is the cores the executors offer, but never below 2 (Spark's own floor).
 
     On a cluster master Spark otherwise waits forever for resources ("Initial job has not
     accepted any resources") when no worker is running or none has enough free cores or memory.
@@ -181,7 +183,7 @@ def wait_for_executors(spark: Any, timeout: float) -> int:
         if executors != seen:
             seen, steady_since = executors, time.monotonic()
         if seen > 0 and (time.monotonic() - steady_since >= 1.0 or time.monotonic() >= deadline):
-            return int(context.defaultParallelism)  # the others had a second to register too
+            return seen, int(context.defaultParallelism)  # the others had a second to register too
         if time.monotonic() >= deadline:
             raise PreflightError(f"no executor registered with the Spark master {context.master} within "
                                  f"{timeout:g}s: are its workers running, with free cores and enough memory "

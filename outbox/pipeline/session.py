@@ -68,11 +68,14 @@ def spark_session(master: str | None, confs: Mapping[str, str], jars: Sequence[s
             spark.stop()
 
 
-def cluster_defaults(spark: SparkSession, confs: Mapping[str, str], cores: int) -> dict[str, str]:
-    """On a cluster master, set the shuffle partitions from its `cores` unless given; returns what was set."""
+def cluster_defaults(spark: SparkSession, confs: Mapping[str, str], parallelism: int) -> dict[str, str]:
+    """On a cluster master, shuffle partitions from its `parallelism` (its cores, at least 2) unless given.
+
+    Returns what was set.
+    """
     key = "spark.sql.shuffle.partitions"
     if key in confs or spark.sparkContext.getConf().contains(key):
         return {}
-    value = str(max(SHUFFLE_PARTITIONS_PER_CORE, SHUFFLE_PARTITIONS_PER_CORE * cores))
+    value = str(SHUFFLE_PARTITIONS_PER_CORE * max(1, parallelism))
     spark.conf.set(key, value)
     return {key: value}
