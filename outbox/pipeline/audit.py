@@ -15,33 +15,35 @@ What is checked, per topic:
 - latency: the Kafka message timestamp minus `outbox-create-time`, kept as a histogram of whole
   milliseconds so that percentiles are exact to the millisecond and state stays small.
 
-How it runs (see docs/benchmarks.md for what each choice saved): the messages are read once and
-shuffled once, narrow, by key; each key's messages are sorted by id (descending) after a 64-bit
-hash of the key, so the sort compares longs. Over that order two range windows give, for every
-message, the first offset of its id in the key (an earlier one means a repeat) and the earliest
-message of a higher id (an earlier one means a reversal): no per-key set of ids is ever built.
-Everything else (counters, latency histogram, the id words of ids.py, per-key summaries,
-examples) comes out of one hash aggregation over the marked messages, and only that small result
-is cached for the figures.
+How it runs (see docs/benchmarks.md for what each choice saved): the messages are read once,
+without a shuffle: each Kafka partition arrives whole in one task, and a key always lands in one
+partition, so scan.py checks each task's keys in numpy (through `mapInArrow`) and answers with
+a few rows per key, per 64 ids and per millisecond of latency, plus the first few examples.
+Spark merges those in one small aggregation, the only result that is cached for the figures.
+Messages from elsewhere (tests, a Kafka source splitting partitions) are shuffled by key first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyspark import cloudpickle
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from outbox.pipeline import ids as id_words
 from outbox.pipeline import latest as latest_state
+from outbox.pipeline import scan
+
+cloudpickle.register_pickle_by_value(scan)  # executors need numpy and pyarrow, not this package
 
 ID_HEADER = "outbox-id"
 CREATE_TIME_HEADER = "outbox-create-time"
 PERCENTILES = (0.5, 0.95, 0.99)
 EXAMPLE_KINDS = ("duplicates", "reversals", "without_headers")
-NARROW = ("topic", "partition", "offset", "key", "outbox_id", "latency_ms", "problem")
 
 COUNTER_NAMES = ("messages", "with_id", "without_headers", "reversals", "key_repeats")
 COUNTERS_SCHEMA = "topic string, " + ", ".join(f"{name} long" for name in COUNTER_NAMES)
@@ -52,11 +54,9 @@ EXAMPLES_SCHEMA = ("kind string, batch long, topic string, partition int, offset
                    "other_id long, other_partition int, other_offset long, detail string")
 EXAMPLE_COLUMNS = [part.split()[0] for part in EXAMPLES_SCHEMA.split(", ")]
 
-# Kinds of rows in the one aggregation (see _aggregate).
-_COUNTS, _IDS, _KEYS, _REVERSAL, _REPEAT, _PROBLEM = range(6)
-_EXAMPLE_KIND = {_REVERSAL: "reversals", _REPEAT: "duplicates", _PROBLEM: "without_headers"}
-_FLAGS = ("messages", "with_id", "without_headers", "reversals", "key_repeats", "timed")
-_VALUES = {"x1": F.max, "x2": F.min, "x3": F.max, "x4": F.max}  # per-kind meanings in _aggregate
+_EXAMPLE_KIND = {scan.REVERSAL: "reversals", scan.REPEAT: "duplicates", scan.PROBLEM: "without_headers"}
+_VALUES = {"x1": F.max, "x2": F.min, "x3": F.max, "x4": F.max}  # what they mean per kind: scan.py, above ROW_SCHEMA
+_ROW_COLUMNS = tuple(part.split()[0] for part in scan.ROW_SCHEMA.split(", "))
 
 
 def _header(name: str) -> Column:
@@ -125,7 +125,8 @@ class AuditState:
 
     `counters` (per topic), `ids` (per topic: the ids seen, as words), `keys` (per topic, partition
     and key: the highest id so far and the offset it first had), `latency` (histogram per topic),
-    `examples` (capped) and, when kept, `latest` (latest.py: each key's newest record). `messages`
+    `examples` (the first few per kind and task; per kind after a second batch), and, when kept, `latest`
+    (latest.py: each key's newest record). `messages`
     is the last batch's messages (for the rare look-up of repeats under other keys), usable only
     while `cached` (persisted frames) is not released.
     """
@@ -172,122 +173,64 @@ def _join_on_key(left: DataFrame, right: DataFrame, *, prefix: str) -> DataFrame
     return joined.drop(*(prefix + name for name in ("topic", "partition", "key")))
 
 
-def mark(messages: DataFrame, keys: DataFrame | None = None, ids: DataFrame | None = None) -> DataFrame:
-    """Each message with what the per-key order says of it.
+def _scanned(messages: DataFrame, keys: DataFrame | None, ids: DataFrame | None, *, whole_partitions: bool,
+             examples: int, topics: Sequence[str] | None) -> DataFrame:
+    """The rows of scan.py for `messages`, with its candidates decided by `ids` (the earlier batches' words).
 
-    Adds `repeat` (its id was published before for its key: a duplicate), `reversal` (a first
-    occurrence lower than an id its key had before), `other_id`/`other_offset` (for a reversal, a
-    higher id of its key published before it; for a repeat, where the id was first seen) and
-    `is_top` (the first message of the key's highest id in this batch). "Before" is offset order
-    within the key's partition, starting from `keys` (each key's highest id in earlier batches)
-    when given; `ids` (the word set of earlier batches) then tells whether an id below that was
-    published before. Messages without an id are carried along and never flagged.
+    `whole_partitions`: every Kafka partition of `messages` is in one Spark partition, as Spark's
+    Kafka source reads them; otherwise the messages are first shuffled so that each key's are.
+    `topics`, when known, lets each message carry a small number instead of its topic's name.
     """
-    by_key = messages.repartition("topic", "partition", "key").withColumn("_hash", F.xxhash64("key"))
-    # Sorted by the key's hash first, so that the sort compares longs; then by id, highest first.
-    by_id = Window.partitionBy("_hash", "topic", "partition", "key").orderBy(F.col("outbox_id").desc())
-    has_id = F.col("outbox_id").isNotNull()
-    marked = (by_key
-              .withColumn("_first", F.min("offset").over(by_id.rangeBetween(0, 0)))
-              .withColumn("_higher", F.min(F.struct("offset", "outbox_id")).over(
-                  by_id.rangeBetween(Window.unboundedPreceding, -1)))
-              .withColumn("_key_max", F.max("outbox_id").over(
-                  by_id.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing))))
-    repeat_here = has_id & (F.col("offset") > F.col("_first"))
-    higher_here = has_id & F.coalesce(F.col("_higher.offset") < F.col("offset"), F.lit(False))
-    if keys is None:
-        repeat, reversal_earlier, seen_before = repeat_here, F.lit(False), F.lit(False)
-        prior_id, prior_offset = F.lit(None).cast("long"), F.lit(None).cast("long")
-    else:
-        marked = _join_on_key(marked, keys.select("topic", "partition", "key", "max_id", "max_id_offset"),
-                              prefix="_prior_")
-        prior_id, prior_offset = F.col("_prior_max_id"), F.col("_prior_max_id_offset")
-        below_prior = has_id & F.coalesce(F.col("outbox_id") < prior_id, F.lit(False))
-        seen_before = F.lit(False)
-        if ids is not None:  # only ids below the key's earlier highest need the look-up
-            lookup = ids.select(F.col("topic").alias("_seen_topic"), F.col("word").alias("_seen_word"),
-                                F.col("bits").alias("_seen_bits"))
-            needs = below_prior & ~repeat_here
-            marked = marked.join(lookup, (F.col("topic") == F.col("_seen_topic"))
-                                 & (id_words.word_of(F.col("outbox_id")) == F.col("_seen_word")) & needs, "left")
-            seen_before = id_words.contains(F.col("_seen_bits"), F.col("outbox_id"))
-        repeat = repeat_here | (has_id & F.coalesce(F.col("outbox_id") == prior_id, F.lit(False))) | (
-            below_prior & seen_before)
-        reversal_earlier = below_prior
-    reversal = has_id & ~repeat & (higher_here | reversal_earlier)
-    earlier = F.coalesce(F.col("outbox_id") < prior_id, F.lit(False))
-    other_id = (F.when(reversal & earlier, prior_id).when(reversal, F.col("_higher.outbox_id"))
-                .when(repeat, F.col("outbox_id")))
-    other_offset = (F.when(reversal & earlier, prior_offset).when(reversal, F.col("_higher.offset"))
-                    .when(repeat_here, F.col("_first"))
-                    .when(repeat & (F.col("outbox_id") == prior_id), prior_offset))
-    is_top = has_id & (F.col("outbox_id") == F.col("_key_max")) & (F.col("offset") == F.col("_first"))
-    return marked.select(*NARROW, repeat.alias("repeat"), reversal.alias("reversal"), other_id.alias("other_id"),
-                         other_offset.alias("other_offset"), is_top.alias("is_top"))
+    narrow = messages.select("topic", "partition", "offset", "key", "outbox_id", "latency_ms", "problem")
+    if not whole_partitions:
+        narrow = narrow.repartition("topic", "partition", "key")
+    if keys is not None:
+        prior = keys.select("topic", "partition", "key", F.col("max_id").alias("id"),
+                            F.col("max_id_offset").alias("offset"))
+        narrow = _join_on_key(narrow, prior, prefix="prior_")
+    if topics:
+        names = F.array(*(F.lit(name) for name in topics))
+        narrow = narrow.withColumn("topic", F.array_position(names, F.col("topic")))
+    check = functools.partial(scan.scan, examples=examples, topics=list(topics) if topics else None)
+    rows = narrow.select(*(name for name in scan.INPUT if name in narrow.columns)).mapInArrow(check, scan.ROW_SCHEMA)
+    if keys is None or ids is None:
+        return rows
+    candidate = F.col("kind") == scan.CANDIDATE
+    lookup = ids.select(F.col("topic").alias("_seen_topic"), F.col("word").alias("_seen_word"),
+                        F.col("bits").alias("_seen_bits"))
+    rows = rows.join(lookup, (F.col("topic") == F.col("_seen_topic"))
+                     & (id_words.word_of(F.col("x1")) == F.col("_seen_word")) & candidate, "left")
+    seen = candidate & id_words.contains(F.col("_seen_bits"), F.col("x1"))
+    unseen = candidate & ~seen
+    decided = {  # an id published in an earlier batch is a repeat, else the candidate is a reversal
+        "kind": F.when(seen, F.lit(scan.REPEAT)).when(unseen, F.lit(scan.REVERSAL)).otherwise(F.col("kind")),
+        "reversals": F.when(unseen, F.lit(1).cast("long")).otherwise(F.col("reversals")),
+        "key_repeats": F.when(seen, F.lit(1).cast("long")).otherwise(F.col("key_repeats")),
+        "x3": F.when(seen, F.col("x1")).otherwise(F.col("x3")),
+        "x4": F.when(seen, F.lit(None).cast("long")).otherwise(F.col("x4")),
+    }
+    return rows.select(*(decided.get(name, F.col(name)).alias(name) for name in _ROW_COLUMNS))
 
 
-def _row(kind: int, condition: Column, *, partition: Column | None = None, a: Column | None = None,
-         key: Column | None = None, detail: Column | None = None, flags: dict[str, Column] | None = None,
-         bits: Column | None = None, **values: Column) -> Column:
-    """One element of the rows each message contributes to the aggregation (null: none of this kind)."""
-    long_null = F.lit(None).cast("long")
-    fields = [F.lit(kind).alias("kind"), F.col("topic").alias("topic"),
-              (partition if partition is not None else F.lit(None)).cast("int").alias("partition"),
-              (a if a is not None else long_null).cast("long").alias("a"),
-              (key if key is not None else F.lit(None)).cast("string").alias("key"),
-              (detail if detail is not None else F.lit(None)).cast("string").alias("detail")]
-    fields += [(flags or {}).get(name, F.lit(0)).cast("int").alias(name) for name in _FLAGS]
-    fields.append((bits if bits is not None else long_null).cast("long").alias("bits"))
-    fields += [values.get(name, long_null).cast("long").alias(name) for name in _VALUES]
-    return F.when(condition, F.struct(*fields))
-
-
-def _aggregate(marked: DataFrame) -> DataFrame:
-    """Every figure of one batch in one hash aggregation: a few rows per message, grouped by kind.
-
-    _COUNTS: per (topic, latency), the counters and the latency histogram. _IDS: per (topic, word),
-    the id words. _KEYS: per key, its highest id (x1), that id's first offset (x2) and the last
-    offset of a message without an id (x3). _REVERSAL / _REPEAT / _PROBLEM: one row per flagged
-    message (examples): id (x1), the other id (x3) and offset (x4), or the problem (detail).
-    """
-    has_id = F.col("outbox_id").isNotNull()
-    where = {"partition": F.col("partition"), "a": F.col("offset"), "key": F.col("key")}
-    rows = F.array(
-        _row(_COUNTS, F.lit(True), a=F.col("latency_ms"), flags={
-            "messages": F.lit(1), "with_id": _flag(has_id), "without_headers": _flag(F.col("problem").isNotNull()),
-            "reversals": _flag(F.col("reversal")), "key_repeats": _flag(F.col("repeat")),
-            "timed": _flag(F.col("latency_ms").isNotNull())}),
-        _row(_IDS, has_id, a=id_words.word_of(F.col("outbox_id")), bits=id_words.bit_of(F.col("outbox_id"))),
-        _row(_KEYS, F.col("is_top") | ~has_id, partition=F.col("partition"), key=F.col("key"),
-             x1=F.when(F.col("is_top"), F.col("outbox_id")), x2=F.when(F.col("is_top"), F.col("offset")),
-             x3=F.when(~has_id, F.col("offset"))),
-        _row(_REVERSAL, F.col("reversal"), **where, x1=F.col("outbox_id"), x3=F.col("other_id"),
-             x4=F.col("other_offset")),
-        _row(_REPEAT, F.col("repeat"), **where, x1=F.col("outbox_id"), x3=F.col("other_id"),
-             x4=F.col("other_offset")),
-        _row(_PROBLEM, F.col("problem").isNotNull(), **where, detail=F.col("problem"), x1=F.col("outbox_id")),
-    )
-    exploded = marked.select(F.explode(rows).alias("r")).where(F.col("r").isNotNull()).select("r.*")
-    return exploded.groupBy("kind", "topic", "partition", "a", "key", "detail").agg(
-        *(F.sum(name).cast("bigint").alias(name) for name in _FLAGS),
+def _aggregate(rows: DataFrame) -> DataFrame:
+    """scan.py's rows of every task merged: one row per kind and what identifies it."""
+    return rows.groupBy("kind", "topic", "partition", "a", "key", "detail").agg(
+        *(F.sum(name).cast("bigint").alias(name) for name in scan.FLAGS),
         F.bit_or("bits").alias("bits"),
         *(function(name).alias(name) for name, function in _VALUES.items()))
 
 
-def _examples_of(aggregated: DataFrame, batch_id: int, limit: int) -> DataFrame:
-    """The first `limit` examples of each kind (by topic, partition, offset) in the examples' shape."""
-    frames = []
-    for kind, name in _EXAMPLE_KIND.items():
-        rows = aggregated.where(F.col("kind") == kind).select(
-            F.lit(name).alias("kind"), F.lit(batch_id).cast("bigint").alias("batch"), "topic", "partition",
-            F.col("a").alias("offset"), "key", F.col("x1").alias("outbox_id"), F.col("x3").alias("other_id"),
-            F.when(F.col("x3").isNotNull(), F.col("partition")).cast("int").alias("other_partition"),
-            F.col("x4").alias("other_offset"), "detail")
-        frames.append(rows.orderBy("topic", "partition", "offset").limit(limit))
-    found = frames[0]
-    for frame in frames[1:]:
-        found = found.unionByName(frame)
-    return found
+def _examples_of(aggregated: DataFrame, batch_id: int) -> DataFrame:
+    """The example rows of one batch in the examples' shape (`_keep_examples` keeps the first few)."""
+    kind = F.col("kind")
+    name = F.lit(None).cast("string")
+    for number, label in _EXAMPLE_KIND.items():
+        name = F.when(kind == number, F.lit(label)).otherwise(name)
+    return aggregated.where(kind.isin(*_EXAMPLE_KIND)).select(
+        name.alias("kind"), F.lit(batch_id).cast("bigint").alias("batch"), "topic", "partition",
+        F.col("a").alias("offset"), "key", F.col("x1").alias("outbox_id"), F.col("x3").alias("other_id"),
+        F.when(F.col("x3").isNotNull(), F.col("partition")).cast("int").alias("other_partition"),
+        F.col("x4").alias("other_offset"), "detail")
 
 
 def _keep_examples(frame: DataFrame, limit: int) -> DataFrame:
@@ -296,7 +239,7 @@ def _keep_examples(frame: DataFrame, limit: int) -> DataFrame:
 
 
 def fold(state: AuditState | None, batch: DataFrame, *, batch_id: int = 0, examples: int = 10,
-         latest: bool = False) -> AuditState:
+         latest: bool = False, whole_partitions: bool = False, topics: Sequence[str] | None = None) -> AuditState:
     """The state after `batch` (normalized messages) on top of `state` (None: nothing seen yet).
 
     The checks read the batch once, in the first Spark job that uses the result; that job's
@@ -304,18 +247,19 @@ def fold(state: AuditState | None, batch: DataFrame, *, batch_id: int = 0, examp
     frame of the result is derived from it and from `state`, lazily. With `latest` (or when
     `state` keeps it) the latest-state table is folded too, which reads the batch once more.
     """
-    marked = mark(batch.select(*NARROW), state.keys if state is not None else None,
-                  state.ids if state is not None else None)
-    aggregated = _aggregate(marked).persist()
-    of = {kind: aggregated.where(F.col("kind") == kind) for kind in (_COUNTS, _IDS, _KEYS)}
-    counters = of[_COUNTS].groupBy("topic").agg(*(F.sum(name).cast("bigint").alias(name) for name in COUNTER_NAMES))
-    ids = of[_IDS].select("topic", F.col("a").alias("word"), "bits")
-    latency = of[_COUNTS].where(F.col("a").isNotNull()).select(
+    rows = _scanned(batch, state.keys if state is not None else None, state.ids if state is not None else None,
+                    whole_partitions=whole_partitions, examples=examples, topics=topics)
+    aggregated = _aggregate(rows).persist()
+    of = {kind: aggregated.where(F.col("kind") == kind) for kind in (scan.COUNTS, scan.IDS, scan.KEYS)}
+    # Counting rows carry their counts, decided candidates a 1; every other row 0.
+    counters = aggregated.groupBy("topic").agg(*(F.sum(name).cast("bigint").alias(name) for name in COUNTER_NAMES))
+    ids = of[scan.IDS].select("topic", F.col("a").alias("word"), "bits")
+    latency = of[scan.COUNTS].where(F.col("a").isNotNull()).select(
         "topic", F.col("a").alias("latency_ms"), F.col("timed").cast("bigint").alias("messages"))
-    batch_keys = of[_KEYS].select("topic", "partition", "key", F.col("x1").alias("max_id"),
-                                  F.col("x2").alias("max_id_offset"), F.col("x3").alias("last_plain_offset"))
+    batch_keys = of[scan.KEYS].select("topic", "partition", "key", F.col("x1").alias("max_id"),
+                                      F.col("x2").alias("max_id_offset"), F.col("x3").alias("last_plain_offset"))
     keys = batch_keys.where(F.col("max_id").isNotNull()).select("topic", "partition", "key", "max_id", "max_id_offset")
-    found = _examples_of(aggregated, batch_id, examples)
+    found = _examples_of(aggregated, batch_id)
     if state is not None:
         counters = counters.unionByName(state.counters).groupBy("topic").agg(
             *(F.sum(name).cast("bigint").alias(name) for name in COUNTER_NAMES))
@@ -331,8 +275,10 @@ def fold(state: AuditState | None, batch: DataFrame, *, batch_id: int = 0, examp
     if latest or (state is not None and state.latest is not None):
         newest = latest_state.fold(state.latest if state is not None else None,
                                    state.keys if state is not None else None, batch, batch_keys)
-    return AuditState(counters=counters, ids=ids, keys=keys, latency=latency,
-                      examples=_keep_examples(found, examples), latest=newest, messages=batch, cached=[aggregated])
+    # A first batch has at most `examples` of each kind per task (scan.py): few enough to keep them all.
+    kept = _keep_examples(found, examples) if state is not None else found
+    return AuditState(counters=counters, ids=ids, keys=keys, latency=latency, examples=kept, latest=newest,
+                      messages=batch, cached=[aggregated])
 
 
 def other_duplicates(messages: DataFrame, limit: int, batch_id: int = 0) -> DataFrame:
@@ -407,27 +353,34 @@ def summarize(state: AuditState, *, ledger: DataFrame | None = None, examples: i
                                 "reversals": row["reversals"], "distinct_ids": 0, "duplicates": row["with_id"],
                                 "latency_ms": _percentiles(None)}
         key_repeats += row["key_repeats"]
-    say("counting distinct ids and duplicates")
-    for row in state.ids.groupBy("topic").agg(id_words.total().alias("distinct")).collect():
-        detail = topics.setdefault(row["topic"], {"duplicates": 0})
-        detail["distinct_ids"] = row["distinct"]
-        detail["duplicates"] = detail["duplicates"] - row["distinct"]
-    say("latency percentiles")
+    say("counting distinct ids and duplicates, latency percentiles")
+    # One job for both: id words and latency rows side by side, per topic and (the rollup's null topic) overall.
+    none = F.lit(None).cast("long")
+    rows = state.ids.select("topic", F.bit_count("bits").cast("long").alias("ids"), none.alias("latency_ms"),
+                            none.alias("messages")).unionByName(
+        state.latency.select("topic", none.alias("ids"), "latency_ms", "messages"))
     wanted = F.array(*(F.lit(p) for p in PERCENTILES))
-    percentile = F.percentile(F.col("latency_ms"), wanted, F.col("messages")).alias("p")
-    by_topic = state.latency.groupBy("topic").agg(percentile)
-    overall = state.latency.agg(percentile).select(F.lit(None).cast("string").alias("topic"), "p")
+    figures = rows.rollup("topic").agg(F.coalesce(F.sum("ids"), F.lit(0)).cast("bigint").alias("distinct"),
+                                       F.percentile(F.col("latency_ms"), wanted, F.col("messages")).alias("p"))
     overall_values = None
-    for row in by_topic.unionByName(overall).collect():
+    for row in figures.collect():
         if row["topic"] is None:
             overall_values = row["p"]
-        else:
-            topics.setdefault(row["topic"], {})["latency_ms"] = _percentiles(row["p"])
+            continue
+        detail = topics.setdefault(row["topic"], {"duplicates": 0, "latency_ms": _percentiles(None)})
+        if row["distinct"]:
+            detail["distinct_ids"] = row["distinct"]
+            detail["duplicates"] = detail.get("duplicates", 0) - row["distinct"]
+        detail["latency_ms"] = _percentiles(row["p"])
 
     say("collecting examples")
     found: dict[str, list[dict[str, Any]]] = {kind: [] for kind in EXAMPLE_KINDS}
-    for row in state.examples.orderBy("kind", "batch", "topic", "partition", "offset").collect():
-        found[row["kind"]].append(_example_dict(row))
+    # A few rows per kind: sorted here, which spares Spark a sampling job for a global sort.
+    order = ("batch", "topic", "partition", "offset")
+    for row in sorted(state.examples.collect(), key=lambda row: tuple((row[name] is not None, row[name])
+                                                                      for name in order)):
+        if len(found[row["kind"]]) < examples:
+            found[row["kind"]].append(_example_dict(row))
     duplicates = sum(detail.get("duplicates", 0) for detail in topics.values())
     if duplicates > key_repeats and len(found["duplicates"]) < examples and state.messages is not None:
         say("looking for examples of the other duplicates")

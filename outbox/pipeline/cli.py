@@ -269,8 +269,14 @@ def run(args: argparse.Namespace, *, defaults: Defaults | None = None, stdout: T
     from outbox.pipeline.state import StateError
 
     progress = Progress(stderr)
+
+    def stuck(reason: str) -> None:  # called from a watcher thread while Spark blocks the main one
+        stderr.write(f"{prog}: error: {reason}\n")
+        stderr.flush()
+        os._exit(reports.EXIT_USAGE)  # the JVM ends with us: it watches the pipe to this process
+
     try:
-        return _audit(args, defaults, kafka, partitions, jar_list, progress, stdout)
+        return _audit(args, defaults, kafka, partitions, jar_list, progress, stdout, stuck)
     except (sources.SourceError, LedgerError, StateError, preflight.PreflightError) as error:
         stderr.write(f"{prog}: error: {error}\n")
         return reports.EXIT_USAGE
@@ -319,7 +325,8 @@ def _start_spark(spark: Any, args: argparse.Namespace, progress: Callable[[str],
 
 
 def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, partitions: dict[str, list[int]],
-           jar_list: list[str], progress: Callable[[str], None], stdout: TextIO) -> int:
+           jar_list: list[str], progress: Callable[[str], None], stdout: TextIO,
+           stuck: Callable[[str], None] | None = None) -> int:
     from outbox.pipeline import audit, session
 
     started = datetime.now(UTC)
@@ -334,7 +341,7 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
         run_info["offsets"] = {topic: {str(p): [low, high] for p, (low, high) in parts.items()}
                                for topic, parts in offsets.items()}
     progress(f"starting Spark ({master or 'from spark-submit'})")
-    with session.spark_session(master, dict(args.conf), jar_list) as spark:
+    with session.spark_session(master, dict(args.conf), jar_list, on_stuck=stuck) as spark:
         run_info["master"] = spark.sparkContext.master
         _start_spark(spark, args, progress)
         ledger_frame, ledger_label = _ledger(spark, args, defaults)
@@ -344,7 +351,8 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
             assert offsets is not None
             batch = audit.normalize(sources.read_batch(spark, kafka, offsets))
             progress("reading the messages and checking them (Spark's stages below)")
-            state = audit.fold(None, batch, examples=args.examples, latest=bool(args.latest))
+            state = audit.fold(None, batch, examples=args.examples, latest=bool(args.latest),
+                               whole_partitions=kafka.whole_partitions, topics=args.topics)
             try:
                 findings = audit.summarize(state, ledger=ledger_frame, examples=args.examples, progress=progress)
                 if args.latest:

@@ -102,7 +102,8 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
             began = time.monotonic()
             previous = store.latest(before=batch_id)
             folded = audit.fold(previous[1] if previous else None, audit.normalize(frame), batch_id=batch_id,
-                                examples=options.examples, latest=bool(options.latest))
+                                examples=options.examples, latest=bool(options.latest),
+                                whole_partitions=kafka.whole_partitions, topics=topics)
             offsets = covered(previous[2] if previous else {}, _start(batch_id),
                               store.spark_offsets(spark_checkpoint, batch_id) or {})
             write_latest = None

@@ -67,6 +67,14 @@ class Kafka:
         return {"kafka.bootstrap.servers": self.bootstrap_servers, "includeHeaders": "true", **FETCH_DEFAULTS,
                 **self.options}
 
+    @property
+    def whole_partitions(self) -> bool:
+        """Whether Spark reads each Kafka partition (of a batch) into one task, as it does unless told to split."""
+        return not any(key.lower() in _SPLITTING for key in self.options)
+
+
+#: Kafka source options that split one Kafka partition over several tasks.
+_SPLITTING = {"minpartitions", "maxrecordsperpartition"}
 
 #: JAAS login modules of the Java client for librdkafka's sasl.mechanism values.
 _LOGIN_MODULES = {

@@ -9,8 +9,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -325,6 +327,38 @@ def test_an_unreachable_master_exits_2_with_its_cause_within_15_s(tmp_path):
     assert time.monotonic() - began < 15
     assert (result.returncode, result.stderr.strip()) == (
         2, "outbox_audit: error: the Spark master spark://127.0.0.1:1 is unreachable: 127.0.0.1:1: Connection refused")
+
+
+def test_a_port_that_is_not_a_spark_master_exits_2_with_one_line(bootstrap_servers, new_topic, tmp_path):
+    """Something that accepts connections and says nothing (as a web UI or another service does to
+    Spark's RPC): Spark alone would retry for a minute and end in stack traces."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def hold() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=hold, daemon=True).start()
+    master = f"spark://127.0.0.1:{listener.getsockname()[1]}"
+    began = time.monotonic()
+    try:
+        result = run_command("manage.py", "outbox_audit", "--topics", new_topic("audit-master"), "--out",
+                             str(tmp_path), "--bootstrap-servers", bootstrap_servers, "--master", master)
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+    assert time.monotonic() - began < 30  # about 10 s here: the JVM's start, then 5 s for the master
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (f"outbox_audit: error: the Spark master {master} accepted a connection but did not register "
+                    f"the audit within 5s: is that the master's port (7077 by default), not its web UI or another "
+                    f"service?")
+    assert "Exception" not in result.stderr and "\tat " not in result.stderr
 
 
 def test_a_connector_for_another_spark_version_exits_2_with_one_line(tmp_path):
