@@ -1,8 +1,8 @@
 """The SparkSession: `--master`, `--conf` and the jars, with defaults that suit the master.
 
-On a `local[...]` master the driver binds to 127.0.0.1, Python workers (should any be needed: the
-checks themselves are SQL expressions, run in the JVM) use this interpreter and shuffles use a
-few partitions (adaptive execution merges them further). On a cluster master the shuffle
+Python workers (which run the per-key checks of scan.py) use this interpreter unless
+`PYSPARK_PYTHON` or `spark.pyspark.python` says otherwise. On a `local[...]` master the driver
+binds to 127.0.0.1 and shuffles use a few partitions. On a cluster master the shuffle
 partitions follow the cores the cluster offers once its executors registered (`cluster_defaults`)
 instead of Spark's 200, which on a small cluster cost more in task overhead than the work itself.
 Every default yields to an explicit `--conf` (or spark-submit's). When a session is already
@@ -54,18 +54,21 @@ def settings(master: str | None, confs: Mapping[str, str], jars: Sequence[str]) 
 
 
 REGISTRATION_TIMEOUT = 5.0  # seconds a spark:// master gets to register the audit; a real one takes milliseconds
-_REGISTERING_THREAD = "appclient-registration-retry-thread"  # StandaloneAppClient's, from its first attempt on
 
 
-def _registering() -> bool:
-    """Whether this process's JVM has begun registering with a standalone master (asked through py4j)."""
+def _waiting_for_master() -> bool:
+    """Whether this process's JVM is waiting for a standalone master to register it (asked through py4j).
+
+    One look at every thread's top frames (a `ThreadInfo` shows eight): Spark's
+    `StandaloneSchedulerBackend.waitForRegistration`, five frames under the semaphore's wait.
+    """
     from pyspark import SparkContext
 
     jvm = SparkContext._jvm
     if jvm is None:
         return False
-    threads = jvm.java.lang.Thread.getAllStackTraces().keySet().toArray()
-    return any(thread.getName() == _REGISTERING_THREAD for thread in threads)
+    threads = jvm.java.lang.management.ManagementFactory.getThreadMXBean().dumpAllThreads(False, False)
+    return any("StandaloneSchedulerBackend.waitForRegistration" in info.toString() for info in threads)
 
 
 @contextmanager
@@ -74,8 +77,9 @@ def _registration_watch(master: str | None, on_stuck: Callable[[str], None] | No
     """Call `on_stuck` with one line when a spark:// master has not registered the application in time.
 
     Something that accepts connections but is not a Spark master (its web UI's port, another
-    service) leaves Spark retrying for a minute before a wall of stack traces. The clock starts
-    when the JVM begins registering, so a slow JVM start is never mistaken for a silent master.
+    service) leaves Spark retrying for a minute before a wall of stack traces. Only the time the
+    JVM spends waiting for the registration counts, so neither a slow JVM start nor the wait for
+    executors that follows is mistaken for a silent master.
     `on_stuck` is expected to end the process (the main thread is blocked inside Spark).
     """
     if on_stuck is None or master is None or not master.startswith("spark://"):
@@ -87,10 +91,13 @@ def _registration_watch(master: str | None, on_stuck: Callable[[str], None] | No
         began = None
         while not done.wait(0.25):
             try:
-                if began is None and _registering():
-                    began = time.monotonic()
+                waiting = _waiting_for_master()
             except Exception:  # the gateway is not up yet
                 continue
+            if waiting and began is None:
+                began = time.monotonic()
+            elif not waiting and began is not None:
+                return  # registered; executors are wait_for_executors' business
             if began is not None and time.monotonic() - began > timeout:
                 on_stuck(f"the Spark master {master} accepted a connection but did not register the audit "
                          f"within {timeout:g}s: is that the master's port (7077 by default), not its web UI "
@@ -118,7 +125,10 @@ def spark_session(master: str | None, confs: Mapping[str, str], jars: Sequence[s
     if existing is None:
         if master is not None and master.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # the JVM inherits it; no guessing an interface
-            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers on this interpreter's version
+        if master is not None and "spark.pyspark.python" not in confs:
+            # Executors run the per-key checks (scan.py) in Python: by default this interpreter, which has
+            # numpy and pyarrow, rather than whatever `python3` a worker finds (docs/audit.md).
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         if master is not None:  # None: spark-submit's --master
             builder = builder.master(master)
         for key, value in settings(master, confs, jars).items():
