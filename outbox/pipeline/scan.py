@@ -62,9 +62,13 @@ def scan(batches: Iterable[pa.RecordBatch], examples: int,
     received = list(batches)
     if not received:
         return
-    table = pa.Table.from_batches(received).combine_chunks()
+    table = pa.Table.from_batches(received)
+    del received  # one copy of the messages at a time: the batches go once they are combined
+    table = table.combine_chunks()
     if table.num_rows:
-        yield from _Scan(table, examples, topics).rows().to_batches()
+        checked = _Scan(table, examples, topics)
+        del table
+        yield from checked.rows().to_batches()
 
 
 def _longs(column: Any) -> tuple[np.ndarray, np.ndarray]:
