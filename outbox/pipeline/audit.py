@@ -160,10 +160,6 @@ def empty_state(spark: SparkSession, *, latest: bool = False) -> AuditState:
                          if latest or name != "latest"})
 
 
-def _flag(condition: Column) -> Column:
-    return F.when(condition, F.lit(1)).otherwise(F.lit(0))
-
-
 def _join_on_key(left: DataFrame, right: DataFrame, *, prefix: str) -> DataFrame:
     """`left` with `right`'s other columns, matched on (topic, partition, key); a null key matches a null key."""
     renamed = right.select(*(F.col(name).alias(prefix + name) for name in right.columns))
@@ -356,11 +352,10 @@ def summarize(state: AuditState, *, ledger: DataFrame | None = None, examples: i
     say("counting distinct ids and duplicates, latency percentiles")
     # One job for both: id words and latency rows side by side, per topic and (the rollup's null topic) overall.
     none = F.lit(None).cast("long")
-    rows = state.ids.select("topic", F.bit_count("bits").cast("long").alias("ids"), none.alias("latency_ms"),
-                            none.alias("messages")).unionByName(
-        state.latency.select("topic", none.alias("ids"), "latency_ms", "messages"))
+    rows = state.ids.select("topic", "bits", none.alias("latency_ms"), none.alias("messages")).unionByName(
+        state.latency.select("topic", none.alias("bits"), "latency_ms", "messages"))
     wanted = F.array(*(F.lit(p) for p in PERCENTILES))
-    figures = rows.rollup("topic").agg(F.coalesce(F.sum("ids"), F.lit(0)).cast("bigint").alias("distinct"),
+    figures = rows.rollup("topic").agg(id_words.total().alias("distinct"),
                                        F.percentile(F.col("latency_ms"), wanted, F.col("messages")).alias("p"))
     overall_values = None
     for row in figures.collect():

@@ -142,10 +142,9 @@ class _Scan:
             if field.name in arrays:
                 continue
             value = columns.get(field.name)
-            if value is None:
-                arrays[field.name] = (pa.nulls(size, field.type) if field.name in ("partition", "a", "key", "detail",
-                                                                                   "bits", *VALUES)
-                                      else pa.array(np.zeros(size, np.int64)))
+            if value is None:  # counts not given are 0, anything else null
+                arrays[field.name] = (pa.array(np.zeros(size, np.int64)) if field.name in FLAGS
+                                      else pa.nulls(size, field.type))
             elif isinstance(value, (pa.Array, pa.ChunkedArray)):
                 arrays[field.name] = value
             elif isinstance(value, tuple):
@@ -159,6 +158,7 @@ class _Scan:
 
     def rows(self) -> pa.Table:
         self._order_checks()
+        self._problems()
         self._plain_keys()
         self._words()
         self._latency()
@@ -224,6 +224,7 @@ class _Scan:
         return start + int(np.argmin(lifted[start:row]))
 
     def _first_examples(self, t: np.ndarray, p: np.ndarray, o: np.ndarray, flagged: np.ndarray) -> np.ndarray:
+        """The flagged rows, or the first `examples` of them by topic, partition and offset."""
         rows = np.flatnonzero(flagged)
         if len(rows) > self.examples:
             rows = rows[np.lexsort((o[rows], p[rows], t[rows]))[:self.examples]]
@@ -239,10 +240,10 @@ class _Scan:
                    messages=per_topic(self.topic[~self.timed]), with_id=per_topic(self.topic[self.has_id]),
                    without_headers=per_topic(self.topic[self.has_problem]),
                    reversals=per_topic(t[reversal]), key_repeats=per_topic(t[repeat]))
-        chosen = np.flatnonzero(self.has_problem)
-        if len(chosen) > self.examples:
-            chosen = chosen[np.lexsort((self.offset[chosen], self.partition[chosen],
-                                        self.topic[chosen]))[:self.examples]]
+
+    def _problems(self) -> None:
+        """The first messages whose headers are missing or unusable (the counts are in `_counts`)."""
+        chosen = self._first_examples(self.topic, self.partition, self.offset, self.has_problem)
         self._emit(PROBLEM, self.topic[chosen], partition=self.partition[chosen], a=self.offset[chosen],
                    key=self._keys_of(self.key[chosen]), detail=self.problem.take(pa.array(chosen, pa.int64())),
                    x1=(self.ids[chosen], self.has_id[chosen]))
