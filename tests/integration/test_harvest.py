@@ -71,7 +71,8 @@ def test_one_replica_with_injected_failures(database_url, bootstrap_servers, new
         harvester.wait(timeout=30)
     audit = read_topic(bootstrap_servers, topic, expected=len(stashed))
     assert_complete_and_ordered(audit, stashed, strict=per_key == 1)
-    assert faults["producer"].injected > 10 and faults["store"].injected > 3, "faults were injected"
+    assert faults["producer"].injected > 10, "deliveries failed"
+    assert faults["store"].marks_failed and faults["store"].purges_failed, "marks and purges failed"
     refreshed = [e for e in events if type(e).__name__ == "LeaderRefreshed"]
     assert refreshed, "failed deliveries and marks forced remarks under new leader ids"
     leader_ids = [e.leader_id for e in events if hasattr(e, "leader_id")]

@@ -401,26 +401,37 @@ class RecordingProducer(WrappedProducer):
 
 
 class FaultyStore:
-    """A real store whose marks sometimes fail after committing and whose purges sometimes fail before."""
+    """A real store whose marks sometimes fail after committing and whose purges sometimes fail before.
+
+    The second mark that returns rows and the second purge always fail, so every run meets both
+    faults however the records happen to be batched; the rest fail at random."""
 
     def __init__(self, store: Any, *, fail_mark: float, fail_purge: float, seed: int) -> None:
         self._store = store
         self._random = random.Random(seed)
         self._fail_mark, self._fail_purge = fail_mark, fail_purge
-        self.injected = 0
+        self._marks = self._purges = 0
+        self.marks_failed = self.purges_failed = 0
+
+    @property
+    def injected(self) -> int:
+        return self.marks_failed + self.purges_failed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)  # the fence, held rows, parking, close: as they are
 
     def mark(self, leader_id: uuid.UUID, limit: int, after: int, upto: int | None = None) -> Any:
         marked = self._store.mark(leader_id, limit, after, upto)
-        if marked[0] and self._random.random() < self._fail_mark:
-            self.injected += 1
-            raise psycopg.OperationalError("injected: connection lost after the mark committed")
+        if marked[0]:
+            self._marks += 1
+            if self._marks == 2 or self._random.random() < self._fail_mark:
+                self.marks_failed += 1
+                raise psycopg.OperationalError("injected: connection lost after the mark committed")
         return marked
 
     def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
-        if self._random.random() < self._fail_purge:
-            self.injected += 1
+        self._purges += 1
+        if self._purges == 2 or self._random.random() < self._fail_purge:
+            self.purges_failed += 1
             raise psycopg.OperationalError("injected: purge failed")
         return self._store.purge(items)
