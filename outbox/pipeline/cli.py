@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     follow.add_argument("--once", action="store_true", help="read what is there now, then stop (availableNow)")
     follow.add_argument("--max-batches", type=_positive_int, metavar="N", help="stop after N folded micro-batches")
     follow.add_argument("--idle-timeout", type=_seconds, metavar="SECONDS",
-                        help="stop after this long without a new micro-batch")
+                        help="stop after this long without a new micro-batch (from Spark's first trigger)")
     follow.add_argument("--trigger-interval", default="5 seconds", metavar="INTERVAL",
                         help="micro-batch interval (default: '5 seconds')")
     follow.add_argument("--max-offsets-per-trigger", type=_positive_int, metavar="N",

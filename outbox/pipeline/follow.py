@@ -81,7 +81,9 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
     store = StateStore(spark, f"{options.checkpoint.rstrip('/')}/state")
     spark_checkpoint = f"{options.checkpoint.rstrip('/')}/spark"
     run = FollowRun()
-    activity = {"last": time.monotonic(), "busy": False}  # idle time counts from the last batch's end
+    # Idle time counts from the last batch's end, or from the end of Spark's first trigger: a slow
+    # start (a cold JVM, a loaded machine, a replayed batch) is not a stream without data.
+    activity = {"last": time.monotonic(), "busy": False, "started": False}
     failure: list[BaseException] = []
 
     def _start(batch_id: int) -> dict[str, dict[str, int]]:
@@ -140,6 +142,8 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
                 break
             if activity["busy"]:  # never stop a micro-batch half-way
                 continue
+            if not activity["started"]:
+                activity.update(last=time.monotonic(), started=_first_trigger_done(query.status, run))
             if stop_requested.is_set():
                 run.stopped_because = "signal"
             elif options.max_batches is not None and len(run.folded) >= options.max_batches:
@@ -161,6 +165,11 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
         raise error
     newest = store.latest()
     return (newest[1], newest[2], run) if newest else (None, {}, run)
+
+
+def _first_trigger_done(status: dict[str, Any], run: FollowRun) -> bool:
+    """Whether Spark has run a trigger: a batch came, or the stream waits for the next one."""
+    return bool(run.folded or run.skipped) or str(status.get("message", "")).startswith("Waiting")
 
 
 def _install_stop_handlers(event: threading.Event) -> dict[int, Any]:

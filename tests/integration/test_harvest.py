@@ -101,10 +101,9 @@ def test_four_replicas_with_leaders_killed_repeatedly(database_url, bootstrap_se
         stashed = generator.stop()
         wait_until(lambda: outbox_count(database_url) == 0, 120, "the outbox to drain after the last kill")
         # The last kill may have been moments ago: give the group a session timeout to settle on one leader.
-        leaders = wait_until(lambda: [r for r in replicas if r.is_leading()] or None, 30, "a leader after the kills")
-        time.sleep(2 * Replica.STATUS_INTERVAL)
-        leaders = [r for r in replicas if r.is_leading()]
-        assert len(leaders) == 1, f"exactly one of the remaining replicas leads: {[r.name for r in leaders]}"
+        wait_until(lambda: [r for r in replicas if r.is_leading()] or None, 30, "a leader after the kills")
+        wait_until(lambda: len([r for r in replicas if r.is_leading()]) == 1, 15,
+                   "exactly one of the remaining replicas to lead")
     finally:
         generator.halt.set()
         for replica in replicas:
@@ -128,8 +127,8 @@ def test_eight_replicas_without_failures(database_url, bootstrap_servers, new_to
         wait_until(lambda: len(generator.ids) >= 4000, 120, "4000 records stashed")
         stashed = generator.stop()
         wait_until(lambda: outbox_count(database_url) == 0, 120, "the outbox to drain")
-        leaders = [r.name for r in replicas if r.is_leading()]
-        assert len(leaders) == 1, f"exactly one leader among eight: {leaders}"
+        # A status row a moment stale on a loaded machine reads as no leader: ask until one answers.
+        wait_until(lambda: len([r for r in replicas if r.is_leading()]) == 1, 15, "exactly one leader among eight")
     finally:
         generator.halt.set()
         for replica in replicas:

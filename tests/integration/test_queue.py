@@ -306,7 +306,7 @@ def test_sigterm_finishes_the_message_in_hand_releases_the_rest_and_exits_0(
         config, database_url, bootstrap_servers, prefix, event_log, tmp_path):
     ids = api.send_many("mail", ["a", "b", "c"])
     consumer_port, tracker_port = free_port(), free_port()
-    slow = process_env(database_url, bootstrap_servers, prefix, event_log, mode="sleep:3")
+    slow = process_env(database_url, bootstrap_servers, prefix, event_log, mode="sleep:15")
     tracker = Process("tracker", "outbox_redeliver", ["--metrics-port", str(tracker_port)], slow, tmp_path)
     first = Process("consumer-1", "outbox_consume", consumer_args("mail", "--metrics-port", str(consumer_port)), slow,
                     tmp_path)
@@ -318,7 +318,7 @@ def test_sigterm_finishes_the_message_in_hand_releases_the_rest_and_exits_0(
         wait_until(lambda: all(line in scrape(consumer_port) for line in expected), 10,
                    "the consumer's metrics: one message received, three held")
         first.signal(signal.SIGTERM)
-        assert first.wait(timeout=30) == 0, first.log()
+        assert first.wait(timeout=60) == 0, first.log()
         done = [e for e in events(event_log) if e.event == "done"]
         assert [(e.id, e.pid) for e in done] == [(in_hand.id, first.pid)], "the message in hand was finished"
         assert "released 2" in first.log()

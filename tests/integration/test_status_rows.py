@@ -28,7 +28,9 @@ def test_status_row_follows_the_replica_and_stale_rows_are_pruned(database_url, 
                                                                                status_interval=0.2)))
     harvester.start()
     try:
-        row = wait_until(lambda: HarvesterStatus.objects.filter(name="status-replica", state="leader").first(), 30,
+        # Leading, and past taking the fence: only then has the row a leader id.
+        row = wait_until(lambda: HarvesterStatus.objects.filter(name="status-replica", state="leader",
+                                                                leader_id__isnull=False).first(), 30,
                          "the leader's status row")
         assert row.leader_id == harvester.leader_id and row.leader_group == leader and row.harvested_table == "outbox"
         assert not HarvesterStatus.objects.filter(name="crashed-last-week").exists(), "stale rows are pruned"
