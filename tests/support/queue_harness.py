@@ -22,11 +22,14 @@ from project.settings import queue_names
 ROOT = Path(__file__).resolve().parents[2]
 #: Short timeouts keep the tests quick; consumers in subprocesses get them as flags.
 REDELIVERY_TIMEOUT = 2.0
+# Keep-alives well inside the timeout (the default is a third of it): on two loaded cores a marker
+# can take a second, and a late one is a redelivery the product is right to make.
+KEEP_ALIVE_INTERVAL = 0.25
 
 
 def queue_settings(prefix: str, **extra: object) -> dict[str, object]:
     return {**queue_names(prefix), "partitions": 4, "markers_partitions": 2, "redelivery_timeout": REDELIVERY_TIMEOUT,
-            "status_interval": 0.5, "poll_interval": 0.05, **extra}
+            "keep_alive_interval": KEEP_ALIVE_INTERVAL, "status_interval": 0.5, "poll_interval": 0.05, **extra}
 
 
 def new_prefix() -> str:
@@ -71,7 +74,8 @@ def process_env(database_url: str, bootstrap: str, prefix: str, event_log: Path,
 
 
 def consumer_args(queue: str, *extra: str, handler: str = "tests.support.queue_handlers.record") -> list[str]:
-    return ["--queue", queue, "--handler", handler, "--redelivery-timeout", str(REDELIVERY_TIMEOUT), *extra]
+    return ["--queue", queue, "--handler", handler, "--redelivery-timeout", str(REDELIVERY_TIMEOUT),
+            "--keep-alive-interval", str(KEEP_ALIVE_INTERVAL), *extra]
 
 
 def group_members(config: QueueConfig, group: str) -> int:
