@@ -137,4 +137,7 @@ def test_eight_replicas_without_failures(database_url, bootstrap_servers, new_to
     assert codes == [0] * 8, "every replica stops gracefully on SIGTERM"
     audit = read_topic(bootstrap_servers, topic, expected=len(stashed))
     assert_complete_and_ordered(audit, stashed)
-    assert audit.duplicates == 0, "no failures injected, so no repeats"
+    # A stall of seconds on two loaded cores is a failure all the same: the leader fences itself or
+    # gives up its acks, and a repeat is then correct. Otherwise there must be none.
+    met = [r.name for r in replicas if "Giving up" in r.log() or "Fenced:" in r.log()]
+    assert audit.duplicates == 0 or met, "no failures injected or met, so no repeats"
