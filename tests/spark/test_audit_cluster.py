@@ -27,11 +27,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark]
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
 
 
-def _wait_for_line(log: Path, text: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_for_line(log: Path, text: str, process: subprocess.Popen[bytes], timeout: float) -> str:
+    """The first line of `log` that contains `text`, once it is there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if log.exists() and text in log.read_text(errors="replace"):
-            return
+        found = [line for line in log.read_text(errors="replace").splitlines() if text in line] if log.exists() else []
+        if found:
+            return found[0]
         if process.poll() is not None:
             raise AssertionError(f"{log.name}: the process exited ({process.returncode}):\n{log.read_text()[-2000:]}")
         time.sleep(0.2)
@@ -48,23 +50,22 @@ def standalone_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     """spark://127.0.0.1:PORT of a running master with one registered one-core worker."""
     folder = tmp_path_factory.mktemp("spark-standalone")
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(folder / "work")}
-    port = free_port()
-    url = f"spark://127.0.0.1:{port}"
-    commands = {
-        "master": ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                   "--webui-port", str(free_port())],
-        "worker": ["org.apache.spark.deploy.worker.Worker", "--cores", "1", "--memory", "1g",
-                   "--webui-port", str(free_port()), url],
-    }
     started: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, args: list[str], ready: str) -> str:
+        log = folder / f"{name}.log"
+        with log.open("wb") as output:
+            started.append(subprocess.Popen([str(SPARK_CLASS), *args], stdout=output, stderr=subprocess.STDOUT,
+                                            env=env))
+        return _wait_for_line(log, ready, started[-1], timeout=90)
+
     try:
-        for name, args in commands.items():
-            log = folder / f"{name}.log"
-            with log.open("wb") as output:
-                started.append(subprocess.Popen([str(SPARK_CLASS), *args], stdout=output,
-                                                stderr=subprocess.STDOUT, env=env))
-            ready = "Starting Spark master at" if name == "master" else "Successfully registered with master"
-            _wait_for_line(log, ready, started[-1], timeout=90)
+        # Spark moves to the next port if this one was taken meanwhile: the master's log says where it is.
+        line = start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
+                                str(free_port()), "--webui-port", str(free_port())], "Starting Spark master at ")
+        url = line.split("Starting Spark master at ", 1)[1].strip()
+        start("worker", ["org.apache.spark.deploy.worker.Worker", "--cores", "1", "--memory", "1g", "--webui-port",
+                         str(free_port()), url], "Successfully registered with master")
         yield url
     finally:
         for process in reversed(started):  # the worker, then the master; SIGTERM stops a JVM in seconds
