@@ -413,10 +413,6 @@ class FaultyStore:
         self._marks = self._purges = 0
         self.marks_failed = self.purges_failed = 0
 
-    @property
-    def injected(self) -> int:
-        return self.marks_failed + self.purges_failed
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)  # the fence, held rows, parking, close: as they are
 
