@@ -126,6 +126,14 @@ class RestartProducer:
     """Replace the record producer (after a fatal error); answer on_producer_restarted()."""
 
 
+# -- leader election --------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ReleasePartition:
+    """Let Kafka hand partition 0 to another replica: the answer to on_revoked(), given once what was in
+    flight has settled (or was given up), so the next leader never sends it again."""
+
+
 # -- telling the world --------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -136,4 +144,4 @@ class Announce:
 
 
 Command = (TakeFence | ReleaseFence | Mark | Purge | Reset | Hold | CheckHeld | Park | Send | AbortSends
-           | RestartProducer | Announce)
+           | RestartProducer | ReleasePartition | Announce)

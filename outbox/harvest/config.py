@@ -91,6 +91,13 @@ class Limits:
         if self.delivery_timeout is None and _is_number(self.heartbeat_timeout):
             object.__setattr__(self, "delivery_timeout", 1.5 * self.heartbeat_timeout)
 
+    @property
+    def settle_timeout(self) -> float:
+        """How long a leader that is stopping, or whose partition 0 was revoked, waits for its records
+        in flight to settle (a delivery timeout, a failed purge retried twice, and a second) before it
+        gives them up."""
+        return self.delivery_timeout + 2 * self.io_error_backoff + 1.0
+
     def problems(self, given: Collection[str] | None = None) -> list[Problem]:
         """Every limit that is not a number of the right kind or is below its minimum.
 

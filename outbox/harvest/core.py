@@ -51,6 +51,10 @@ SETTLE_DELAY = 1.0
 MAX_RETRY_FACTOR = 16
 #: Keys listed in a snapshot.
 KEY_SAMPLE = 50
+#: After giving up what was in flight when revoked (or stopping), how long the core waits for the
+#: producer to report those records failed before it lets partition 0 go (or stops) regardless.
+REVOKE_GRACE = 1.0
+STOP_GRACE = 2.0
 
 
 class Phase(enum.Enum):
@@ -86,6 +90,8 @@ class Entry:
     purging: bool = False
     #: Went out with nothing else in flight (so a permanent failure can only be its own).
     sent_alone: bool = False
+    #: Known poison, re-marked behind earlier records of its key: held again, unsent, once it is first.
+    rehold: bool = False
 
 
 @dataclass(slots=True)
@@ -171,6 +177,12 @@ class Core:
         self.assigned = False
         self.fenced = False
         self.stopping = False
+        #: Stopped: settled after stop(), or gave up waiting (the shell then closes everything).
+        self.finished = False
+        self._stop_at: float | None = None  # stopping: give up what is in flight at this time
+        self._stop_aborted = False
+        self._release_at: float | None = None  # revoked: give up what is in flight at this time
+        self._release_aborted = False
         self._heartbeat_seen_at = now
         self._last_poll = now
         # -- term
@@ -270,6 +282,10 @@ class Core:
                 deadline = min(deadline, self._paused_until)
         if self.phase in (Phase.FENCING, Phase.BLOCKED) and not self._fence_pending:
             deadline = min(deadline, self._fence_retry_at)
+        if self._release_at is not None:
+            deadline = min(deadline, self._release_at)
+        if self._stop_at is not None and not self.finished:
+            deadline = min(deadline, self._stop_at)
         if self._to_purge and self._purging is None:
             deadline = min(deadline, self._purge_retry_at)
         if self._to_reset and self._resetting is None:
@@ -359,9 +375,12 @@ class Core:
 
     # ============================================================================ leadership
 
-    def on_polled(self) -> None:
-        """The shell polled the leader topic (so Kafka knows this replica is alive)."""
+    def on_polled(self, heartbeat_seen: bool = False) -> None:
+        """The shell polled the leader topic (so Kafka knows this replica is alive), and whether one
+        of this replica's own heartbeats came back."""
         self._last_poll = self.now
+        if heartbeat_seen:
+            self.on_heartbeat_seen()
 
     def on_assigned(self) -> None:
         """Partition 0 of the leader topic was assigned to this replica: it leads."""
@@ -382,8 +401,13 @@ class Core:
             self._acquired = False
 
     def on_revoked(self) -> None:
-        """Partition 0 was revoked in a rebalance; the shell lets in-flight records settle before it returns."""
+        """Partition 0 is being revoked in a rebalance. Kafka hands it on once the shell answers
+        ReleasePartition, which the core asks for when what is in flight has settled, so the next
+        leader does not send it again (or after settle_timeout, having given it up)."""
         self._lose("revoked", abort=False)
+        if self._release_at is None:
+            self._release_at = self.now + self.limits.settle_timeout
+            self._release_aborted = False
 
     def on_lost(self) -> None:
         """The assignment was lost (the session expired): another replica may lead already."""
@@ -401,10 +425,12 @@ class Core:
         self._suspects.clear()
 
     def stop(self) -> None:
-        """Stop marking and sending; records in flight may still settle (the shell waits for `settled`)."""
+        """Stop marking and sending; records in flight may still settle, for up to settle_timeout
+        (then they are given up); `finished` says when the shell may close everything."""
         if self.stopping:
             return
         self.stopping = True
+        self._stop_at = self.now + self.limits.settle_timeout
         self._end_term(None, abort=False)
 
     # ============================================================================ database answers
@@ -635,6 +661,10 @@ class Core:
         """Everything the core can do now: start or refresh terms, mark, send, purge, reset."""
         if self._aborted and not self.in_flight:
             self._aborted = False
+        if self._release_at is not None:
+            self._settle_revoke()
+        if self.stopping and not self.finished:
+            self._settle_stop()
         quiet = not self.in_flight and not self._restarting
         if self.phase is Phase.IDLE and self.leading and quiet:
             self._begin_term()
@@ -649,6 +679,32 @@ class Core:
             self._dispatch()
             self._mark()
         self._flush_settling()
+
+    def _settle_revoke(self) -> None:
+        if self.settled:
+            self._release_at = None
+            self._commands.append(cmd.ReleasePartition())
+        elif self.now >= self._release_at:
+            if not self._release_aborted:
+                self._release_aborted = True
+                self._release_at = self.now + REVOKE_GRACE
+                self.abort("partition 0 was revoked")
+            else:
+                log.warning("Letting partition 0 go with %d record(s) unsettled", self.in_flight)
+                self._release_at = None
+                self._commands.append(cmd.ReleasePartition())
+
+    def _settle_stop(self) -> None:
+        if self.settled:
+            self.finished = True
+        elif self.now >= self._stop_at:
+            if not self._stop_aborted:
+                self._stop_aborted = True
+                self._stop_at = self.now + STOP_GRACE
+                self.abort("stopping")
+            else:
+                log.warning("Stopping with %d record(s) unsettled; the next leader re-marks them", self.in_flight)
+                self.finished = True
 
     # -- terms ----------------------------------------------------------------------------------
 
@@ -797,10 +853,14 @@ class Core:
         poison = self._poison.get(record.id)
         if poison is not None and lane.held is None:
             if poison.fingerprint == fingerprint(record):
-                # Known poison, re-marked by a new term: held again without sending it again.
-                self._hold_again(lane, entry)
-                return
-            entry.solo = True  # it changed since it failed: try it, alone
+                # Known poison, re-marked by a new term: held again without sending it again, once
+                # the earlier records of its key queued before it have gone out.
+                if not lane.queued:
+                    self._hold_again(lane, entry)
+                    return
+                entry.rehold = True
+            else:
+                entry.solo = True  # it changed since it failed: try it, alone
         if lane.waiting:
             if len(lane.queued) >= HELD_BACKLOG:
                 del self._entries[record.id]
@@ -844,6 +904,12 @@ class Core:
                     or (lane.waiting and not lane.retrying):
                 continue
             entry = lane.queued[0]
+            if entry.rehold:
+                lane.queued.popleft()
+                self.queued -= 1
+                entry.rehold = False
+                self._hold_again(lane, entry)
+                continue
             if entry.solo:
                 self._solo = entry  # it goes alone, once everything in flight has settled
                 self._make_ready(lane, first=True)

@@ -262,9 +262,17 @@ def ensure_topic(base: dict[str, Any], topic: str, timeout: float) -> None:
         raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
 
 
+def kafka_error(error: BaseException) -> KafkaError | None:
+    """The KafkaError a KafkaException carries, if it carries one."""
+    args = getattr(error, "args", ())
+    return args[0] if args and isinstance(args[0], KafkaError) else None
+
+
 def kafka_reason(error: BaseException) -> str:
-    if isinstance(error, KafkaException) and error.args and isinstance(error.args[0], KafkaError):
-        return error.args[0].str()
+    """One line for the operator: Kafka's own words when there are some."""
+    found = kafka_error(error) if isinstance(error, KafkaException) else None
+    if found is not None:
+        return found.str()
     return str(error) or type(error).__name__
 
 

@@ -7,16 +7,19 @@ tests check the shell: its lifecycle, its threads, and that it carries the core'
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.contract import ReplicaState
 from outbox.harvest.fakes import FakeConnector, FakeKafka, FakeStore
 from outbox.harvest.harvester import Harvester, HarvestError, State
-from outbox.harvest.store import StoreError
+from outbox.harvest.store import FenceHolder, StoreError
 
 TOPIC = "orders"
 
@@ -174,3 +177,108 @@ def test_meter_reads_are_emitted(rig_factory):
     rig.harvester.start()
     wait_until(lambda: any(isinstance(e, events.MeterRead) and e.stats.total_published == 10 for e in rig.events))
 
+
+
+def pair(rig_factory: Callable[..., Rig], **limits: float) -> tuple[Rig, Rig]:
+    """Two replicas of one group over one FakeKafka and one table; the first leads."""
+    leader, standby = rig_factory(**limits), rig_factory(**limits)
+    standby.kafka, standby.store = leader.kafka, leader.store
+    standby.harvester = Harvester(standby.config, on_event=standby.events.append,
+                                  connector=FakeConnector(leader.kafka, leader.store))
+    leader.harvester.start()
+    wait_until(lambda: leader.harvester.is_leader, what="the first replica to lead")
+    standby.harvester.start()
+    wait_until(lambda: len(leader.kafka.consumers) == 2 and not leader.kafka.consumers[1].member.events,
+               what="the second replica to join")
+    return leader, standby
+
+
+def test_a_revoked_leader_lets_partition_zero_go_only_once_its_records_settled(rig_factory):
+    leader, standby = pair(rig_factory, auto_deliver=False)
+    leader.store.add_many(TOPIC, ["k1", "k2", "k3"])
+    wait_until(lambda: leader.producer.outstanding() == 3, what="three records in flight")
+    leader.kafka.move_partition_zero(to=leader.kafka.consumers[1])
+    wait_until(lambda: not leader.harvester.is_leader, what="the revoke to reach the leader")
+    time.sleep(0.3)  # the revoke waits in its callback: nobody leads while the records fly
+    assert leader.kafka.group.revoking is not None and not standby.harvester.is_leader
+    leader.producer.deliver()
+    wait_until(lambda: standby.harvester.is_leader, what="the standby to lead once the records settled")
+    assert sorted(record_id for _, record_id in leader.published()) == [1, 2, 3]
+    assert not leader.store.rows, "purged by the old leader before it let go"
+
+
+def test_a_revoke_lets_go_after_the_settle_timeout_when_a_purge_hangs(rig_factory):
+    leader, standby = pair(rig_factory, heartbeat_timeout=0.2, io_error_backoff=0.01)
+    gate = leader.store.purge_gate = threading.Event()
+    leader.store.add_many(TOPIC, ["k1", "k2"])
+    wait_until(lambda: len(leader.published()) == 2, what="two records acknowledged, their purge hanging")
+    began = time.monotonic()
+    leader.kafka.move_partition_zero(to=leader.kafka.consumers[1])
+    wait_until(lambda: standby.harvester.is_leader, timeout=10, what="the standby to lead after the settle timeout")
+    waited = time.monotonic() - began
+    settle = leader.config.limits.settle_timeout
+    assert waited >= settle, f"let go after {waited:.2f}s, before the settle timeout ({settle:.2f}s)"
+    gate.set()
+
+
+def test_a_lost_partition_stops_sending_and_another_replica_leads(rig_factory):
+    leader, standby = pair(rig_factory)
+    leader.kafka.lose_partition_zero()
+    wait_until(lambda: standby.harvester.is_leader, what="the standby to lead")
+    assert "LeaderRevoked" in leader.kinds()
+    leader.store.add_many(TOPIC, ["k"] * 5)
+    wait_until(lambda: not leader.store.rows, what="the new leader to publish")
+
+
+def test_lost_heartbeats_fence_the_leader_until_they_come_back(rig_factory):
+    rig = rig_factory(heartbeat_timeout=0.2)
+    rig.harvester.start()
+    wait_until(lambda: rig.harvester.is_leader)
+    rig.kafka.heartbeats_lost = True
+    wait_until(lambda: rig.harvester.is_fenced, what="the leader to fence itself")
+    rig.store.add(TOPIC, "k")
+    time.sleep(0.3)
+    assert rig.published() == [], "a fenced leader sends nothing"
+    rig.kafka.heartbeats_lost = False
+    wait_until(lambda: not rig.store.rows, what="the leader to resume and publish")
+    assert rig.kinds()[:2] == ["LeaderAcquired", "LeaderFenced"]
+
+
+def test_failed_marks_and_purges_are_retried_under_a_new_leader_id(rig_factory):
+    rig = rig_factory()
+    rig.store.fail_marks = 2
+    rig.store.fail_purges = 2
+    ids = rig.store.add_many(TOPIC, [f"k{i % 3}" for i in range(30)])
+    rig.harvester.start()
+    wait_until(lambda: not rig.store.rows, what="the table to drain")
+    assert sorted(set(record_id for _, record_id in rig.published())) == ids
+    assert_per_key_order([p for p in rig.published()])
+    assert len(rig.leader_ids()) >= 2, "a failed mark forces a refresh"
+
+
+def test_a_record_the_producer_refuses_is_held_and_its_key_waits(rig_factory):
+    rig = rig_factory()
+
+    def refuse(topic, key, value):
+        return KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "too large")) if value == b"big" or \
+            value == "big" else None
+
+    rig.kafka.refuse = refuse
+    rig.store.add(TOPIC, "bad", "big")
+    rig.store.add(TOPIC, "bad", "after")
+    rig.store.add(TOPIC, "good", "fine")
+    rig.harvester.start()
+    wait_until(lambda: [key for key, _ in rig.published()] == ["good"], what="the other key to go on")
+    wait_until(lambda: rig.harvester.held_keys.get("bad"), what="the key to be held")
+    assert "RecordHeld" in rig.kinds()
+
+
+def test_another_replica_holding_the_fence_blocks_the_leader(rig_factory):
+    rig = rig_factory(fence_retry_interval=0.05)
+    rig.store.fence_holder = FenceHolder(1, "other", "other-group", "elsewhere", same_group=False)
+    rig.store.add(TOPIC, "k")
+    rig.harvester.start()
+    wait_until(lambda: rig.harvester.replica_state is ReplicaState.BLOCKED, what="the leader to be blocked")
+    assert rig.published() == []
+    rig.store.fence_holder = None
+    wait_until(lambda: not rig.store.rows, what="publishing once the fence is free")

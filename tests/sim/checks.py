@@ -4,22 +4,24 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tests.sim.kafka import SimKafka
+from outbox.harvest.memory.broker import MemoryBroker
+from outbox.harvest.memory.table import MemoryTable
+from outbox.harvest.memory.world import Violation
 from tests.sim.replica import Log
-from tests.sim.table import SimTable
-from tests.sim.world import Violation
+
+#: The topic every simulated record goes to.
+TOPIC = "orders"
 
 
-def per_key(kafka: SimKafka) -> dict[str, list[int]]:
+def per_key(kafka: MemoryBroker) -> dict[str, list[int]]:
     """Each key's record ids in the order Kafka holds them (a key lives in one partition)."""
     sequences: dict[str, list[int]] = defaultdict(list)
-    for log in kafka.logs:
-        for written in log:
-            sequences[written.key].append(written.record_id)
+    for message in kafka.messages(TOPIC):
+        sequences[message.key_text].append(message.record_id)
     return sequences
 
 
-def check_order(kafka: SimKafka, *, strict: bool) -> None:
+def check_order(kafka: MemoryBroker, *, strict: bool) -> None:
     """No record is published after a later record of its key, except as a repeat of one already
     published. `strict` (one record per key in flight) also forbids any repeat that is not one-off:
     the published ids never go down (R0 R1 R1 R2 is fine, R0 R1 R2 R1 is not)."""
@@ -42,7 +44,7 @@ def check_leader_ids(log: Log) -> None:
         raise Violation(f"leader id {repeated} was used for more than one term")
 
 
-def check_drained(table: SimTable) -> None:
+def check_drained(table: MemoryTable) -> None:
     pending = table.pending()
     if pending:
         rows = ", ".join(f"{r.id} (key {r.key}, leader {str(r.leader_id)[:8] if r.leader_id else None})"
@@ -50,7 +52,7 @@ def check_drained(table: SimTable) -> None:
         raise Violation(f"{len(pending)} record(s) never published after faults stopped, e.g. {rows}")
 
 
-def check_nothing_lost(kafka: SimKafka, table: SimTable) -> None:
+def check_nothing_lost(kafka: MemoryBroker, table: MemoryTable) -> None:
     """Every committed row is in Kafka, or still in the table, or was removed by an operator or parked."""
     for row_id in table.committed:
         if (row_id not in kafka.published and row_id not in table.rows and row_id not in table.removed_by_operator

@@ -3,17 +3,21 @@
     python -m tests.sim.mutations            # for each bug, the first seeds that catch it
     python -m tests.sim.mutations --check    # only the seeds listed in CAUGHT_BY (what CI runs)
 
-Each mutation is a small change to the real core (a subclass) or to the simulated table's SQL; the
-runs use one record per key in flight, goharvest's mode, where the stricter order applies.
+Each mutation is a small change to the real core or driver (a subclass) or to the simulated table's
+SQL; the runs use one record per key in flight, goharvest's mode, where the stricter order applies.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
+from typing import Any
 
+from outbox.harvest import commands as cmd
 from outbox.harvest.core import Core, EntryState, Lane
+from outbox.harvest.driver import Driver
 from tests.sim.scenario import Options, quiet, run
 
 
@@ -55,6 +59,55 @@ class ResendBeforeRefresh(Core):
         super()._remark()
 
 
+class ReleaseAtOnce(Core):
+    """Lets partition 0 go as soon as it is revoked, without waiting for what is in flight to settle."""
+
+    def on_revoked(self) -> None:
+        super().on_revoked()
+        if self._release_at is not None:
+            self._release_at = None
+            self._commands.append(cmd.ReleasePartition())
+
+
+class MarkErrorTakenAsEmpty(Driver):
+    """Takes a failed mark for one that found nothing, though its UPDATE may have committed all the same."""
+
+    def _mark(self, command: cmd.Mark) -> None:
+        self._run("fence", lambda store: store.mark(command.leader_id, command.limit, command.after, command.upto),
+                  lambda core, result: core.on_marked(command, *result),
+                  lambda core, error: core.on_marked(command, [], None))
+
+
+class SendsPastARefusal(Driver):
+    """When produce() refuses a record, goes on producing the later records of its key in the same Send."""
+
+    def _send(self, command: cmd.Send) -> None:
+        for record in command.records:
+            super()._send(dataclasses.replace(command, records=(record,)))
+
+
+class RestartForgetsInFlight(Driver):
+    """After replacing the record producer, drops the delivery reports of the producer it replaced."""
+
+    generation = 0
+
+    def _restart_producer(self, command: cmd.RestartProducer) -> None:
+        self.generation += 1
+        super()._restart_producer(command)
+
+    def _send(self, command: cmd.Send) -> None:
+        sent_in = self.generation
+        super()._send(command)
+        self._sent_in = getattr(self, "_sent_in", {})
+        for record in command.records:
+            self._sent_in[record.id] = sent_in
+
+    def delivered(self, record_id: int, error: Any) -> None:
+        if getattr(self, "_sent_in", {}).get(record_id, self.generation) < self.generation:
+            return  # "that producer is gone": its reports are ignored
+        super().delivered(record_id, error)
+
+
 def _core(kind: type[Core]) -> Callable[..., Core]:
     return lambda *args, **kwargs: kind(*args, **kwargs)
 
@@ -67,17 +120,27 @@ MUTATIONS: dict[str, Options] = {
     "no fencing on missing heartbeats": Options(core_factory=_core(NoHeartbeatFence), per_key=1, db_fence=False),
     "purging without the leader-id guard": Options(guard_purges=False, per_key=1),
     "a failed record resent before the refresh": Options(core_factory=_core(ResendBeforeRefresh), per_key=1),
+    # The loop (driver.py) and what moved into the core from it.
+    "settling skipped on revoke": Options(core_factory=_core(ReleaseAtOnce), per_key=1),
+    "a mark error taken as a mark that found nothing": Options(driver_factory=MarkErrorTakenAsEmpty, per_key=1),
+    "records sent past a refused record of their key": Options(driver_factory=SendsPastARefusal, per_key=4),
+    # Several per key in flight: a refused batch is fatal there, so producers are replaced often.
+    "a producer restart that forgets what was in flight": Options(driver_factory=RestartForgetsInFlight, per_key=4),
 }
 
 #: Seeds that catch each mutation, as `python -m tests.sim.mutations` found them. A change to the
 #: simulator or the core can change which seeds catch what: run it again and update this list
 #: (and docs/simulation.md).
 CAUGHT_BY: dict[str, list[int]] = {
-    "barrier lowered on the ack instead of after the purge": [84, 191, 278],
-    "a leader id reused": [3, 4, 5],
-    "no fencing on missing heartbeats": [6, 17, 23],
-    "purging without the leader-id guard": [1558],
-    "a failed record resent before the refresh": [9, 16, 24],
+    "barrier lowered on the ack instead of after the purge": [1, 2, 3],
+    "a leader id reused": [1, 2, 3],
+    "no fencing on missing heartbeats": [6, 29, 37],
+    "purging without the leader-id guard": [286, 588],
+    "a failed record resent before the refresh": [8, 9, 15],
+    "settling skipped on revoke": [97, 299, 362],
+    "a mark error taken as a mark that found nothing": [2, 7, 14],
+    "records sent past a refused record of their key": [20, 449, 1202],
+    "a producer restart that forgets what was in flight": [9, 15, 30],
 }
 
 

@@ -1,4 +1,10 @@
-"""One simulated harvester process: the real Core, driven the way harvester.py drives it.
+"""One simulated harvester process: the real Core and the real Driver (outbox/harvest/driver.py),
+over simulated I/O on the world's clock.
+
+The driver's turns, the database sessions' jobs, the delivery reports and the leader election's
+polls are world events, in the same order of threads the real harvester has (runtime.py): each
+database session runs its jobs one at a time with a latency, the election "thread" polls every
+min_poll_interval and blocks in a revoke until the core lets partition 0 go.
 
 The process can be paused (SIGSTOP: nothing runs, librdkafka included), crash (its database
 sessions end, its group membership times out), stop gracefully, and lose its network to Kafka's
@@ -9,15 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import methodcaller
 
-from outbox.harvest import commands as cmd
 from outbox.harvest import events
-from outbox.harvest.commands import DeliveryError
 from outbox.harvest.config import Limits
+from outbox.harvest.connector import Store
+from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
-from tests.sim.kafka import Group, Member, SimKafka, SimProducer
-from tests.sim.table import Session, SimTable, StatementFailed
-from tests.sim.world import Violation, World
+from outbox.harvest.driver import Driver
+from outbox.harvest.memory.broker import Group, Member, MemoryBroker, MemoryProducer
+from outbox.harvest.memory.table import MemoryStore, MemoryTable
+from outbox.harvest.memory.world import SimWorld, Violation
 
 
 @dataclass
@@ -35,10 +43,62 @@ class Log:
     events: list[tuple[float, str, str]] = field(default_factory=list)
 
 
+class SimIO:
+    """The driver's EngineIO in the simulated world."""
+
+    def __init__(self, replica: SimReplica) -> None:
+        self._replica = replica
+        self.producer: MemoryProducer = replica.new_producer()
+        self._retiring: list[MemoryProducer] = []
+
+    def now(self) -> float:
+        return self._replica.world.now
+
+    def submit(self, session: str, job: Callable[[Store], None]) -> None:
+        replica = self._replica
+        replica.on_session(session, lambda: job(replica.store))
+
+    def restart_producer(self) -> None:
+        old = self.producer
+        old.purge()
+        self._retiring.append(old)
+        self.producer = self._replica.new_producer()
+        self._replica.world.after(0.001, self._serve_retiring)
+
+    def _serve_retiring(self) -> None:
+        """The delivery thread, polling the old producer until it has reported everything."""
+        replica = self._replica
+        if replica.crashed:
+            return
+        for old in list(self._retiring):
+            if len(old) == 0:
+                self._retiring.remove(old)
+                replica.driver.post(methodcaller("on_producer_restarted"))
+        if self._retiring:
+            replica.world.after(0.005, self._serve_retiring)
+
+    def publish_dead_letter(self, record: Record, reason: str) -> str | None:
+        return None
+
+    def release_partition(self) -> None:
+        self._replica.released()
+
+    def leadership(self, *, assigned: bool, leading: bool) -> None:
+        self._replica.heartbeat = assigned
+
+    def announce(self, event: events.Event) -> None:
+        replica = self._replica
+        replica.log.events.append((replica.world.now, replica.name, type(event).__name__))
+        if isinstance(event, events.LeaderAcquired | events.LeaderRefreshed):
+            replica.log.leader_ids.append((replica.name, event.leader_id))
+        replica.world.note(f"{replica.name} {event}")
+
+
 class SimReplica:
-    def __init__(self, world: World, name: str, group: str, limits: Limits, kafka: SimKafka, table: SimTable,
-                 log: Log, *, park_after: int | None = None,
-                 core_factory: Callable[..., Core] = Core) -> None:
+    def __init__(self, world: SimWorld, name: str, group: str, limits: Limits, kafka: MemoryBroker,
+                 table: MemoryTable, log: Log, *, park_after: int | None = None,
+                 core_factory: Callable[..., Core] = Core,
+                 driver_factory: Callable[..., Driver] = Driver) -> None:
         self.world = world
         self.name = name
         self.group_name = group
@@ -55,19 +115,19 @@ class SimReplica:
         self.core = core_factory(limits, new_leader_id=world.uuid, park_after=park_after, now=world.now)
         self.core.checking = True
         self.group: Group = kafka.group(group, 3 * limits.heartbeat_timeout)
+        self.leader_topic = f"leader-{group}"
         self.member = Member(name, alive=lambda: self.process_running() and self.links.leader)
-        self.fence = Session(name, group)
-        self.purger = Session(name, group)
-        self._fence_busy_until = 0.0
-        self._purge_busy_until = 0.0
-        self.producer = self._new_producer()
-        self._retiring: list[SimProducer] = []
-        self._inbox: list[Callable[[], None]] = []
+        self.store = MemoryStore(table, name, group, reachable=lambda: self.links.database)
+        self._busy_until = {"fence": 0.0, "purge": 0.0}
+        self.io = SimIO(self)
+        self.driver = driver_factory(self.core, self.io)
+        self.driver.wake = lambda: self._wake(0.0)
+        #: Publish heartbeats (the driver says so after each turn, as it tells the real election thread).
+        self.heartbeat = False
+        self._revoking = False  # the election "thread" is inside the revoke callback
         self._wake_at: float | None = None
-        self._next_poll = 0.0
         self._signature = f"{name}:{world.rng.getrandbits(32)}"
         self._heartbeat_offset = 0
-        self._stop_deadline: float | None = None
         self._last_turn = -1.0
         self._spins = 0
 
@@ -79,6 +139,7 @@ class SimReplica:
     def start(self) -> None:
         self.running = True
         self.group.join(self.member)
+        self.world.after(0.0, self._poll_election)
         self._wake(0.0)
 
     def pause(self, seconds: float) -> None:
@@ -96,36 +157,34 @@ class SimReplica:
             return
         self.world.note(f"{self.name} crashed")
         self.crashed = True
-        self.table.drop(self.fence)
-        self.table.drop(self.purger)
-        self.producer.purge()  # what was not transmitted is gone with the process
-        self.producer.close()
+        self.store.close()
+        self.io.producer.purge()  # what was not transmitted is gone with the process
+        self.io.producer.close()
 
     def stop(self) -> None:
-        """SIGTERM: the core stops marking and sending; once settled (or after a deadline) it leaves the group."""
+        """SIGTERM: the core stops marking and sending; once it has finished, the replica leaves the group."""
         if not self.process_running() or self.stopped:
             return
         self.world.note(f"{self.name} stopping")
         self.stopped = True
-        self.core.stop()
-        self._stop_deadline = self.world.now + self.limits.delivery_timeout + 2 * self.limits.io_error_backoff + 1
-        self._wake(0.0)
+        self.driver.post(methodcaller("stop"))
 
-    # -- the engine loop ------------------------------------------------------------------------
+    def new_producer(self) -> MemoryProducer:
+        pipelined = self.limits.max_in_flight_per_key > 1
+        return MemoryProducer(self.kafka, self.name, gapless=pipelined,
+                           delivery_timeout=None if pipelined else self.limits.delivery_timeout,
+                           is_running=self.process_running, can_reach=lambda: self.links.records)
+
+    # -- the engine thread ----------------------------------------------------------------------
 
     def _wake(self, delay: float) -> None:
+        if self.crashed:
+            return
         when = self.world.now + max(0.0, delay)
         if self._wake_at is not None and self._wake_at <= when:
             return
         self._wake_at = when
         self.world.at(when, lambda: self._turn(when))
-
-    def _post(self, action: Callable[[], None]) -> None:
-        """A result from another 'thread' (a database session, a delivery report)."""
-        if self.crashed:
-            return
-        self._inbox.append(action)
-        self._wake(0.0)
 
     def _turn(self, scheduled: float) -> None:
         if self._wake_at != scheduled:
@@ -140,176 +199,85 @@ class SimReplica:
                                 f"{self.core.phase.value}, deadline {self.core.next_deadline()})")
         else:
             self._last_turn, self._spins = scheduled, 0
-        core = self.core
-        now = self.world.now
-        core.tick(now)
-        if not self.member.left and now >= self._next_poll:
-            self._next_poll = now + self.limits.min_poll_interval
-            self._poll_election()
-        inbox, self._inbox = self._inbox, []
-        for action in inbox:
-            action()
-        self._execute(core.take_commands())
-        if self.stopped and self._stop_deadline is not None and (core.settled or now >= self._stop_deadline):
-            if not core.settled:
-                core.abort("stopping")
-                self._execute(core.take_commands())
+        deadline = self.driver.turn()
+        if self.core.finished:
             self._leave()
             return
-        if self._retiring:
-            for old in list(self._retiring):
-                if old.outstanding() == 0:
-                    self._retiring.remove(old)
-                    core.on_producer_restarted()
-            self._execute(core.take_commands())
-        deadline = core.next_deadline()
-        if not self.member.left:
-            deadline = min(deadline, self._next_poll)
-        self._wake(deadline - now)
-
-    def _poll_election(self) -> None:
-        core = self.core
-        group = self.group
-        if not self.links.leader:
-            return  # consume() returns nothing; the coordinator does not hear from us
-        while self.member.events:
-            event = self.member.events.popleft()
-            if event == "assign":
-                core.on_assigned()
-            elif event == "lost":
-                core.on_lost()
-                if not self.stopped:
-                    group.join(self.member)  # librdkafka rejoins by itself
-        core.on_polled()
-        heartbeats = group.heartbeats
-        seen = any(signature == self._signature for signature, _ in heartbeats[self._heartbeat_offset:]) \
-            if group.owner is self.member else False
-        self._heartbeat_offset = len(heartbeats)
-        if seen:
-            core.on_heartbeat_seen()
-        if core.assigned:
-            signature = self._signature
-            # A heartbeat lands a little later, if the link holds.
-            self.world.after(self.world.latency(0.001, 0.01),
-                             lambda: heartbeats.append((signature, self.world.now)) if self.links.leader else None)
+        self._wake(deadline - self.world.now)
 
     def _leave(self) -> None:
-        """consumer.close(): the revoke callback runs (nothing is left to settle), then the group moves on."""
-        self.core.on_revoked()
-        self._execute(self.core.take_commands())
+        """The harvester closes: the election thread leaves the group (its revoke callback returns at once),
+        and the store's sessions end."""
         self.group.leave(self.member)
+        self.store.close()
         self.running = False
         self.world.note(f"{self.name} stopped")
 
-    # -- carrying out commands ------------------------------------------------------------------
+    # -- the election thread --------------------------------------------------------------------
 
-    def _execute(self, commands: list[cmd.Command]) -> None:
-        for command in commands:
-            getattr(self, "_do_" + type(command).__name__)(command)
+    def _poll_election(self) -> None:
+        if self.crashed or not self.running or self.member.left:
+            return
+        if self._revoking:
+            return  # inside the revoke callback; released() resumes polling
+        if not self.process_running():
+            self.world.at(self.paused_until, self._poll_election)
+            return
+        seen = False
+        if self.links.leader:  # else consume() returns nothing and the coordinator does not hear from us
+            if self._serve_events():
+                return
+            heartbeats = self.kafka.log(self.leader_topic, 1)[0]
+            if self.group.owner is self.member:
+                signature = self._signature.encode()
+                seen = any(message.value() == signature for message in heartbeats[self._heartbeat_offset:])
+            self._heartbeat_offset = len(heartbeats)
+            if self.heartbeat:
+                # A heartbeat lands a little later, if the link holds.
+                self.world.after(self.world.latency(0.001, 0.01), self._heartbeat_lands)
+        self.driver.post(lambda core: core.on_polled(seen))
+        self.world.after(self.limits.min_poll_interval, self._poll_election)
 
-    def _do_Announce(self, command: cmd.Announce) -> None:
-        event = command.event
-        self.log.events.append((self.world.now, self.name, type(event).__name__))
-        if isinstance(event, events.LeaderAcquired | events.LeaderRefreshed):
-            self.log.leader_ids.append((self.name, event.leader_id))
-        self.world.note(f"{self.name} {event}")
+    def _heartbeat_lands(self) -> None:
+        if self.links.leader:
+            self.kafka.append(self.leader_topic, 0, None, self._signature, None, replica=self.name)
 
-    def _do_Send(self, command: cmd.Send) -> None:
-        for record in command.records:
-            self.producer.produce(record, self._delivered)
+    def _serve_events(self) -> bool:
+        """The rebalance callbacks, in poll(); True when a revoke blocks the thread."""
+        post = self.driver.post
+        while self.member.events:
+            event = self.member.events.popleft()
+            if event == "assign":
+                post(methodcaller("on_assigned"))
+            elif event == "revoke":
+                self._revoking = True
+                post(methodcaller("on_revoked"))
+                return True
+            elif event == "lost":
+                post(methodcaller("on_lost"))
+                if not self.stopped:
+                    self.group.join(self.member)  # librdkafka rejoins by itself
+        return False
 
-    def _delivered(self, record_id: int, error: DeliveryError | None) -> None:
-        self._post(lambda: self.core.on_delivered(record_id, error))
+    def released(self) -> None:
+        """ReleasePartition: the revoke callback returns; Kafka may move partition 0 on."""
+        if not self._revoking:
+            return
+        self._revoking = False
+        self.group.revoked(self.member)
+        self.world.after(0.0, self._poll_election)
 
-    def _do_AbortSends(self, command: cmd.AbortSends) -> None:
-        self.producer.purge()
+    # -- the database sessions ------------------------------------------------------------------
 
-    def _do_RestartProducer(self, command: cmd.RestartProducer) -> None:
-        old = self.producer
-        old.purge()
-        self._retiring.append(old)
-        self.producer = self._new_producer()
-
-    def _new_producer(self) -> SimProducer:
-        pipelined = self.limits.max_in_flight_per_key > 1
-        return SimProducer(self.kafka, self.name, gapless=pipelined,
-                           delivery_timeout=None if pipelined else self.limits.delivery_timeout,
-                           is_running=self.process_running, can_reach=lambda: self.links.records)
-
-    # database statements: each session runs one at a time, with a latency
-
-    def _on_session(self, session: Session, run: Callable[[], object], ok: Callable[[object], None],
-                    failed: Callable[[str], None]) -> None:
-        if session is self.fence:
-            start = max(self.world.now, self._fence_busy_until)
-        else:
-            start = max(self.world.now, self._purge_busy_until)
+    def on_session(self, name: str, job: Callable[[], None]) -> None:
+        """Each session runs one statement at a time, with a latency (now and then a long one)."""
         faults = self.table.faults
+        start = max(self.world.now, self._busy_until[name])
         slow = self.world.now < self.slow_until or self.world.chance(faults.slow)
         finish = start + self.world.latency(*(faults.slow_latency if slow else faults.latency))
-        if session is self.fence:
-            self._fence_busy_until = finish
-        else:
-            self._purge_busy_until = finish
+        self._busy_until[name] = finish
 
         def execute() -> None:
-            if self.crashed:
-                return
-            current = self.fence if session is self.fence else self.purger
-            if not current.alive:  # the store reconnects: a new session, holding no lock
-                current = Session(self.name, self.group_name)
-                if session is self.fence:
-                    self.fence = current
-                else:
-                    self.purger = current
-            try:
-                if not self.links.database:
-                    raise StatementFailed("database unreachable")
-                result = run_on(current)
-            except StatementFailed as error:
-                message = str(error)
-                self._post(lambda: failed(message))
-                return
-            self._post(lambda: ok(result))
-
-        run_on = run  # type: ignore[assignment]
+            if not self.crashed:
+                job()
         self.world.at(finish, execute)
-
-    def _do_TakeFence(self, command: cmd.TakeFence) -> None:
-        self._on_session(self.fence, lambda s: self.table.take_fence(s),
-                         lambda holder: self.core.on_fence(command.leader_id, holder is None, holder),
-                         lambda error: self.core.on_fence_failed(command.leader_id, error))
-
-    def _do_ReleaseFence(self, command: cmd.ReleaseFence) -> None:
-        self._on_session(self.fence, lambda s: self.table.release_fence(s), lambda _: None, lambda _: None)
-
-    def _do_Mark(self, command: cmd.Mark) -> None:
-        self._on_session(self.fence,
-                         lambda s: self.table.mark(s, command.leader_id, command.limit, command.after, command.upto),
-                         lambda result: self.core.on_marked(command, *result),
-                         lambda error: self.core.on_mark_failed(command, error))
-
-    def _do_CheckHeld(self, command: cmd.CheckHeld) -> None:
-        self._on_session(self.fence, lambda s: self.table.check_held(s, command.ids),
-                         lambda rows: self.core.on_held_checked(command, rows),
-                         lambda error: self.core.on_held_check_failed(error))
-
-    def _do_Park(self, command: cmd.Park) -> None:
-        self._on_session(self.fence, lambda s: self.table.park(s, command.record),
-                         lambda parked: self.core.on_parked(command.record.id, bool(parked)),
-                         lambda error: self.core.on_park_failed(command.record.id, error))
-
-    def _do_Purge(self, command: cmd.Purge) -> None:
-        fence = self.fence if command.fenced else None
-        self._on_session(self.purger, lambda s: self.table.purge(s, command.items, fence),
-                         lambda result: self.core.on_purged(result[1]), lambda error: self.core.on_purge_failed(error))
-
-    def _do_Reset(self, command: cmd.Reset) -> None:
-        fence = self.fence if command.fenced else None
-        self._on_session(self.purger, lambda s: self.table.reset(s, command.items, fence),
-                         lambda result: self.core.on_reset(result[1]), lambda error: self.core.on_reset_failed(error))
-
-    def _do_Hold(self, command: cmd.Hold) -> None:
-        self._on_session(self.purger, lambda s: self.table.hold(s, command.record_id, command.leader_id),
-                         lambda version: self.core.on_held(command.record_id, version),
-                         lambda error: self.core.on_held(command.record_id, None))

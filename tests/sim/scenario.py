@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
+from outbox.harvest.driver import Driver
+from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults
+from outbox.harvest.memory.table import HUGE, POISON, POISONS, MemoryTable, TableFaults
+from outbox.harvest.memory.world import SimWorld, Violation
 from tests.sim import checks
-from tests.sim.kafka import ProducerFaults, SimKafka
 from tests.sim.replica import Log, SimReplica
-from tests.sim.table import POISON, SimTable, TableFaults
-from tests.sim.world import Violation, World
 
 FAULTS_END = 25.0
 DEADLINE = FAULTS_END + 60.0
@@ -45,6 +46,7 @@ class Options:
     """What a mutation (tests/sim/mutations.py) may change about a run."""
 
     core_factory: Callable[..., Core] = Core
+    driver_factory: Callable[..., Driver] = Driver
     guard_purges: bool = True
     #: Force one record per key in flight (the mutations are about goharvest's barrier).
     per_key: int | None = None
@@ -52,7 +54,7 @@ class Options:
     db_fence: bool | None = None
 
 
-def limits_for(world: World, per_key: int) -> Limits:
+def limits_for(world: SimWorld, per_key: int) -> Limits:
     return Limits(
         io_error_backoff=0.05, min_poll_interval=0.1, heartbeat_timeout=1.0, queue_timeout=5.0,
         mark_backoff=0.02, idle_poll_interval=0.5, max_in_flight_records=world.rng.randint(2, 60),
@@ -64,11 +66,11 @@ def limits_for(world: World, per_key: int) -> Limits:
 
 def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Result:
     options = options or Options()
-    world = World(seed)
+    world = SimWorld(seed)
     world.keep_trace = trace
     rng = world.rng
-    kafka = SimKafka(world, partitions=rng.randint(1, 4), faults=ProducerFaults())
-    table = SimTable(world, published=kafka.published.__contains__, faults=TableFaults(),
+    kafka = MemoryBroker(world, partitions=rng.randint(1, 4), faults=ProducerFaults())
+    table = MemoryTable(world, published=kafka.published.__contains__, faults=TableFaults(),
                      guard_purges=options.guard_purges)
     log = Log()
     per_key = options.per_key or rng.choice((1, 4))
@@ -82,7 +84,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
 
     def spawn(group: str, delay: float = 0.0) -> SimReplica:
         replica = SimReplica(world, f"r{next(counter)}", group, limits, kafka, table, log, park_after=park_after,
-                             core_factory=options.core_factory)
+                             core_factory=options.core_factory, driver_factory=options.driver_factory)
         replicas.append(replica)
         world.after(delay, replica.start)
         return replica
@@ -105,9 +107,11 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
         if written["n"] >= total:
             return
         written["n"] += 1
-        value = POISON if poison_count and len(poison_ids) < poison_count and world.chance(0.02) else "v"
+        value = "v"
+        if poison_count and len(poison_ids) < poison_count and world.chance(0.02):
+            value = rng.choice((POISON, HUGE))  # refused by the broker, or by the producer at produce()
         row = table.insert(key, value)
-        if value == POISON:
+        if value in POISONS:
             poison_ids.append(row.id)
         # Commits land out of id order across keys; now and then one takes a long while.
         commit_in = rng.uniform(0.0001, 0.02) if not world.chance(0.03) else rng.uniform(0.2, 2.0)
@@ -135,9 +139,16 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
             return
         replica = rng.choice(candidates)
         kind = rng.choice(("crash", "pause", "pause_long", "leader_link", "records_link", "database_link",
-                           "drop_sessions", "stop", "long_transaction", "slow_database"))
+                           "drop_sessions", "stop", "long_transaction", "slow_database", "join", "join_slow"))
         world.note(f"fault: {kind} on {replica.name}")
-        if kind == "slow_database":
+        if kind in ("join", "join_slow"):
+            # Scaled out: the coordinator may move partition 0 to the newcomer, now and then while the
+            # replica's records are slow to land (its link to their brokers blinks).
+            spawn(replica.group_name)
+            if kind == "join_slow":
+                replica.links.records = False
+                world.after(rng.uniform(0.3, 3.0), lambda: setattr(replica.links, "records", True))
+        elif kind == "slow_database":
             replica.slow_until = world.now + rng.uniform(1.0, 6.0)
         elif kind == "long_transaction":
             # Somebody's long transaction (any table, any database) holds the oldest xmin back.
@@ -158,8 +169,8 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
             setattr(replica.links, link, False)
             world.after(rng.uniform(0.3, 5.0), lambda: setattr(replica.links, link, True))
             if kind == "drop_sessions":
-                table.drop(replica.fence)
-                table.drop(replica.purger)
+                table.drop(replica.store.fence)
+                table.drop(replica.store.purger)
 
     for _ in range(rng.randint(0, 12)):
         world.at(rng.uniform(0.5, FAULTS_END - 1), fault)
@@ -182,7 +193,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
         for row_id in poison_ids:
             if row_id in table.rows:
                 if operator == "fix":
-                    table.operator_fix(row_id, "fixed")
+                    table.operator_update(row_id, value="fixed")
                 elif operator == "delete":
                     table.operator_delete(row_id)
 
@@ -213,7 +224,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
         checks.check_drained(table)
     except AssertionError as violation:  # a Violation, or an invariant the core asserts itself
         return Result(seed, False, f"t={world.now:.3f}: {violation}", summary(), world.trace)
-    published = sum(len(log) for log in kafka.logs)
+    published = len(kafka.messages(checks.TOPIC))
     text = f"{summary()}; {len(replicas)} replica incarnation(s), {published} messages, done at t={world.now:.1f}"
     return Result(seed, True, None, text, world.trace)
 

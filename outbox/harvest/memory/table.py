@@ -1,9 +1,10 @@
-"""The simulated outbox table: rows that become visible when their transaction commits, database
+"""The outbox table in memory: rows that become visible when their transaction commits, database
 sessions that can drop, the table's advisory-lock fence, and statements that fail before or after
-they commit.
+they commit. `MemoryStore` is the engine's Store (connector.py) over it, with the real store's two
+sessions; a statement that fails raises psycopg.OperationalError, as the real store's do.
 
-It runs the engine's statements with the same meaning as contract.py's SQL, and checks two of
-the invariants as it goes: no row is deleted unless its record is in Kafka, and no purge or reset
+It runs the engine's statements with the same meaning as contract.py's SQL, and checks two of the
+invariants as it goes: no row is deleted unless its record is in Kafka, and no purge or reset
 touches a row marked under another leader id.
 """
 
@@ -15,11 +16,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import psycopg
+
 from outbox.harvest.contract import Record
-from tests.sim.world import Violation, World
+from outbox.harvest.memory.world import Violation, World
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+#: A value the broker refuses (as it would a record over its topic's size limit)...
 POISON = "POISON"
+#: ...and one the producer refuses before it leaves the process (over the producer's own limit).
+HUGE = "HUGE"
+POISONS = frozenset({POISON, HUGE})
 
 
 @dataclass(slots=True)
@@ -28,14 +35,20 @@ class Row:
     key: str
     value: str | None
     topic: str = "orders"
+    header_keys: tuple[str, ...] = ()
+    header_values: tuple[str, ...] = ()
     leader_id: uuid.UUID | None = None
     version: int = 0
     committed: bool = False
     created: float = 0.0
+    create_time: datetime = EPOCH
+    reset_count: int = 0
+    last_error: str | None = None
     xid: int | None = None  # given when the row is written, a moment after its id was taken
 
     def record(self) -> Record:
-        return Record(self.id, EPOCH, self.topic, self.key, self.value, [], [], self.leader_id, self.version)
+        return Record(self.id, self.create_time, self.topic, self.key, self.value, list(self.header_keys),
+                      list(self.header_values), self.leader_id, self.version)
 
 
 @dataclass(eq=False)
@@ -63,9 +76,9 @@ class TableFaults:
 
 
 @dataclass
-class SimTable:
+class MemoryTable:
     world: World
-    published: Callable[[int], bool]  # is this record id in Kafka?
+    published: Callable[[int], bool] = lambda _record_id: True  # is this record id in Kafka?
     faults: TableFaults = field(default_factory=TableFaults)
     guard_purges: bool = True  # False only in the mutation "purging without the leader-id guard"
     #: False: advisory locks do not fence (PgBouncer in transaction mode): every replica "takes" it.
@@ -74,6 +87,7 @@ class SimTable:
     fence_holder: Session | None = None
     removed_by_operator: set[int] = field(default_factory=set)
     parked: set[int] = field(default_factory=set)
+    dead_letters: list[tuple[Row, str]] = field(default_factory=list)
     poison: set[int] = field(default_factory=set)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _versions: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -83,12 +97,14 @@ class SimTable:
 
     # -- writers --------------------------------------------------------------------------------
 
-    def insert(self, key: str, value: str) -> Row:
+    def insert(self, key: str, value: str | None, *, topic: str = "orders", headers: Sequence[tuple[str, str]] = (),
+               create_time: datetime = EPOCH) -> Row:
         """A writer's INSERT: the id is taken now (nextval); the row is written (and its transaction
         gets an xid) a moment later; it is visible once commit() runs."""
-        row = Row(next(self._ids), key, value, version=next(self._versions), created=self.world.now)
+        row = Row(next(self._ids), key, value, topic, tuple(k for k, _ in headers), tuple(v for _, v in headers),
+                  version=next(self._versions), created=self.world.now, create_time=create_time)
         self.rows[row.id] = row
-        if value == POISON:
+        if value in POISONS:
             self.poison.add(row.id)
 
         def write() -> None:
@@ -119,12 +135,15 @@ class SimTable:
 
     # -- operators ------------------------------------------------------------------------------
 
-    def operator_fix(self, row_id: int, value: str) -> None:
+    def operator_update(self, row_id: int, **changes: object) -> None:
+        """An operator's UPDATE (a fix): the row's version changes."""
         row = self.rows.get(row_id)
         if row is not None:
-            row.value = value
+            for name, value in changes.items():
+                setattr(row, name, value)
             row.version = next(self._versions)
-            self.poison.discard(row_id)
+            if row.value not in POISONS:
+                self.poison.discard(row_id)
 
     def operator_delete(self, row_id: int) -> None:
         if self.rows.pop(row_id, None) is not None:
@@ -200,6 +219,9 @@ class SimTable:
             return [row.record() for row in chosen], snapshot
         return self._run(session, apply)  # type: ignore[return-value]
 
+    def _fence_held(self, fence: Session | None) -> bool:
+        return fence is None or not self.db_fence or self.fence_holder is fence
+
     def purge(self, session: Session, items: Sequence[tuple[int, uuid.UUID]],
               fence: Session | None = None) -> tuple[int, bool]:
         def apply() -> tuple[int, bool]:
@@ -217,28 +239,32 @@ class SimTable:
                     raise Violation(f"row {row_id} was purged before Kafka had it")
                 del self.rows[row_id]
                 removed += 1
-            return removed, fence is None or not self.db_fence or self.fence_holder is fence
+            return removed, self._fence_held(fence)
         return self._run(session, apply)  # type: ignore[return-value]
 
-    def reset(self, session: Session, items: Sequence[tuple[int, uuid.UUID]],
+    def reset(self, session: Session, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str] = (),
               fence: Session | None = None) -> tuple[int, bool]:
         def apply() -> tuple[int, bool]:
             count = 0
-            for row_id, leader_id in items:
+            for index, (row_id, leader_id) in enumerate(items):
                 row = self.rows.get(row_id)
                 if row is None or row.leader_id != leader_id:
                     continue
                 row.leader_id = None
+                row.reset_count += 1
+                row.last_error = errors[index] if index < len(errors) else None
                 row.version = next(self._versions)
                 count += 1
-            return count, fence is None or not self.db_fence or self.fence_holder is fence
+            return count, self._fence_held(fence)
         return self._run(session, apply)  # type: ignore[return-value]
 
-    def hold(self, session: Session, row_id: int, leader_id: uuid.UUID) -> int | None:
+    def hold(self, session: Session, row_id: int, leader_id: uuid.UUID, reason: str = "") -> int | None:
         def apply() -> int | None:
             row = self.rows.get(row_id)
             if row is None or row.leader_id != leader_id:
                 return None
+            row.reset_count += 1
+            row.last_error = reason
             row.version = next(self._versions)
             return row.version
         return self._run(session, apply)  # type: ignore[return-value]
@@ -248,13 +274,14 @@ class SimTable:
             return {i: self.rows[i].record() for i in ids if i in self.rows}
         return self._run(session, apply)  # type: ignore[return-value]
 
-    def park(self, session: Session, record: Record) -> bool:
+    def park(self, session: Session, record: Record, reason: str = "") -> bool:
         def apply() -> bool:
             row = self.rows.get(record.id)
             if row is None or row.leader_id != record.leader_id:
                 return False
             del self.rows[record.id]
             self.parked.add(record.id)
+            self.dead_letters.append((row, reason))
             self.poison.discard(record.id)
             return True
         return self._run(session, apply)  # type: ignore[return-value]
@@ -271,6 +298,74 @@ class SimTable:
                 blocking[row.key] = min(blocking.get(row.key, row_id), row_id)
         return [row for row in self.rows.values()
                 if row.committed and row.id not in self.poison and not row.id > blocking.get(row.key, row.id)]
+
+
+class MemoryStore:
+    """The engine's Store over the in-memory table, as one replica sees it: a fence session (the
+    fence, marks, held rows, parking) and a purge session (purges, resets, holds), each replaced by
+    a new one (holding no lock) when it ended, as the real store reconnects."""
+
+    table_oid = 1
+
+    def __init__(self, table: MemoryTable, owner: str, group: str, *,
+                 reachable: Callable[[], bool] = lambda: True) -> None:
+        self.table = table
+        self.owner = owner
+        self.group = group
+        self._reachable = reachable
+        self.fence = Session(owner, group)
+        self.purger = Session(owner, group)
+
+    def _session(self, fence: bool) -> Session:
+        current = self.fence if fence else self.purger
+        if not current.alive:
+            current = Session(self.owner, self.group)
+            if fence:
+                self.fence = current
+            else:
+                self.purger = current
+        return current
+
+    def _run(self, fence: bool, statement: Callable[[Session], object]) -> object:
+        if not self._reachable():
+            raise psycopg.OperationalError("database unreachable")
+        try:
+            return statement(self._session(fence))
+        except StatementFailed as error:
+            raise psycopg.OperationalError(str(error)) from None
+
+    def take_fence(self) -> str | None:
+        return self._run(True, self.table.take_fence)  # type: ignore[return-value]
+
+    def release_fence(self) -> None:
+        self._run(True, self.table.release_fence)
+
+    def mark(self, leader_id: uuid.UUID, limit: int, after: int,
+             upto: int | None = None) -> tuple[list[Record], tuple[int, int]]:
+        return self._run(True, lambda s: self.table.mark(s, leader_id, limit, after, upto))  # type: ignore[return-value]
+
+    def check_held(self, ids: Sequence[int]) -> dict[int, Record]:
+        return self._run(True, lambda s: self.table.check_held(s, ids))  # type: ignore[return-value]
+
+    def park(self, record: Record, reason: str, attempts: int, parked_by: str, dead_letter_topic: str | None) -> bool:
+        return bool(self._run(True, lambda s: self.table.park(s, record, reason)))
+
+    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
+        return self._run(False, lambda s: self.table.purge(s, items, self.fence))  # type: ignore[return-value]
+
+    def reset(self, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str]) -> tuple[int, bool]:
+        return self._run(False, lambda s: self.table.reset(s, items, errors, self.fence))  # type: ignore[return-value]
+
+    def hold(self, record_id: int, leader_id: uuid.UUID, reason: str) -> int | None:
+        return self._run(False, lambda s: self.table.hold(s, record_id, leader_id, reason))  # type: ignore[return-value]
+
+    def has_notify_trigger(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """The connections close: the fence, if held, goes with its session."""
+        self.table.drop(self.fence)
+        self.table.drop(self.purger)
 
 
 def _short(leader_id: uuid.UUID | None) -> str:

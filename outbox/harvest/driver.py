@@ -1,0 +1,298 @@
+"""The one step loop: it turns the core's commands into database and Kafka calls and feeds the
+answers back. The threaded harvester (harvester.py) and the simulator (tests/sim/) run this same
+code over different I/O; only how a job reaches a database session, how a producer is replaced
+and how time passes differ (`EngineIO`).
+
+A turn: tell the core the time, hand it everything that arrived since the last turn (delivery
+reports, database answers, leader-election events: other threads post them), carry out the
+commands it answers with, and return the time it wants its next turn. Nothing here blocks and
+nothing re-enters a turn: a revoke or a stop waits for its records to settle through deadlines
+the core keeps, not through a nested loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import psycopg
+from confluent_kafka import KafkaError, KafkaException
+
+from outbox.harvest import commands as cmd
+from outbox.harvest import contract, events
+from outbox.harvest.commands import DeliveryError
+from outbox.harvest.connector import Store
+from outbox.harvest.contract import Record, iso_utc
+from outbox.harvest.core import Core
+from outbox.harvest.instruments import Instruments
+from outbox.harvest.kafka import ProducerLike, kafka_error
+from outbox.harvest.store import StoreError, first_line
+
+log = logging.getLogger(__name__)
+
+#: Delivery errors that will fail the same way on every retry: the record is a poison suspect.
+PERMANENT_ERRORS = frozenset({
+    KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError.INVALID_RECORD,
+    KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.TOPIC_EXCEPTION,
+    KafkaError.INVALID_REQUIRED_ACKS,
+    KafkaError._INVALID_ARG,
+})
+
+#: The database sessions jobs run on. The fence session holds the table's fence and marks (so a
+#: leader that lost the fence can mark nothing); the purge session settles, so settling never waits
+#: behind a mark. Each runs its jobs one at a time, in order.
+FENCE_SESSION = "fence"
+PURGE_SESSION = "purge"
+
+Result = Callable[[Core], None]
+
+
+def delivery_error(error: KafkaError) -> DeliveryError:
+    """Kafka's error, as the core sees it."""
+    permanent = error.code() in PERMANENT_ERRORS and not error.retriable()
+    return DeliveryError(error.name(), error.str(), permanent=permanent, fatal=error.fatal())
+
+
+class EngineIO(Protocol):
+    """What the driver needs from its runtime."""
+
+    @property
+    def producer(self) -> ProducerLike:
+        """The record producer in use."""
+
+    def now(self) -> float: ...
+
+    def submit(self, session: str, job: Callable[[Store], None]) -> None:
+        """Run `job` on a database session (FENCE_SESSION or PURGE_SESSION), after the jobs before it."""
+
+    def restart_producer(self) -> None:
+        """Purge the record producer and put a new one in its place; once the old one has reported
+        every record it held, post Core.on_producer_restarted."""
+
+    def publish_dead_letter(self, record: Record, reason: str) -> str | None:
+        """Publish a parked record to the dead-letter topic, if one is configured (on the fence
+        session's thread); returns the topic it reached, or None."""
+
+    def release_partition(self) -> None:
+        """Let the revoke of partition 0 complete (Kafka may give it to another replica)."""
+
+    def leadership(self, *, assigned: bool, leading: bool) -> None:
+        """The core's view after a turn: heartbeats are published while assigned; NOTIFYs wake it while leading."""
+
+    def announce(self, event: events.Event) -> None: ...
+
+
+class Driver:
+    """The core plus the step loop. `post` and `delivered` may be called from any thread; the rest
+    only from the thread that runs turns."""
+
+    def __init__(self, core: Core, io: EngineIO, *, instruments: Instruments | None = None,
+                 parked_by: str = "harvester") -> None:
+        self.core = core
+        self.io = io
+        self._instruments = instruments or Instruments()
+        self._parked_by = parked_by
+        # Appended by other threads, taken in by turn() (deque appends and pops are thread-safe).
+        self._inbox: deque[Result] = deque()
+        self._deliveries: deque[tuple[int, KafkaError | None]] = deque()
+        self.wake: Callable[[], None] = lambda: None
+
+    @property
+    def pending(self) -> bool:
+        """Something arrived that the next turn will take in."""
+        return bool(self._inbox or self._deliveries)
+
+    def post(self, result: Result) -> None:
+        """From any thread: hand the core an answer or an event at its next turn."""
+        self._inbox.append(result)
+        self.wake()
+
+    def delivered(self, record_id: int, error: KafkaError | None) -> None:
+        """A delivery report for a record sent by Send (any thread)."""
+        self._deliveries.append((record_id, error))
+        self.wake()
+
+    def turn(self) -> float:
+        """One turn; returns the time of the core's next deadline."""
+        core, io = self.core, self.io
+        core.tick(io.now())
+        deliveries, inbox = self._deliveries, self._inbox
+        while deliveries or inbox:
+            while deliveries:
+                record_id, error = deliveries.popleft()
+                core.on_delivered(record_id, None if error is None else delivery_error(error))
+            while inbox:
+                inbox.popleft()(core)
+        for command in core.take_commands():
+            getattr(self, self._handlers[type(command)])(command)
+        io.leadership(assigned=core.assigned, leading=core.leading)
+        return core.next_deadline()
+
+    # -- Kafka ------------------------------------------------------------------------------------
+
+    def _send(self, command: cmd.Send) -> None:
+        producer = self.io.producer
+        core = self.core
+        delivered = self._on_delivery
+        created_last: Any = None
+        created_text = ""
+        records = command.records
+        refused_keys: set[str] = set()
+        held_back: list[int] = []
+        for index, record in enumerate(records):
+            if record.key in refused_keys:
+                # A record of its key was refused just now: this one must not go out ahead of it.
+                held_back.append(record.id)
+                continue
+            created = record.create_time
+            if created != created_last:  # a stash_many() batch shares one timestamp: format it once
+                created_last, created_text = created, iso_utc(created)
+            headers = [(contract.HEADER_ID, str(record.id)), (contract.HEADER_CREATE_TIME, created_text)]
+            if record.header_keys:
+                headers[:0] = zip(record.header_keys, record.header_values, strict=False)
+            try:
+                producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
+                                 on_delivery=functools.partial(delivered, record.id))
+            except BufferError:
+                # The producer's local queue is full: these go back to the front of their lanes.
+                core.on_backpressure([*held_back, *(r.id for r in records[index:])])
+                return
+            except KafkaException as error:
+                found = kafka_error(error)
+                if found is not None and found.fatal():
+                    core.on_producer_failed(delivery_error(found))
+                    core.on_backpressure([*held_back, *(r.id for r in records[index:])])
+                    return
+                refused_keys.add(record.key)
+                core.on_refused(record.id, delivery_error(found) if found is not None
+                                else DeliveryError("ERROR", str(error), permanent=True))
+        if held_back:
+            core.on_backpressure(held_back)
+
+    def _on_delivery(self, record_id: int, error: KafkaError | None, _message: Any) -> None:
+        self.delivered(record_id, error)
+
+    def _abort_sends(self, command: cmd.AbortSends) -> None:
+        try:
+            self.io.producer.purge(in_queue=True, in_flight=True, blocking=False)
+        except (KafkaException, NotImplementedError) as error:
+            log.warning("Could not purge the record producer: %s", error)
+
+    def _restart_producer(self, command: cmd.RestartProducer) -> None:
+        self.io.restart_producer()
+        log.warning("Replaced the record producer")
+
+    def _release_partition(self, command: cmd.ReleasePartition) -> None:
+        self.io.release_partition()
+
+    def _announce(self, command: cmd.Announce) -> None:
+        self.io.announce(command.event)
+
+    # -- the database -----------------------------------------------------------------------------
+
+    def _run(self, session: str, call: Callable[[Store], Any], done: Callable[[Core, Any], None],
+             failed: Callable[[Core, str], None] | None) -> None:
+        """Run `call` on a session; its result (or the first line of its error) reaches the core
+        through `done` (or `failed`) at the next turn, never at once."""
+
+        def job(store: Store) -> None:
+            try:
+                result = call(store)
+            except (psycopg.Error, StoreError) as error:
+                if failed is not None:
+                    message = first_line(error)
+                    self.post(lambda core: failed(core, message))
+                return
+            self.post(lambda core: done(core, result))
+        self.io.submit(session, job)
+
+    def _take_fence(self, command: cmd.TakeFence) -> None:
+        leader_id = command.leader_id
+
+        def answered(core: Core, holder: object) -> None:
+            core.on_fence(leader_id, holder is None, None if holder is None else str(holder))
+
+        self._run(FENCE_SESSION, lambda store: store.take_fence(), answered,
+                  lambda core, error: core.on_fence_failed(leader_id, error))
+
+    def _release_fence(self, command: cmd.ReleaseFence) -> None:
+        self._run(FENCE_SESSION, lambda store: store.release_fence(), lambda core, _: None, None)
+
+    def _mark(self, command: cmd.Mark) -> None:
+        instruments = self._instruments
+
+        def mark(store: Store) -> tuple[list[Record], tuple[int, int]]:
+            began = time.perf_counter()
+            records, snapshot = store.mark(command.leader_id, command.limit, command.after, command.upto)
+            instruments.marked(time.perf_counter() - began, len(records))
+            return records, snapshot
+
+        self._run(FENCE_SESSION, mark, lambda core, result: core.on_marked(command, *result),
+                  lambda core, error: core.on_mark_failed(command, error))
+
+    def _check_held(self, command: cmd.CheckHeld) -> None:
+        self._run(FENCE_SESSION, lambda store: store.check_held(command.ids),
+                  lambda core, rows: core.on_held_checked(command, rows),
+                  lambda core, error: core.on_held_check_failed(error))
+
+    def _park(self, command: cmd.Park) -> None:
+        record, io = command.record, self.io
+
+        def park(store: Store) -> bool:
+            topic = io.publish_dead_letter(record, command.reason)
+            parked = store.park(record, command.reason, command.attempts, self._parked_by, topic)
+            if parked:
+                log.warning("Parked record %d (key %r) in the dead-letter table after %d attempt(s): %s",
+                            record.id, record.key, command.attempts, command.reason)
+            return parked
+
+        self._run(FENCE_SESSION, park, lambda core, parked: core.on_parked(record.id, parked),
+                  lambda core, error: core.on_park_failed(record.id, error))
+
+    def _purge(self, command: cmd.Purge) -> None:
+        instruments = self._instruments
+
+        def purge(store: Store) -> bool:
+            began = time.perf_counter()
+            _, held = store.purge(command.items)
+            instruments.purged(time.perf_counter() - began, len(command.items))
+            return held
+
+        self._run(PURGE_SESSION, purge, lambda core, held: core.on_purged(held or not command.fenced),
+                  lambda core, error: core.on_purge_failed(error))
+
+    def _reset(self, command: cmd.Reset) -> None:
+        instruments = self._instruments
+
+        def reset(store: Store) -> bool:
+            _, held = store.reset(command.items, command.errors)
+            instruments.reset(len(command.items))
+            return held
+
+        self._run(PURGE_SESSION, reset, lambda core, held: core.on_reset(held or not command.fenced),
+                  lambda core, error: core.on_reset_failed(error))
+
+    def _hold(self, command: cmd.Hold) -> None:
+        record_id = command.record_id
+
+        def noted(core: Core, error: str) -> None:
+            log.warning("Could not note the error on record %d: %s", record_id, error)
+            core.on_held(record_id, None)
+
+        self._run(PURGE_SESSION, lambda store: store.hold(record_id, command.leader_id, command.reason),
+                  lambda core, version: core.on_held(record_id, version), noted)
+
+    #: Each command's handler, by name (so a subclass's override is the one called).
+    _handlers: dict[type, str] = {
+        cmd.Send: "_send", cmd.AbortSends: "_abort_sends", cmd.RestartProducer: "_restart_producer",
+        cmd.ReleasePartition: "_release_partition", cmd.Announce: "_announce", cmd.TakeFence: "_take_fence",
+        cmd.ReleaseFence: "_release_fence", cmd.Mark: "_mark", cmd.CheckHeld: "_check_held", cmd.Park: "_park",
+        cmd.Purge: "_purge", cmd.Reset: "_reset", cmd.Hold: "_hold",
+    }

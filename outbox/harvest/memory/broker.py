@@ -1,0 +1,543 @@
+"""Kafka in memory: topic logs, idempotent producers, and the leader election's consumer group.
+
+What the harvester relies on, and what goes wrong with it, is modelled; the wire is not:
+- a producer has confluent-kafka's interface (produce, poll, flush, purge, len); its delivery
+  reports carry real KafkaErrors and are served a little later, as poll() would serve them;
+- it writes each partition in sequence: the broker appends a batch only if it is the next one
+  expected from that producer session (so a partition's log holds a prefix of what was sent),
+  refuses a whole batch that holds a poison record (the producer itself refuses a huge one at
+  produce()), may lose a batch's acknowledgement (the batch is
+  written; librdkafka retries it and the broker answers "duplicate"), or fails it for a while;
+- with `gapless` (several records of a key in flight) a refused batch is a fatal error: nothing
+  after it is written, and every record in the producer fails; without it (one in flight per key),
+  librdkafka's own delivery timeout fails records, queued ones unwritten, in-flight ones perhaps
+  written;
+- purging a producer fails everything in it at once; batches already on the wire land or not,
+  decided at that moment (a modelling simplification);
+- the group coordinator gives partition 0 of the leader topic to one live member; a member it has
+  not heard from for the session timeout is dropped and the partition moves (the dropped member
+  learns it is lost only when it can poll again); a member leaving gracefully is revoked first; a
+  member joining may be given partition 0 (`Group.move_chance`): the owner is revoked, and nobody
+  is assigned until the owner's revoke callback has returned (or the owner is dropped).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+
+from outbox.harvest import contract
+from outbox.harvest.memory.table import HUGE, POISON
+from outbox.harvest.memory.world import World
+
+PERMANENT = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large")
+TIMED_OUT = KafkaError(KafkaError._MSG_TIMED_OUT, "Local: Message timed out", retriable=True)
+PURGED = KafkaError(KafkaError._PURGE_QUEUE, "Local: Purged in queue")
+FATAL = KafkaError(KafkaError._FATAL, "Local: Fatal error", fatal=True)
+FENCED = KafkaError(KafkaError.PRODUCER_FENCED, "Broker: producer fenced", fatal=True)
+
+
+def _encode(value: Any) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
+
+
+class StoredMessage:
+    """A message in a topic's log, with confluent_kafka.Message's accessors."""
+
+    __slots__ = ("_error", "_headers", "_key", "_offset", "_partition", "_topic", "_value", "producer", "record_id",
+                 "replica", "time")
+
+    def __init__(self, topic: str, partition: int, offset: int, key: Any, value: Any, headers: Any,
+                 *, producer: int = 0, replica: str = "", time: float = 0.0, error: KafkaError | None = None) -> None:
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._key, self._value = _encode(key), _encode(value)
+        self._headers = [(k, _encode(v)) for k, v in headers or []]
+        self._error = error
+        self.producer, self.replica, self.time = producer, replica, time
+        found = self.header(contract.HEADER_ID)
+        #: The outbox id the harvester put in its header (None for messages that have none).
+        self.record_id = int(found) if found is not None else None
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes | None]]:
+        return self._headers
+
+    def error(self) -> KafkaError | None:
+        return self._error
+
+    def header(self, name: str) -> str | None:
+        """The first header of that name, as text."""
+        for key, value in self._headers:
+            if key == name:
+                return value.decode() if isinstance(value, bytes) else value
+        return None
+
+    @property
+    def key_text(self) -> str:
+        return (self._key or b"").decode()
+
+
+@dataclass
+class ProducerFaults:
+    transient: float = 0.0  # a batch is not written this time (retried)
+    ack_lost: float = 0.0  # a batch is written but its acknowledgement lost (retried: duplicate)
+    fatal: float = 0.0  # the producer fails fatally at a batch
+    latency: tuple[float, float] = (0.0005, 0.004)
+
+
+@dataclass(eq=False)
+class Pending:
+    """A message handed to a producer, not yet reported."""
+
+    topic: str
+    partition: int
+    key: Any
+    value: Any
+    headers: Any
+    enqueued: float
+    on_report: Callable[[KafkaError | None, Any], None]
+    seq: int = -1
+    state: str = "queued"  # queued, inflight, done
+
+
+@dataclass(eq=False)
+class Batch:
+    messages: list[Pending]
+    topic: str
+    partition: int
+    first_seq: int
+    epoch: int
+
+
+class MemoryBroker:
+    """The brokers: topic logs, producer sessions' sequence numbers, consumer groups."""
+
+    def __init__(self, world: World, *, partitions: int = 3, faults: ProducerFaults | None = None) -> None:
+        self.world = world
+        self.partitions = partitions  # of a topic created by its first message
+        self.faults = faults or ProducerFaults()
+        self.topics: dict[str, list[list[StoredMessage]]] = {}
+        #: Outbox ids of every record written, whatever its topic.
+        self.published: set[int] = set()
+        self._producer_ids = 0
+        #: (producer id, epoch, topic, partition) -> next expected sequence
+        self._expected: dict[tuple[int, int, str, int], int] = {}
+        self._fenced_epochs: dict[int, int] = {}
+        self.groups: dict[str, Group] = {}
+
+    def log(self, topic: str, partitions: int | None = None) -> list[list[StoredMessage]]:
+        """A topic's partitions (created, empty, when first asked for)."""
+        if topic not in self.topics:
+            self.topics[topic] = [[] for _ in range(partitions or self.partitions)]
+        return self.topics[topic]
+
+    def messages(self, topic: str) -> list[StoredMessage]:
+        """A topic's messages, partition by partition."""
+        return [message for partition in self.topics.get(topic, []) for message in partition]
+
+    def partition_of(self, topic: str, key: Any) -> int:
+        return zlib.crc32(_encode(key) or b"") % len(self.log(topic))
+
+    def new_producer_id(self) -> int:
+        self._producer_ids += 1
+        return self._producer_ids
+
+    def group(self, name: str, session_timeout: float = 30.0) -> Group:
+        if name not in self.groups:
+            self.groups[name] = Group(self.world, name, session_timeout)
+        return self.groups[name]
+
+    def append(self, topic: str, partition: int, key: Any, value: Any, headers: Any, *, producer: int = 0,
+               replica: str = "") -> StoredMessage:
+        log = self.log(topic)[partition]
+        message = StoredMessage(topic, partition, len(log), key, value, headers, producer=producer, replica=replica,
+                                time=self.world.now)
+        log.append(message)
+        if message.record_id is not None:
+            self.published.add(message.record_id)
+        return message
+
+    def accept(self, producer: MemoryProducer, batch: Batch) -> str:
+        """The broker's decision for a batch: 'written', 'duplicate', 'out_of_order', 'refused', 'fenced'."""
+        if batch.epoch < self._fenced_epochs.get(producer.id, 0):
+            return "fenced"
+        if any(m.value == POISON for m in batch.messages):
+            return "refused"
+        key = (producer.id, batch.epoch, batch.topic, batch.partition)
+        expected = self._expected.get(key, 0)
+        if batch.first_seq > expected:
+            return "out_of_order"
+        if batch.first_seq < expected:
+            return "duplicate"
+        self._expected[key] = expected + len(batch.messages)
+        self._fenced_epochs[producer.id] = batch.epoch
+        for message in batch.messages:
+            self.append(batch.topic, batch.partition, message.key, message.value, message.headers,
+                        producer=producer.id, replica=producer.replica)
+        return "written"
+
+
+class MemoryProducer:
+    """One librdkafka producer instance (one idempotent producer id), with confluent-kafka's interface."""
+
+    def __init__(self, broker: MemoryBroker, replica: str = "", *, gapless: bool = False,
+                 delivery_timeout: float | None = None, is_running: Callable[[], bool] = lambda: True,
+                 can_reach: Callable[[], bool] = lambda: True) -> None:
+        self.broker = broker
+        self.world = broker.world
+        self.id = broker.new_producer_id()
+        self.replica = replica
+        self.gapless = gapless
+        self.delivery_timeout = delivery_timeout  # None: librdkafka never times out on its own
+        self._is_running = is_running
+        self.can_reach = can_reach
+        #: While True, nothing is transmitted until release() (a test's control over acknowledgements).
+        self.hold = False
+        self.epoch = 0
+        self.queues: dict[tuple[str, int], deque[Pending]] = {}
+        self.inflight: dict[tuple[str, int], deque[Batch]] = {}
+        self._next_seq: dict[tuple[str, int], int] = {}
+        self.failed_fatally = False
+        self.closed = False
+        self._pumping = False
+        self._reporting = 0  # reports decided, not yet served (librdkafka counts them in len())
+
+    # -- confluent-kafka's interface ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.outstanding() + self._reporting
+
+    def produce(self, topic: str, value: Any = None, key: Any = None, partition: int = -1,
+                on_delivery: Callable[[KafkaError | None, Any], None] | None = None, headers: Any = None,
+                **_: Any) -> None:
+        if value == HUGE:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large"))
+        chosen = partition if partition >= 0 else self.broker.partition_of(topic, key)
+        message = Pending(topic, chosen, key, value, headers, self.world.now, on_delivery or (lambda *_: None))
+        if self.failed_fatally:
+            self._report(message, FATAL)
+            return
+        self.queues.setdefault((topic, chosen), deque()).append(message)
+        self._schedule_pump(0.0)
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0  # reports are served by the world's clock
+
+    def flush(self, timeout: float = 0) -> int:
+        return len(self)
+
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True, *,
+              error: KafkaError = PURGED) -> None:
+        """Fail everything: queued records unwritten; batches on the wire land or not, now."""
+        for queue in self.queues.values():
+            while queue:
+                self._report(queue.popleft(), error)
+        for inflight in self.inflight.values():
+            while inflight:
+                batch = inflight.popleft()
+                self._resolve_now(batch)
+                for message in batch.messages:
+                    self._report(message, error)
+        self.epoch += 1
+        self._next_seq = {}
+
+    def close(self) -> None:
+        self.closed = True
+
+    # -- the model -------------------------------------------------------------------------------
+
+    def outstanding(self) -> int:
+        return sum(len(q) for q in self.queues.values()) + sum(
+            len(b.messages) for batches in self.inflight.values() for b in batches)
+
+    def release(self, count: int | None = None, error: KafkaError | None = None) -> int:
+        """With `hold`: acknowledge (or fail with `error`) the oldest `count` queued messages, in order."""
+        released = 0
+        for where, queue in self.queues.items():
+            while queue and (count is None or released < count):
+                message = queue.popleft()
+                if error is None:
+                    self.broker.append(where[0], where[1], message.key, message.value, message.headers,
+                                       producer=self.id, replica=self.replica)
+                self._report(message, error)
+                released += 1
+        return released
+
+    def _schedule_pump(self, delay: float) -> None:
+        if not self._pumping and not self.closed and not self.hold:
+            self._pumping = True
+            self.world.after(delay, self._pump)
+
+    def _pump(self) -> None:
+        """librdkafka's broker threads: time out, then transmit what can go (a process paused sends nothing)."""
+        self._pumping = False
+        if self.closed or self.hold:
+            return
+        if not self._is_running():
+            self._schedule_pump(0.05)
+            return
+        self._expire()
+        busy = False
+        for where, queue in self.queues.items():
+            if not queue:
+                continue
+            busy = True
+            inflight = self.inflight.setdefault(where, deque())
+            if len(inflight) >= 5 or not self.can_reach():
+                continue
+            count = min(len(queue), self.world.rng.randint(1, 8))
+            messages = [queue.popleft() for _ in range(count)]
+            seq = self._next_seq.get(where, 0)
+            for i, message in enumerate(messages):
+                if message.seq < 0:
+                    message.seq = seq + i
+            first = messages[0].seq
+            self._next_seq[where] = max(self._next_seq.get(where, 0), messages[-1].seq + 1)
+            for message in messages:
+                message.state = "inflight"
+            batch = Batch(messages, where[0], where[1], first, self.epoch)
+            inflight.append(batch)
+            self.world.after(self.world.latency(*self.broker.faults.latency), lambda b=batch: self._arrive(b))
+        if busy:
+            self._schedule_pump(0.002)
+
+    def _arrive(self, batch: Batch) -> None:
+        """The batch reaches the partition leader."""
+        if self.closed or batch not in self.inflight.get((batch.topic, batch.partition), ()):
+            return
+        if not self.can_reach():
+            self._retry(batch, 0.05)
+            return
+        faults = self.broker.faults
+        if self.world.chance(faults.transient):
+            self._retry(batch, 0.01)
+            return
+        if self.world.chance(faults.fatal):
+            self._fatal(batch, FATAL)
+            return
+        verdict = self.broker.accept(self, batch)
+        if verdict == "out_of_order":
+            self._retry(batch, 0.005)
+            return
+        if verdict == "refused":
+            if self.gapless:
+                self._fatal(batch, PERMANENT)
+            else:
+                self._finish(batch, PERMANENT)
+                self._bump_epoch()
+            return
+        if verdict == "fenced":
+            self._finish(batch, FENCED)
+            return
+        if verdict == "written" and self.world.chance(faults.ack_lost):
+            self._retry(batch, 0.05)  # written; the retry will come back "duplicate"
+            return
+        self.world.after(self.world.latency(*faults.latency), lambda: self._finish(batch, None))
+
+    def _retry(self, batch: Batch, delay: float) -> None:
+        self.world.after(delay, lambda: self._arrive(batch))
+
+    def _finish(self, batch: Batch, error: KafkaError | None) -> None:
+        inflight = self.inflight.get((batch.topic, batch.partition))
+        if inflight is None or batch not in inflight:
+            return
+        inflight.remove(batch)
+        for message in batch.messages:
+            self._report(message, error)
+        self._schedule_pump(0.0)
+
+    def _report(self, message: Pending, error: KafkaError | None) -> None:
+        if message.state == "done":
+            return
+        message.state = "done"
+        self._reporting += 1
+
+        def serve() -> None:
+            self._reporting -= 1
+            message.on_report(error, message)
+        # Delivery reports reach the application through poll(): later, never at once.
+        self.world.after(self.world.latency(0.0002, 0.002), serve)
+
+    def _bump_epoch(self) -> None:
+        """After a failure librdkafka drains the partition and restarts its sequence (a gap is possible)."""
+        self.epoch += 1
+        for queue in self.queues.values():
+            for message in queue:
+                message.seq = -1
+        self._next_seq = {}
+
+    def _expire(self) -> None:
+        """librdkafka's own message timeout (only with one record per key in flight)."""
+        if self.delivery_timeout is None:
+            return
+        deadline = self.world.now - self.delivery_timeout
+        for where, queue in self.queues.items():
+            expired_any = False
+            while queue and queue[0].enqueued < deadline:
+                self._report(queue.popleft(), TIMED_OUT)
+                expired_any = True
+            inflight = self.inflight.get(where, deque())
+            for batch in list(inflight):
+                if batch.messages[0].enqueued < deadline:
+                    inflight.remove(batch)
+                    self._resolve_now(batch)
+                    for message in batch.messages:
+                        self._report(message, TIMED_OUT)
+                    expired_any = True
+            if expired_any:
+                self._bump_epoch()
+
+    def _resolve_now(self, batch: Batch) -> None:
+        """A batch on the wire when it was given up: it lands or not, decided now."""
+        if self.can_reach() and self.world.chance(0.5):
+            self.broker.accept(self, batch)
+
+    def _fatal(self, at: Batch, error: KafkaError) -> None:
+        self.failed_fatally = True
+        inflight = self.inflight.get((at.topic, at.partition))
+        if inflight is not None and at in inflight:
+            inflight.remove(at)
+            for message in at.messages:
+                self._report(message, error)
+        self.purge(error=FATAL)
+
+
+@dataclass(eq=False)
+class Member:
+    name: str
+    alive: Callable[[], bool]  # heard by the coordinator (running and reachable)
+    events: deque[str] = field(default_factory=deque)  # assign / revoke / lost, served at its next poll
+    last_heard: float = 0.0
+    left: bool = False
+
+
+class Group:
+    """The leader topic's consumer group: who owns partition 0.
+
+    Cooperative rebalancing, as the harvester configures it: partition 0 stays with a live owner,
+    except that a member joining may be given it (the coordinator's choice, `move_chance`). Then the
+    owner is revoked first, and nobody is assigned until its revoke callback returns (`revoked()`)
+    or the coordinator drops it for silence.
+    """
+
+    def __init__(self, world: World, name: str, session_timeout: float, move_chance: float = 0.3) -> None:
+        self.world = world
+        self.name = name
+        self.session_timeout = session_timeout
+        self.move_chance = move_chance
+        self.members: list[Member] = []
+        self.owner: Member | None = None
+        #: The owner being revoked (its callback has not returned), and who was chosen to follow it.
+        self.revoking: Member | None = None
+        self._successor: Member | None = None
+        self._watching = False
+        self._rebalancing = False
+
+    def join(self, member: Member) -> None:
+        member.last_heard = self.world.now
+        member.left = False
+        self.members.append(member)
+        self._watch()
+        self._rebalance_soon(joined=member)
+
+    def leave(self, member: Member) -> None:
+        """A graceful leave (the member has run its revoke callback): hand the partition on at once."""
+        member.left = True
+        if member in self.members:
+            self.members.remove(member)
+        self._forget(member)
+
+    def move(self, to: Member | None = None) -> None:
+        """Move partition 0 (to `to`, or the next live member): the owner is revoked first."""
+        owner = self.owner
+        if owner is None:
+            self._successor = to
+            self._rebalance_soon()
+        elif self.revoking is None:
+            self.revoking, self._successor = owner, to
+            owner.events.append("revoke")
+
+    def lose(self) -> None:
+        """The owner's session expires at once: it learns so at its next poll; partition 0 moves on."""
+        owner = self.owner
+        if owner is not None:
+            self.members.remove(owner)
+            owner.events.clear()
+            owner.events.append("lost")
+            self._forget(owner)
+
+    def revoked(self, member: Member) -> None:
+        """The member's revoke callback returned: partition 0 may go to another member."""
+        if self.revoking is member:
+            self.revoking = None
+            if self.owner is member:
+                self.owner = None
+            self._rebalance_soon()
+
+    def _forget(self, member: Member) -> None:
+        if self.revoking is member:
+            self.revoking = None
+        if self.owner is member:
+            self.owner = None
+            self._rebalance_soon()
+
+    def _watch(self) -> None:
+        if not self._watching:
+            self._watching = True
+            self.world.after(0.1, self._tick)
+
+    def _tick(self) -> None:
+        now = self.world.now
+        for member in list(self.members):
+            if member.alive():
+                member.last_heard = now
+            elif now - member.last_heard > self.session_timeout and not member.left:
+                # The session expired: the member is out; it learns so when it can poll again.
+                self.members.remove(member)
+                member.events.clear()
+                member.events.append("lost")
+                self._forget(member)
+        if self.owner is None and not self._rebalancing and any(m.alive() for m in self.members):
+            self._rebalance_soon()  # a member came back: the coordinator hears from it and rebalances
+        self.world.after(0.1, self._tick)
+
+    def _rebalance_soon(self, joined: Member | None = None) -> None:
+        self._rebalancing = True
+        self.world.after(self.world.latency(0.05, 0.5), lambda: self._rebalance(joined))
+
+    def _rebalance(self, joined: Member | None = None) -> None:
+        self._rebalancing = False
+        owner = self.owner
+        if owner is not None and owner in self.members:
+            if joined is not None and joined is not owner and self.revoking is None and joined in self.members \
+                    and self.world.chance(self.move_chance):
+                self.move(joined)
+            return
+        if self.revoking is not None:
+            return
+        candidates = [m for m in self.members if not m.left and m.alive()]
+        if self._successor in candidates:
+            candidates.insert(0, self._successor)
+        self._successor = None
+        if candidates:
+            self.owner = candidates[0]
+            candidates[0].events.append("assign")

@@ -1,0 +1,348 @@
+"""The driver's real I/O: threads, database sessions, the record producer and the leader election.
+
+Threads (each reports to the engine through Driver.post, never by touching the core):
+- database workers, one per session (fence, purge): run the driver's jobs in order;
+- delivery: polls the record producer, whose delivery reports go to the driver;
+- election: polls the leader topic (Fast NELI): heartbeats, and the rebalance callbacks, which run
+  on this thread, so a revoke waits here for the core to settle while the engine goes on;
+and the engine thread (harvester.py), which runs the driver's turns and sleeps in `wait()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+from collections import deque
+from collections.abc import Callable
+from operator import methodcaller
+
+from confluent_kafka import KafkaError, KafkaException
+
+from outbox.harvest import contract, events
+from outbox.harvest.config import HarvestConfig
+from outbox.harvest.connector import Connector, ListenerLike, Store
+from outbox.harvest.contract import Record
+from outbox.harvest.driver import FENCE_SESSION, PURGE_SESSION, Driver, delivery_error
+from outbox.harvest.kafka import ProducerLike, kafka_error
+from outbox.harvest.neli import LeaderElection
+
+log = logging.getLogger("outbox.harvest.harvester")
+
+
+class Worker(threading.Thread):
+    """Runs jobs one at a time, in order, on a thread (and so a database session) of its own."""
+
+    def __init__(self, name: str, store: Store) -> None:
+        super().__init__(name=name, daemon=True)
+        self._store = store
+        self._jobs: deque[Callable[[Store], None] | None] = deque()
+        self._signal = threading.Condition()
+        self.failure: BaseException | None = None
+
+    def submit(self, job: Callable[[Store], None]) -> None:
+        with self._signal:
+            self._jobs.append(job)
+            self._signal.notify()
+
+    def stop(self) -> None:
+        """Finish the jobs already submitted, then end."""
+        with self._signal:
+            self._jobs.append(None)
+            self._signal.notify()
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self._signal:
+                    while not self._jobs:
+                        self._signal.wait()
+                    job = self._jobs.popleft()
+                if job is None:
+                    return
+                job(self._store)
+        except BaseException as error:  # the harvester notices and stops as a whole
+            self.failure = error
+            log.exception("%s thread failed", self.name)
+
+
+class DeliveryPoller(threading.Thread):
+    """Serves the record producers' delivery reports (they run as callbacks inside poll())."""
+
+    def __init__(self, producer: ProducerLike, on_retired: Callable[[], None],
+                 on_fatal: Callable[[KafkaError], None]) -> None:
+        super().__init__(name="outbox-delivery", daemon=True)
+        self.producer = producer
+        self._retiring: list[ProducerLike] = []
+        self._on_retired = on_retired
+        self._on_fatal = on_fatal
+        self._fatal_reported: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self.failure: BaseException | None = None
+
+    def replace(self, producer: ProducerLike) -> None:
+        """Poll `producer` from now on; keep polling the old one until all its reports are out."""
+        with self._lock:
+            self._retiring.append(self.producer)
+            self.producer = producer
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                self._poll(self.producer, 0.05)
+                if self._retiring:
+                    self._serve_retiring()
+        except BaseException as error:  # the harvester notices and stops as a whole
+            self.failure = error
+            log.exception("Delivery thread failed")
+
+    def _poll(self, producer: ProducerLike, timeout: float) -> None:
+        """poll(), where a fatal producer error (raised from it) goes to the core, once per producer:
+        the producer's records then fail one by one, and the core replaces it."""
+        try:
+            producer.poll(timeout)
+        except KafkaException as error:
+            found = kafka_error(error)
+            if found is None or not found.fatal():
+                raise
+            if id(producer) not in self._fatal_reported:
+                self._fatal_reported.add(id(producer))
+                self._on_fatal(found)
+            elif timeout:
+                self._stop_event.wait(timeout)
+
+    def _serve_retiring(self) -> None:
+        with self._lock:
+            retiring = list(self._retiring)
+        for old in retiring:
+            self._poll(old, 0)
+            if len(old) == 0:
+                old.flush(0)
+                with self._lock:
+                    self._retiring.remove(old)
+                self._on_retired()
+
+
+class ElectionThread(threading.Thread):
+    """Polls the leader topic every min_poll_interval: heartbeats out and back, and the rebalance
+    callbacks. A revoke waits here, in Kafka's callback, until the core answers ReleasePartition."""
+
+    def __init__(self, election: LeaderElection, driver: Driver, interval: float) -> None:
+        super().__init__(name="outbox-election", daemon=True)
+        self._election = election
+        self._driver = driver
+        self._interval = interval
+        self._released = threading.Event()
+        self._stop_event = threading.Event()
+        #: Publish heartbeats (while the core holds partition 0); set by the engine after each turn.
+        self.heartbeat = False
+        self.failure: BaseException | None = None
+
+    def release(self) -> None:
+        self._released.set()
+
+    def stop(self) -> None:
+        """Stop polling and leave the group (a revoke callback under way returns at once)."""
+        self._stop_event.set()
+
+    def run(self) -> None:
+        post = self._driver.post
+        try:
+            self._election.start(lambda: post(methodcaller("on_assigned")), self._revoked,
+                                 lambda: post(methodcaller("on_lost")))
+            while not self._stop_event.is_set():
+                seen = self._election.poll(heartbeat=self.heartbeat)
+                post(lambda core, seen=seen: core.on_polled(seen))
+                self._stop_event.wait(self._interval)
+        except BaseException as error:  # the harvester notices and stops as a whole
+            self.failure = error
+            log.error("Leader election failed: %s", error)
+        finally:
+            self._election.close()  # the revoke callback it runs returns at once: nothing is in flight
+
+    def _revoked(self) -> None:
+        if self._stop_event.is_set():
+            return
+        self._released.clear()
+        self._driver.post(methodcaller("on_revoked"))
+        # Kafka hands partition 0 on once this returns: wait for what is in flight to settle.
+        while not self._released.wait(0.1):
+            if self._stop_event.is_set():
+                return
+
+
+class ThreadedIO:
+    """EngineIO over real clients and threads; owns them from open() to close()."""
+
+    def __init__(self, config: HarvestConfig, connector: Connector, clock: Callable[[], float],
+                 on_event: Callable[[events.Event], None]) -> None:
+        self.config = config
+        self._connector = connector
+        self.now = clock
+        self._on_event = on_event
+        self.driver: Driver | None = None
+        self.store: Store | None = None
+        self.producer: ProducerLike | None = None
+        self._dead_letter_producer: ProducerLike | None = None
+        self._listener: ListenerLike | None = None
+        self._has_trigger = False
+        self._listening = False
+        self._leading = False
+        self._wake_read, self._wake_write = -1, -1
+        self._woken = False
+        self._workers: dict[str, Worker] = {}
+        self._poller: DeliveryPoller | None = None
+        self._election: ElectionThread | None = None
+
+    # -- life -----------------------------------------------------------------------------------
+
+    def open(self, driver: Driver) -> None:
+        """Connect everything; raises (StoreError, KafkaUnavailable, KafkaException) with close() still owed."""
+        self.driver = driver
+        driver.wake = self.wake
+        connector = self._connector
+        self.store = connector.open_store()
+        connector.ensure_leader_topic()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self.producer = connector.record_producer()
+        self._poller = DeliveryPoller(
+            self.producer, lambda: driver.post(methodcaller("on_producer_restarted")),
+            lambda error: driver.post(lambda core: core.on_producer_failed(delivery_error(error))))
+        self._election = ElectionThread(connector.leader_election(), driver, self.config.limits.min_poll_interval)
+        self._has_trigger = self.store.has_notify_trigger()
+        self._listener = connector.listener(contract.notify_channel(self.store.table_oid))
+        if self._listener is not None and not self._has_trigger:
+            log.info("Table %s has no NOTIFY trigger (manage.py migrate installs it; docs/operations.md shows the "
+                     "SQL for other tables): polling it every %gs", self.config.table, self.config.limits.mark_backoff)
+        self._workers = {FENCE_SESSION: Worker("outbox-fence", self.store),
+                         PURGE_SESSION: Worker("outbox-purge", self.store)}
+
+    def start(self) -> None:
+        for thread in (self._poller, *self._workers.values(), self._election):
+            if thread is not None:
+                thread.start()
+
+    def failure(self) -> BaseException | None:
+        """Why a thread of this runtime died, if one did."""
+        for thread in (self._poller, *self._workers.values(), self._election):
+            if thread is not None and thread.failure is not None:
+                return thread.failure
+        return None
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            if worker.is_alive():
+                worker.stop()
+                worker.join(timeout=10)
+        if self._election is not None and self._election.is_alive():
+            self._election.stop()
+            self._election.join(timeout=10)
+        if self._poller is not None and self._poller.is_alive():
+            self._poller.stop()
+            self._poller.join(timeout=10)
+        for producer in (self.producer, self._dead_letter_producer):
+            if producer is not None:
+                remaining = producer.flush(2.0)
+                if remaining:
+                    log.warning("%d message(s) still queued in a producer at close", remaining)
+        if self._listener is not None:
+            self._listener.close()
+        if self.store is not None:
+            self.store.close()
+        for fd in (self._wake_read, self._wake_write):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+    # -- EngineIO -------------------------------------------------------------------------------
+
+    def submit(self, session: str, job: Callable[[Store], None]) -> None:
+        self._workers[session].submit(job)
+
+    def restart_producer(self) -> None:
+        old = self.producer
+        try:
+            old.purge(in_queue=True, in_flight=True, blocking=False)
+        except (KafkaException, NotImplementedError):
+            pass
+        self.producer = self._connector.record_producer()
+        self._poller.replace(self.producer)
+
+    def release_partition(self) -> None:
+        self._election.release()
+
+    def leadership(self, *, assigned: bool, leading: bool) -> None:
+        self._election.heartbeat = assigned
+        self._leading = leading
+
+    def announce(self, event: events.Event) -> None:
+        self._on_event(event)
+
+    def publish_dead_letter(self, record: Record, reason: str) -> str | None:
+        topic = self.config.dead_letter_topic
+        if not topic:
+            return None
+        if self._dead_letter_producer is None:
+            self._dead_letter_producer = self._connector.dead_letter_producer()
+        outcome: list[KafkaError | None] = []
+        headers = contract.dead_letter_headers(record.id, record.create_time, record.topic,
+                                               list(zip(record.header_keys, record.header_values, strict=False)),
+                                               reason)
+        try:
+            self._dead_letter_producer.produce(topic, value=record.value, key=record.key, headers=headers,
+                                               on_delivery=lambda error, _message: outcome.append(error))
+            self._dead_letter_producer.flush(self.config.limits.delivery_timeout)
+        except (KafkaException, BufferError) as error:
+            outcome.append(KafkaError(KafkaError._FAIL, str(error)))
+        if outcome and outcome[0] is None:
+            return topic
+        reason_text = outcome[0].str() if outcome and outcome[0] is not None else "no acknowledgement"
+        log.warning("Record %d not published to dead-letter topic %s (%s); parking it in the table only",
+                    record.id, topic, reason_text)
+        return None
+
+    # -- waking and waiting ----------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """From any thread: end the engine's wait()."""
+        if self._woken:
+            return
+        self._woken = True
+        if self._wake_write >= 0:
+            try:
+                os.write(self._wake_write, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # the pipe is full (a wake is pending) or closed (stopping)
+
+    def wait(self, deadline: float) -> None:
+        """Sleep until another thread hands something over, a NOTIFY arrives, or `deadline`."""
+        driver = self.driver
+        timeout = 0.0 if driver.pending else max(0.0, deadline - self.now())
+        readers = [self._wake_read]
+        listener = self._listener
+        listen_fd = listener.fileno() if listener is not None and self._leading else None
+        listening = listen_fd is not None and self._has_trigger
+        if listening != self._listening:
+            self._listening = listening
+            driver.post(lambda core: core.on_listening(listening))
+        if listen_fd is not None:
+            readers.append(listen_fd)
+        ready, _, _ = select.select(readers, [], [], timeout)
+        if self._wake_read in ready:
+            try:
+                while os.read(self._wake_read, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            # Cleared after draining: a wake() that found it still set appended its item before
+            # this, so the next turn takes that item in; one that finds it clear writes again.
+            self._woken = False
+        if listen_fd is not None and listen_fd in ready and listener.drain():
+            driver.post(methodcaller("on_notified"))
