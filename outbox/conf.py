@@ -68,6 +68,8 @@ def setting(name: str) -> Any:
         return _seconds(raw[name])
     if name in DJANGO_DEFAULTS:
         return DJANGO_DEFAULTS[name]
+    if name in LIMIT_NAMES:
+        return getattr(Limits(), name)
     spec = _ENGINE_DEFAULTS[name]
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
