@@ -25,5 +25,6 @@ def refresh_seconds(request: HttpRequest) -> int:
 def toolbar(request: HttpRequest, with_spans: bool = True) -> dict[str, Any]:
     """The toolbar's context: the chosen span and refresh, and the choices."""
     span = history.span_of(request.GET.get("span"))
-    return {"span": span, "span_label": history.SPAN_LABELS[span], "refresh": refresh_seconds(request), "refresh_choices": REFRESH_CHOICES,
+    return {"span": span, "span_label": history.SPAN_LABELS[span], "refresh": refresh_seconds(request),
+            "refresh_choices": REFRESH_CHOICES,
             "spans": [(value, f"last {label}") for value, label in history.SPAN_LABELS.items()] if with_spans else []}
