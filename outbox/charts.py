@@ -69,11 +69,12 @@ class Chart:
 
 
 def nice_ceiling(value: float) -> float:
-    """The smallest 1, 2 or 5 times a power of ten that is at least `value` (and at least 1)."""
+    """The smallest 1, 2, 4, 6 or 8 times a power of ten that is at least `value` (and at least 1): its
+    quarters, the grid lines, are round numbers too."""
     if value <= 1:
         return 1.0
     power = 10 ** math.floor(math.log10(value))
-    for step in (1, 2, 5, 10):
+    for step in (1, 2, 4, 6, 8, 10):
         if step * power >= value:
             return float(step * power)
     return float(10 * power)  # pragma: no cover - the loop always returns

@@ -80,8 +80,8 @@ def read(span: str = DEFAULT_SPAN, queue: str | None = None, now: datetime | Non
     start = end - SPANS[span]
     bucket = max(MIN_BUCKET, SPANS[span].total_seconds() / MAX_POINTS)
     table = connections[using].ops.quote_name(QueueSample._meta.db_table)
-    # queue -> bucket -> [time, in progress, redelivered, dead-lettered], summed over trackers
-    summed: dict[str, dict[float, list[float]]] = defaultdict(dict)
+    # queue -> bucket -> [time, in progress, redelivered, dead-lettered per minute], summed over trackers
+    summed: dict[str, dict[float, list]] = defaultdict(dict)
     rows: dict[tuple[str, str], list[tuple[float, float, int, int, int]]] = defaultdict(list)
     with connections[using].cursor() as cursor:
         cursor.execute(BUCKETS.format(table=table, only="AND queue = %(queue)s" if queue else ""),
@@ -90,16 +90,16 @@ def read(span: str = DEFAULT_SPAN, queue: str | None = None, now: datetime | Non
             rows[(name, process)].append((float(number) * bucket, float(at), in_progress, redelivered, dead))
     for (name, _process), points in rows.items():
         for index, (slot, at, in_progress, redelivered, dead) in enumerate(points):
-            entry = summed[name].setdefault(slot, [at, 0.0, 0.0, 0.0])
+            entry = summed[name].setdefault(slot, [at, 0, None, None])
             entry[0] = max(entry[0], at)
             entry[1] += in_progress
             if index == 0:
-                continue
+                continue  # a tracker's first bucket has no growth to measure
             _, before_at, _, before_redelivered, before_dead = points[index - 1]
             elapsed = at - before_at
             if 0 < elapsed <= 3 * bucket:
-                entry[2] += max(0, redelivered - before_redelivered) * 60 / elapsed
-                entry[3] += max(0, dead - before_dead) * 60 / elapsed
+                entry[2] = (entry[2] or 0.0) + max(0, redelivered - before_redelivered) * 60 / elapsed
+                entry[3] = (entry[3] or 0.0) + max(0, dead - before_dead) * 60 / elapsed
     queues = {}
     for name, slots in summed.items():
         series = QueueSeries()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import django
 from django import template
 from django.utils.html import format_html, format_html_join
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
 
 register = template.Library()
 
@@ -23,6 +23,6 @@ def breadcrumbs(*crumbs: str) -> SafeString:
                                              else format_html('<li aria-current="page">{}</li>', label),)
                                             for url, label in pairs))
         return format_html('<ol class="breadcrumbs">{}</ol>', items)
-    items = format_html_join(" &rsaquo; ", "{}", ((format_html('<a href="{}">{}</a>', url, label) if url
+    items = format_html_join(mark_safe(" &rsaquo; "), "{}", ((format_html('<a href="{}">{}</a>', url, label) if url
                                                    else label,) for url, label in pairs))
     return format_html('<div class="breadcrumbs">{}</div>', items)
