@@ -124,8 +124,8 @@ def test_the_queue_pages_have_the_admins_layout_and_charts(live_server, browser,
     User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
     now = timezone.now()
     started = (datetime.now(UTC) - timedelta(minutes=4)).timestamp()
-    QueueProcess.objects.create(name="tracker-1", kind="tracker", host="host-a", pid=7, started=now - timedelta(hours=1),
-                                last_seen=now, in_progress=5, stats={
+    QueueProcess.objects.create(name="tracker-1", kind="tracker", host="host-a", pid=7,
+                                started=now - timedelta(hours=1), last_seen=now, in_progress=5, stats={
                                     "partitions": [0, 1, 2, 3], "replaying": [],
                                     "queues": {"emails": {"in_progress": 5, "oldest_started": started}},
                                     "markers": {"emails": {"starts": 900, "ends": 895}}})
