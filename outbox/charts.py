@@ -2,7 +2,8 @@
 
 A chart is data (series of points over a time span, and marked moments); `render()` turns it into
 an <svg> whose colours are CSS variables (templates/admin/outbox/chart_style.html), so the admin's
-light and dark themes both read. Each point carries a <title>, so hovering shows its value.
+light and dark themes both read. Up to HOVER_POINTS points of each line carry a <title>, so hovering
+shows their values.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ WIDTH, HEIGHT = 560, 170
 LEFT, RIGHT, TOP, BOTTOM = 52, 10, 10, 22
 #: At most this many series are drawn in one chart (the rest are named in a note).
 MAX_SERIES = 8
+#: At most this many points of a series carry a tooltip (evenly spread, the latest always): the page stays small.
+HOVER_POINTS = 60
 #: Steps of the time axis, in seconds; the first that gives at most 7 ticks is used.
 TIME_STEPS = (60, 300, 600, 900, 1800, 3600, 7200, 10800, 14400, 21600, 43200, 86400)
 
@@ -148,7 +151,7 @@ def render(chart: Chart) -> SafeString:
             else:
                 path = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in run)
                 parts.append(f'<polyline class="chart-line chart-{colour}" points="{path}"/>')
-        for t, v in series.points:  # invisible hover targets carrying the values
+        for t, v in _hover_points(series.points):  # invisible hover targets carrying the values
             if v is not None:
                 parts.append(f'<circle class="chart-point" cx="{x(t):.1f}" cy="{y(v):.1f}" r="3">'
                              f'<title>{escape(series.label)}: {escape(format_value(v, chart.unit))} at '
@@ -158,6 +161,12 @@ def render(chart: Chart) -> SafeString:
                      f'text-anchor="middle">no samples in this span</text>')
     parts.append("</svg>")
     return mark_safe("".join(parts))  # every text above is escaped
+
+
+def _hover_points(points: list[tuple[float, float | None]]) -> list[tuple[float, float | None]]:
+    """At most HOVER_POINTS of the points, evenly spread, the latest always among them."""
+    step = max(1, math.ceil(len(points) / HOVER_POINTS))
+    return points[::-1][::step][::-1]
 
 
 def _runs(points: list[tuple[float, float | None]]) -> list[list[tuple[float, float]]]:
