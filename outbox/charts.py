@@ -9,6 +9,7 @@ shows their values.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -106,7 +107,12 @@ def format_value(value: float, unit: str) -> str:
 
 def clock(epoch: float) -> str:
     """A moment as the admin shows times: the current time zone, hours and minutes."""
-    return timezone.localtime(datetime.fromtimestamp(epoch, UTC)).strftime("%H:%M")
+    return _clock(int(epoch // 60), timezone.get_current_timezone_name())
+
+
+@lru_cache(maxsize=4096)
+def _clock(minute: int, zone: str) -> str:
+    return timezone.localtime(datetime.fromtimestamp(minute * 60, UTC)).strftime("%H:%M")
 
 
 def render(chart: Chart) -> SafeString:
