@@ -9,9 +9,9 @@ shows their values.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import lru_cache
 
 from django.utils import timezone
 from django.utils.html import escape

@@ -25,16 +25,16 @@ STUCK_LIMIT = 100
 #: At most this many topics are listed in the backlog by topic.
 TOPIC_LIMIT = 20
 
-# Topics among the oldest HEAD_ROWS rows (a primary-key range): how many rows each, and the oldest.
-TOPICS_AT_HEAD = """
-SELECT kafka_topic, count(*), min(create_time) FROM (
+# Topics among the oldest HEAD_ROWS rows (a primary-key range): how many rows each, the oldest, and each
+# one's share of the table in the planner's statistics of the column (from the last ANALYZE), if common.
+TOPICS = """
+WITH shares AS (
+  SELECT unnest(most_common_vals::text::text[]) AS topic, unnest(most_common_freqs) AS share FROM pg_stats
+  WHERE schemaname = current_schema() AND tablename = %(table)s AND attname = 'kafka_topic')
+SELECT head.kafka_topic, count(*), min(head.create_time), min(shares.share) FROM (
   SELECT kafka_topic, create_time FROM {table} ORDER BY id LIMIT %(rows)s) head
-GROUP BY kafka_topic ORDER BY count(*) DESC, kafka_topic LIMIT %(topics)s
-"""
-# The planner's statistics of the topic column (from the last ANALYZE): each common topic's share.
-TOPIC_SHARES = """
-SELECT most_common_vals::text::text[], most_common_freqs FROM pg_stats
-WHERE schemaname = current_schema() AND tablename = %(table)s AND attname = 'kafka_topic'
+LEFT JOIN shares ON shares.topic = head.kafka_topic
+GROUP BY head.kafka_topic ORDER BY count(*) DESC, head.kafka_topic LIMIT %(topics)s
 """
 
 
@@ -95,18 +95,12 @@ def topics(rows: Count, using: str) -> list[TopicBacklog]:
     smaller outbox); beyond, each topic's share of Postgres's row estimate, from its column statistics."""
     table = OutboxRecord._meta.db_table
     with connections[using].cursor() as cursor:
-        cursor.execute(TOPICS_AT_HEAD.format(table=connections[using].ops.quote_name(table)),
-                       {"rows": HEAD_ROWS, "topics": TOPIC_LIMIT})
+        cursor.execute(TOPICS.format(table=connections[using].ops.quote_name(table)),
+                       {"table": table, "rows": HEAD_ROWS, "topics": TOPIC_LIMIT})
         head = cursor.fetchall()
-        shares: dict[str, float] = {}
-        if not rows.exact:
-            cursor.execute(TOPIC_SHARES, {"table": table})
-            found = cursor.fetchone()
-            if found is not None and found[0] is not None:
-                shares = dict(zip(found[0], found[1], strict=True))
-    return [TopicBacklog(topic, count, oldest, None if rows.exact or topic not in shares
-                         else max(count, round(shares[topic] * rows.value)))
-            for topic, count, oldest in head]
+    return [TopicBacklog(topic, count, oldest, None if rows.exact or share is None
+                         else max(count, round(share * rows.value)))
+            for topic, count, oldest, share in head]
 
 
 def backlog(found: Replicas, using: str) -> Backlog:

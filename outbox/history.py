@@ -30,15 +30,15 @@ MAX_POINTS = 180
 #: A bucket never spans less than this (samples are 10 s apart by default).
 MIN_BUCKET = 10.0
 
+# One query for the whole span: per replica and bucket its figures, and when it took the lead (a leader's
+# `since`; the first and the last, should it have taken the lead twice within one bucket).
 BUCKETS = """
 SELECT name, harvested_table, floor(extract(epoch FROM at) / %(bucket)s) AS bucket,
-       max(extract(epoch FROM at)), max(published), max(failed), max(in_flight), max(backlog), max(oldest_age)
+       max(extract(epoch FROM at)), max(published), max(failed), max(in_flight), max(backlog), max(oldest_age),
+       extract(epoch FROM min(since) FILTER (WHERE state = 'leader')),
+       extract(epoch FROM max(since) FILTER (WHERE state = 'leader'))
 FROM {table} WHERE at >= %(start)s
 GROUP BY name, harvested_table, bucket ORDER BY name, bucket
-"""
-TAKEOVERS = """
-SELECT name, since FROM {table} WHERE at >= %(start)s AND state = 'leader' AND since >= %(start)s
-GROUP BY name, since ORDER BY since
 """
 
 
@@ -79,9 +79,13 @@ def read(span: str = DEFAULT_SPAN, using: str = "default", now: datetime | None 
     table = connections[using].ops.quote_name(HarvesterSample._meta.db_table)
     replicas: dict[str, list[Point]] = defaultdict(list)
     tables: dict[str, dict[float, Point]] = defaultdict(dict)
+    took_lead: set[tuple[float, str]] = set()
+    begin, finish = start.timestamp(), end.timestamp()
     with connections[using].cursor() as cursor:
         cursor.execute(BUCKETS.format(table=table), {"bucket": bucket, "start": start})
-        for name, harvested, number, at, published, failed, in_flight, backlog, oldest in cursor.fetchall():
+        rows = cursor.fetchall()
+        for name, harvested, number, at, published, failed, in_flight, backlog, oldest, first, last in rows:
+            took_lead |= {(float(since), name) for since in (first, last) if since is not None and since >= begin}
             point = Point(float(at), int(published), int(failed), int(in_flight),
                           None if backlog is None else int(backlog), oldest)
             replicas[name].append(point)
@@ -90,13 +94,11 @@ def read(span: str = DEFAULT_SPAN, using: str = "default", now: datetime | None 
             # The table's figures: the latest any replica saw in the bucket.
             if seen is None or point.at > seen.at:
                 tables[harvested][slot] = point
-        cursor.execute(TAKEOVERS.format(table=table), {"start": start})
-        takeovers = [Marker(since.timestamp(), f"{name} took the lead") for name, since in cursor.fetchall()]
+    takeovers = [Marker(since, f"{name} took the lead") for since, name in sorted(took_lead)]
     shown = sorted(replicas, key=lambda n: replicas[n][-1].at, reverse=True)[:MAX_SERIES]
     left_out = len(replicas) - len(shown)
     note = f"{left_out} replica(s) seen earlier in this span are not drawn." if left_out else ""
     shown.sort()
-    begin, finish = start.timestamp(), end.timestamp()
 
     def per_replica(title: str, unit: str, value) -> Chart:
         return Chart(title, unit, begin, finish, [Series(n, value(replicas[n], bucket)) for n in shown], takeovers,
