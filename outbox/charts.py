@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from functools import lru_cache
+from datetime import datetime, tzinfo
 
 from django.utils import timezone
 from django.utils.html import escape
@@ -105,19 +104,15 @@ def format_value(value: float, unit: str) -> str:
     return text + suffix
 
 
-def clock(epoch: float) -> str:
-    """A moment as the admin shows times: the current time zone, hours and minutes."""
-    return _clock(int(epoch // 60), timezone.get_current_timezone_name())
-
-
-@lru_cache(maxsize=4096)
-def _clock(minute: int, zone: str) -> str:
-    return timezone.localtime(datetime.fromtimestamp(minute * 60, UTC)).strftime("%H:%M")
+def clock(epoch: float, zone: tzinfo | None = None) -> str:
+    """A moment as the admin shows times: the current time zone (or `zone`), hours and minutes."""
+    return datetime.fromtimestamp(epoch, zone or timezone.get_current_timezone()).strftime("%H:%M")
 
 
 def render(chart: Chart) -> SafeString:
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     span = max(chart.end - chart.start, 1.0)
+    zone = timezone.get_current_timezone()
     values = [v for s in chart.series[:MAX_SERIES] for _, v in s.points if v is not None]
     top = nice_ceiling(max(values, default=0.0))
 
@@ -127,7 +122,7 @@ def render(chart: Chart) -> SafeString:
     def y(v: float) -> float:
         return TOP + plot_h - v / top * plot_h
 
-    label = f"{chart.title}, {clock(chart.start)} to {clock(chart.end)}"
+    label = f"{chart.title}, {clock(chart.start, zone)} to {clock(chart.end, zone)}"
     parts = [f'<svg class="outbox-chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
              f'aria-label="{escape(label)}" preserveAspectRatio="xMinYMin meet">']
     for i in range(5):  # horizontal grid and the value axis
@@ -142,12 +137,13 @@ def render(chart: Chart) -> SafeString:
         parts.append(f'<line class="chart-grid" x1="{x(tick):.1f}" x2="{x(tick):.1f}" y1="{TOP}" '
                      f'y2="{TOP + plot_h}"/>')
         parts.append(f'<text class="chart-axis" x="{x(tick):.1f}" y="{HEIGHT - 6}" text-anchor="middle">'
-                     f'{clock(tick)}</text>')
+                     f'{clock(tick, zone)}</text>')
         tick += step
     for marker in chart.markers:
         if chart.start <= marker.at <= chart.end:
             parts.append(f'<line class="chart-marker" x1="{x(marker.at):.1f}" x2="{x(marker.at):.1f}" y1="{TOP}" '
-                         f'y2="{TOP + plot_h}"><title>{escape(marker.label)} at {clock(marker.at)}</title></line>')
+                         f'y2="{TOP + plot_h}"><title>{escape(marker.label)} at {clock(marker.at, zone)}</title>'
+                         f'</line>')
     for index, series in enumerate(chart.series[:MAX_SERIES]):
         colour = index % MAX_SERIES + 1
         for run in _runs(series.points):
@@ -161,7 +157,7 @@ def render(chart: Chart) -> SafeString:
             if v is not None:
                 parts.append(f'<circle class="chart-point" cx="{x(t):.1f}" cy="{y(v):.1f}" r="3">'
                              f'<title>{escape(series.label)}: {escape(format_value(v, chart.unit))} at '
-                             f'{clock(t)}</title></circle>')
+                             f'{clock(t, zone)}</title></circle>')
     if chart.empty:
         parts.append(f'<text class="chart-axis" x="{LEFT + plot_w / 2:.1f}" y="{TOP + plot_h / 2:.1f}" '
                      f'text-anchor="middle">no samples in this span</text>')

@@ -28,13 +28,15 @@ TOPIC_LIMIT = 20
 # Topics among the oldest HEAD_ROWS rows (a primary-key range): how many rows each, the oldest, and each
 # one's share of the table in the planner's statistics of the column (from the last ANALYZE), if common.
 TOPICS = """
-WITH shares AS (
+WITH head AS (
+  SELECT kafka_topic, count(*) AS n, min(create_time) AS oldest FROM (
+    SELECT kafka_topic, create_time FROM {table} ORDER BY id LIMIT %(rows)s) oldest_rows
+  GROUP BY kafka_topic ORDER BY n DESC, kafka_topic LIMIT %(topics)s),
+shares AS (
   SELECT unnest(most_common_vals::text::text[]) AS topic, unnest(most_common_freqs) AS share FROM pg_stats
   WHERE schemaname = current_schema() AND tablename = %(table)s AND attname = 'kafka_topic')
-SELECT head.kafka_topic, count(*), min(head.create_time), min(shares.share) FROM (
-  SELECT kafka_topic, create_time FROM {table} ORDER BY id LIMIT %(rows)s) head
-LEFT JOIN shares ON shares.topic = head.kafka_topic
-GROUP BY head.kafka_topic ORDER BY count(*) DESC, head.kafka_topic LIMIT %(topics)s
+SELECT head.kafka_topic, head.n, head.oldest, shares.share FROM head
+LEFT JOIN shares ON shares.topic = head.kafka_topic ORDER BY head.n DESC, head.kafka_topic
 """
 
 
