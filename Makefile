@@ -9,7 +9,7 @@ PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12
                 $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 STAMP     := $(VENV)/.installed
 
-.PHONY: setup services harvest consume test images test-docker lint bench down clean
+.PHONY: setup services harvest consume test test-django52 images test-docker lint bench down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,22 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
+# The admin on the oldest Django this package supports (5.2: its own admin markup and styles), in a
+# virtualenv of its own; the services are those `make test` set up.
+VENV52    ?= .venv-django52
+ADMIN_TESTS := tests/integration/test_admin.py tests/integration/test_queue_admin.py \
+               tests/integration/test_dashboard_charts.py tests/integration/test_console_permissions.py \
+               tests/browser/test_console_browser.py
+
+$(VENV52)/.installed: pyproject.toml
+	test -x $(VENV52)/bin/python || $(PYTHON) -m venv $(VENV52)
+	$(VENV52)/bin/python -m pip install -q --upgrade pip
+	$(VENV52)/bin/python -m pip install -q -e '.[dev]' 'django>=5.2,<5.3'
+	touch $@
+
+test-django52: setup $(VENV52)/.installed
+	$(VENV52)/bin/python -m pytest -p no:cacheprovider $(ADMIN_TESTS)
+
 # The Docker paths (README, "Docker"): an engine (Debian's dockerd where none answers), the local
 # images, then the tests marked `docker`, which fail rather than skip here.
 images:
@@ -51,4 +67,4 @@ down:
 	bin/services down
 
 clean: down
-	rm -rf .services .venv .artifacts
+	rm -rf .services .venv .venv-django52 .artifacts

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.contrib import admin
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -18,7 +19,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.timesince import timesince
 
-from outbox import conf, dashboard, operations
+from outbox import conf, console, dashboard, history, operations
 from outbox.models import Dashboard, DeadLetter, OutboxRecord
 from outbox.operations import Outcome
 from outbox.states import COUNT_LIMIT, OUTBOX_STATES, Facts, RecordState, table_estimate
@@ -303,7 +304,12 @@ class DashboardAdmin(admin.ModelAdmin):
     """/admin/outbox/dashboard/: who leads, the backlog, held, parked and stuck records."""
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return request.user.is_active and request.user.is_staff
+        """The dashboard lists record keys, topics, errors and in-flight keys: it takes the view permission of
+        outbox records (view or change, as Django's own), whatever the user's staff status."""
+        return self.admin_site._registry[OutboxRecord].has_view_permission(request)
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -315,14 +321,22 @@ class DashboardAdmin(admin.ModelAdmin):
         return False
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        found = dashboard.overview(conf.database_alias())
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        using = conf.database_alias()
+        found = dashboard.overview(using)
+        bar = console.toolbar(request)
         records_admin = self.admin_site._registry[OutboxRecord]
         parked_admin = self.admin_site._registry[DeadLetter]
         context = {
             **self.admin_site.each_context(request),
+            **bar,
             "title": "Outbox dashboard",
             "opts": self.model._meta,
             "overview": found,
+            "history": history.read(bar["span"], using),
+            "history_interval": conf.setting("history_interval"),
+            "head_rows": dashboard.HEAD_ROWS,
             "here": request.get_full_path(),
             "replicas": found.replicas,
             "gone_after": conf.setting("status_gone_after"),

@@ -29,7 +29,8 @@ from outbox.harvest.config import HarvestConfig, Limits, Problem, default_name
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(Limits))
 #: HarvestConfig fields a user sets through OUTBOX (dsn, name and limits come other ways).
 ENGINE_KEYS = ("table", "base_kafka_config", "producer_kafka_config", "leader_topic", "leader_group", "name",
-               "listen", "status_table", "status_prune_after", "dead_letter_topic", "park_after")
+               "listen", "status_table", "status_prune_after", "history_retention", "dead_letter_topic",
+               "park_after")
 #: Settings that belong to the Django side, with their defaults.
 DJANGO_DEFAULTS: dict[str, Any] = {
     "database": "default",
@@ -67,6 +68,8 @@ def setting(name: str) -> Any:
         return _seconds(raw[name])
     if name in DJANGO_DEFAULTS:
         return DJANGO_DEFAULTS[name]
+    if name in LIMIT_NAMES:
+        return getattr(Limits(), name)
     spec = _ENGINE_DEFAULTS[name]
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 

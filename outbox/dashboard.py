@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.db import connections
+
 from outbox import conf
 from outbox.models import OutboxRecord
 from outbox.states import Count, Facts, Held, RecordState, Replicas, Verdict, bounded_count, parked_count
@@ -20,6 +22,22 @@ from outbox.states import Count, Facts, Held, RecordState, Replicas, Verdict, bo
 HEAD_ROWS = 10_000
 #: At most this many stuck records are listed.
 STUCK_LIMIT = 100
+#: At most this many topics are listed in the backlog by topic.
+TOPIC_LIMIT = 20
+
+# Topics among the oldest HEAD_ROWS rows (a primary-key range): how many rows each, the oldest, and each
+# one's share of the table in the planner's statistics of the column (from the last ANALYZE), if common.
+TOPICS = """
+WITH head AS (
+  SELECT kafka_topic, count(*) AS n, min(create_time) AS oldest FROM (
+    SELECT kafka_topic, create_time FROM {table} ORDER BY id LIMIT %(rows)s) oldest_rows
+  GROUP BY kafka_topic ORDER BY n DESC, kafka_topic LIMIT %(topics)s),
+shares AS (
+  SELECT unnest(most_common_vals::text::text[]) AS topic, unnest(most_common_freqs) AS share FROM pg_stats
+  WHERE schemaname = current_schema() AND tablename = %(table)s AND attname = 'kafka_topic')
+SELECT head.kafka_topic, head.n, head.oldest, shares.share FROM head
+LEFT JOIN shares ON shares.topic = head.kafka_topic ORDER BY head.n DESC, head.kafka_topic
+"""
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,16 @@ class Backlog:
 
 
 @dataclass(frozen=True)
+class TopicBacklog:
+    """One topic's rows: exact among the oldest HEAD_ROWS rows; `estimate` of all its rows on a bigger outbox."""
+
+    topic: str
+    rows: int
+    oldest_created: datetime
+    estimate: int | None = None
+
+
+@dataclass(frozen=True)
 class Overview:
     """Everything the dashboard shows, read once per page."""
 
@@ -48,6 +76,7 @@ class Overview:
     held: list[Held]
     parked: Count
     stuck: list[tuple[OutboxRecord, Verdict]]
+    topics: list[TopicBacklog]
 
     @property
     def replicas(self) -> Replicas:
@@ -57,9 +86,23 @@ class Overview:
 def overview(using: str | None = None) -> Overview:
     using = using or conf.database_alias()
     facts = Facts.read(using)
-    return Overview(facts=facts, warnings=warnings(facts.replicas), backlog=backlog(facts.replicas, using),
+    rows = backlog(facts.replicas, using)
+    return Overview(facts=facts, warnings=warnings(facts.replicas), backlog=rows,
                     held=sorted(facts.held.values(), key=lambda h: h.id), parked=parked_count(using),
-                    stuck=stuck_records(facts, using))
+                    stuck=stuck_records(facts, using), topics=topics(rows.rows, using))
+
+
+def topics(rows: Count, using: str) -> list[TopicBacklog]:
+    """The backlog by topic, bounded on any outbox: counted among the oldest HEAD_ROWS rows (all of them on a
+    smaller outbox); beyond, each topic's share of Postgres's row estimate, from its column statistics."""
+    table = OutboxRecord._meta.db_table
+    with connections[using].cursor() as cursor:
+        cursor.execute(TOPICS.format(table=connections[using].ops.quote_name(table)),
+                       {"table": table, "rows": HEAD_ROWS, "topics": TOPIC_LIMIT})
+        head = cursor.fetchall()
+    return [TopicBacklog(topic, count, oldest, None if rows.exact or share is None
+                         else max(count, round(share * rows.value)))
+            for topic, count, oldest, share in head]
 
 
 def backlog(found: Replicas, using: str) -> Backlog:

@@ -1,9 +1,10 @@
 """Prometheus metrics for a running harvester: `manage.py harvest --metrics-port 9108`.
 
 Counters and histograms are fed by the engine's Instruments hooks; gauges are read from the
-Harvester when Prometheus scrapes, so the engine pays nothing between scrapes. The one gauge the
-harvester does not know, parked records, is the dead-letter table's count (outbox.states), read
-at scrape time too.
+Harvester when Prometheus scrapes, so the engine pays nothing between scrapes. The two gauges the
+harvester does not know, parked records (the dead-letter table's count, outbox.states) and the age of
+the oldest row (the primary key's head), are read at scrape time too. Alert rules and a Grafana
+dashboard over these metrics are in monitoring/.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ class PrometheusInstruments(Instruments):
 class HarvesterCollector(Collector):
     """Reads the harvester's state at scrape time."""
 
-    def __init__(self, harvester: Harvester, parked: Callable[[], int | None] | None = None) -> None:
+    def __init__(self, harvester: Harvester, parked: Callable[[], int | None] | None = None,
+                 oldest_age: Callable[[], float | None] | None = None) -> None:
         self._harvester = harvester
         self._parked = parked
+        self._oldest_age = oldest_age
 
     def collect(self) -> Iterator[Any]:
         h = self._harvester
@@ -84,6 +87,12 @@ class HarvesterCollector(Collector):
                                        labels=labels)
             parked.add_metric(name, parked_records)
             yield parked
+        age = self._oldest_age() if self._oldest_age is not None else None
+        if age is not None:
+            oldest = GaugeMetricFamily("outbox_oldest_record_age_seconds", "Age of the oldest row in the outbox (0 "
+                                                                           "when it is empty)", labels=labels)
+            oldest.add_metric(name, age)
+            yield oldest
         if h.backlog is not None:
             backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",
                                         labels=labels)
@@ -106,7 +115,27 @@ def read_parked() -> int | None:
         connections.close_all()  # every scrape runs on a thread of its own: leave no connection behind
 
 
+def read_oldest_age() -> float | None:
+    """Seconds since the oldest outbox row was written (0 when the outbox is empty), or None (logged) when it
+    cannot be read: one lookup at the primary key's head."""
+    from django.db import DatabaseError, connections
+    from django.utils import timezone
+
+    from outbox import conf
+    from outbox.models import OutboxRecord
+
+    try:
+        oldest = (OutboxRecord.objects.using(conf.database_alias()).order_by("id")
+                  .values_list("create_time", flat=True).first())
+    except DatabaseError as error:
+        log.warning("Could not read the oldest outbox row: %s", first_line(error))
+        return None
+    finally:
+        connections.close_all()
+    return 0.0 if oldest is None else max(0.0, (timezone.now() - oldest).total_seconds())
+
+
 def serve(harvester: Harvester, registry: CollectorRegistry, port: int, address: str = "0.0.0.0") -> None:
     """Expose `registry` plus the harvester's gauges on http://address:port/metrics."""
-    registry.register(HarvesterCollector(harvester, parked=read_parked))
+    registry.register(HarvesterCollector(harvester, parked=read_parked, oldest_age=read_oldest_age))
     start_http_server(port, addr=address, registry=registry)

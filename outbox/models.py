@@ -94,6 +94,40 @@ class HarvesterStatus(models.Model):
         return f"{self.name} ({self.state})"
 
 
+class HarvesterSample(models.Model):
+    """A replica's figures at one moment, for the dashboard's charts: written by its status reporter every
+    `history_interval` seconds (outbox.harvest.status), deleted after `history_retention` seconds."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(max_length=200)
+    at = models.DateTimeField(db_default=Now())
+    state = models.CharField(max_length=20, choices=HarvesterStatus.STATES)
+    leader_id = models.UUIDField(null=True, blank=True)
+    #: When the replica entered `state`: a leader's `since` is the moment it took the lead.
+    since = models.DateTimeField()
+    harvested_table = models.CharField(max_length=200)
+    leader_group = models.CharField(max_length=255)
+    #: Totals since the replica started (rates are their differences between samples).
+    published = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+    in_flight = models.IntegerField(default=0)
+    queued = models.IntegerField(default=0)
+    held = models.IntegerField(default=0)
+    #: Rows in the harvested table: counted up to 10,000, Postgres's live-row estimate beyond.
+    backlog = models.BigIntegerField(null=True, blank=True)
+    #: Age of the table's oldest row, in seconds (NULL: the table was empty).
+    oldest_age = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        db_table = "outbox_harvester_history"
+        verbose_name = "harvester sample"
+        ordering = ["at"]
+        indexes = [models.Index(fields=["at"], name="outbox_harvester_history_at")]
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.at}"
+
+
 class DeadLetter(models.Model):
     """A parked record: moved out of the outbox (by an operator, or after `park_after` failures) so the
     records of its key behind it could go on. Republishing puts it back in the outbox with a new id,

@@ -80,6 +80,9 @@ class Limits:
                                                   "this often.")
     status_interval: float = limit(2.0, 0.0, "The replica's status row is written this often (0 turns status "
                                              "rows off).")
+    history_interval: float = limit(10.0, 0.0, "A sample of the replica's figures is added to the history (the "
+                                               "dashboard's charts) this often, with its status row (0 turns "
+                                               "history off).")
 
     def __post_init__(self) -> None:
         # Derived defaults, as goharvest's SetDefaults; left unset when their inputs are bad so
@@ -154,6 +157,9 @@ class HarvestConfig:
     status_table: str | None = "outbox_harvester"
     #: Status rows not seen for this long (seconds) are deleted.
     status_prune_after: float = 3600.0
+    #: History samples (the `<status_table>_history` table, the dashboard's charts) older than this
+    #: (seconds) are deleted.
+    history_retention: float = 86400.0
     #: Where parked (dead-letter) records go; parking is off if it does not exist.
     dead_letter_table: str | None = "outbox_dead_letter"
     #: Also publish parked records here (None: the table only).
@@ -204,6 +210,9 @@ class HarvestConfig:
         if not _is_number(self.status_prune_after) or self.status_prune_after <= 0:
             found.append(Problem("E004", "status_prune_after", f"must be a positive number of seconds, "
                                                                f"got {self.status_prune_after!r}"))
+        if not _is_number(self.history_retention) or self.history_retention <= 0:
+            found.append(Problem("E004", "history_retention", f"must be a positive number of seconds, "
+                                                              f"got {self.history_retention!r}"))
         if not isinstance(self.listen, bool):
             found.append(Problem("E003", "listen", f"must be True or False, got {self.listen!r}"))
         if isinstance(self.limits, Limits):
@@ -268,6 +277,7 @@ class HarvestConfig:
             "listen": self.listen,
             "status_table": self.status_table,
             "status_prune_after": self.status_prune_after,
+            "history_retention": self.history_retention,
             "dead_letter_table": self.dead_letter_table,
             "dead_letter_topic": self.dead_letter_topic,
             "park_after": self.park_after,

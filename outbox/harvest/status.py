@@ -4,6 +4,10 @@ The row is upserted every `status_interval` seconds on a connection of its own, 
 never waits on harvesting (or the reverse); the admin dashboard, metrics and `harvest_health`
 read it. Rows not seen for `status_prune_after` seconds are deleted by whichever replica notices.
 A standby also says, once, who leads its group.
+
+Every `history_interval` seconds the same thread also adds a sample of the replica's figures to
+`<status_table>_history` (the dashboard's charts) and deletes samples older than `history_retention`:
+the engine's loop never waits on it, and it costs Postgres two index lookups and an insert.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -79,6 +84,29 @@ WHERE leader_group = %(group)s AND harvested_table <> %(harvested)s
 """
 # A live-row estimate for the harvested table, kept by Postgres's statistics: no table scan.
 BACKLOG = "SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(table)s)"
+#: Samples count the harvested table's rows exactly up to this many (a primary-key range), then estimate.
+HISTORY_COUNT_LIMIT = 10_000
+# One sample: the snapshot's figures, the table's rows (counted along the primary key up to the
+# limit, Postgres's estimate beyond) and its oldest row's age (the primary key's head).
+SAMPLE = """
+WITH counted AS (SELECT count(*) AS n FROM (SELECT 1 FROM {table} ORDER BY id LIMIT %(count_limit)s + 1) head),
+     oldest AS (SELECT create_time FROM {table} ORDER BY id LIMIT 1)
+INSERT INTO {history} (name, at, state, leader_id, since, harvested_table, leader_group, published, failed, in_flight,
+                       queued, held, backlog, oldest_age)
+SELECT %(name)s, now(), %(state)s, %(leader_id)s, %(since)s, %(harvested_table)s, %(leader_group)s, %(published)s,
+       %(failed)s, %(in_flight)s, %(queued)s, %(held)s,
+       CASE WHEN n <= %(count_limit)s THEN n
+            ELSE greatest(n, (SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(table_name)s)))
+       END,
+       extract(epoch FROM now() - (SELECT create_time FROM oldest))
+FROM counted
+"""
+PRUNE_HISTORY = "DELETE FROM {history} WHERE at < now() - make_interval(secs => %(age)s)"
+
+
+def history_table(status_table: str) -> str:
+    """The history table beside a status table: `outbox_harvester` -> `outbox_harvester_history`."""
+    return f"{status_table}_history"
 
 
 def status_table_exists(conn: psycopg.Connection, table: str) -> bool:
@@ -109,6 +137,15 @@ class StatusReporter(threading.Thread):
         self._gone_after = max(4 * self._interval, 10.0)
         self._snapshot = snapshot
         self._on_backlog = on_backlog
+        self._history_table = history_table(config.status_table) if config.status_table else None
+        self._history_interval = config.limits.history_interval
+        self._history_retention = config.history_retention
+        history = table_identifier(self._history_table or "unused")
+        self._sample = sql.SQL(SAMPLE).format(table=table_identifier(config.table), history=history)
+        self._prune_history = sql.SQL(PRUNE_HISTORY).format(history=history)
+        self._history_on: bool | None = None if self._history_table and self._history_interval else False
+        self._history_failing = False
+        self._next_sample = 0.0
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._failing = False
@@ -148,6 +185,7 @@ class StatusReporter(threading.Thread):
             row = conn.execute(BACKLOG, {"table": self._harvested}).fetchone()
             if row is not None:
                 self._on_backlog(int(row[0]))
+            self._add_sample(conn, params, len(snapshot.held))
             if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since:
                 self._say_who_leads(conn, snapshot)
             self._say_if_group_shared(conn)
@@ -160,6 +198,30 @@ class StatusReporter(threading.Thread):
             self._failing = True
             conn, self._conn = self._conn, None
             close_quietly(conn)
+
+    def _add_sample(self, conn: psycopg.Connection, params: dict[str, object], held: int) -> None:
+        """Every history_interval: one sample, and samples older than history_retention deleted."""
+        if self._history_on is False or time.monotonic() < self._next_sample:
+            return
+        if self._history_on is None:
+            self._history_on = status_table_exists(conn, self._history_table)
+            if not self._history_on:
+                log.info("History off: table %s does not exist (manage.py migrate creates it)", self._history_table)
+                return
+        self._next_sample = time.monotonic() + self._history_interval
+        try:
+            with conn.transaction():
+                conn.execute(self._sample, {**params, "held": held, "count_limit": HISTORY_COUNT_LIMIT,
+                                            "table_name": self._harvested})
+                conn.execute(self._prune_history, {"age": self._history_retention})
+        except psycopg.Error as error:
+            if conn.broken:
+                raise  # the status row's own handler says so once and reconnects
+            if not self._history_failing:  # say it once, not every interval
+                log.warning("History sample not written (harvesting goes on): %s", first_line(error))
+            self._history_failing = True
+            return
+        self._history_failing = False
 
     def _say_who_leads(self, conn: psycopg.Connection, snapshot: StatusSnapshot) -> None:
         leaders = conn.execute(self._leaders, {"group": self._group, "name": self._identity["name"],

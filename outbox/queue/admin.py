@@ -6,13 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils.html import format_html_join
 
-from outbox.queue import api, conf, overview
+from outbox import console
+from outbox.queue import api, conf, history, overview
 from outbox.queue.config import QUEUE_NAME_PATTERN
 from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, Queue
@@ -26,7 +28,12 @@ class QueueAdmin(admin.ModelAdmin):
     """/admin/outbox_queue/queue/: every queue; /admin/outbox_queue/queue/<name>/: one queue."""
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return request.user.is_active and request.user.is_staff
+        """The queue pages show dead letters' payloads and what the consumers hold: they take the view
+        permission of dead letters (view or change, as Django's own)."""
+        return self.admin_site._registry[DeadLetter].has_view_permission(request)
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -42,29 +49,34 @@ class QueueAdmin(admin.ModelAdmin):
         return [detail, *super().get_urls()]
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
         found = overview.processes()
-        context = {**self._context(request, "Queues"), "queues": overview.queues(found), "processes": found,
-                   **(extra_context or {})}
+        context = self._context(request, "Queues")
+        context.update({"queues": overview.queues(found), "processes": found,
+                        "charts": history.read(context["span"]).overview_charts(), **(extra_context or {})})
         return TemplateResponse(request, "admin/outbox_queue/queues.html", context)
 
     def queue_view(self, request: HttpRequest, name: str) -> HttpResponse:
         if not self.has_view_permission(request):
-            raise Http404
+            raise PermissionDenied
         if not QUEUE_NAME_PATTERN.fullmatch(name):
             raise Http404("not a queue name")
         config = conf.queue_config()
-        context = {
-            **self._context(request, f"Queue {name}"),
+        context = self._context(request, f"Queue {name}")
+        context.update({
             "queue": overview.queue(name),
+            "charts": history.read(context["span"], queue=name).charts_of(name),
             "limits": config.limits_for(name),
             "config": config,
             "dead_letters": DeadLetter.objects.filter(queue=name).order_by("-id")[:RECENT_DEAD_LETTERS],
-        }
+        })
         return TemplateResponse(request, "admin/outbox_queue/queue.html", context)
 
     def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
-        return {**self.admin_site.each_context(request), "title": title, "opts": self.model._meta,
-                "gone_after": conf.setting("status_gone_after")}
+        return {**self.admin_site.each_context(request), **console.toolbar(request), "title": title,
+                "opts": self.model._meta, "gone_after": conf.setting("status_gone_after"),
+                "history_interval": conf.setting("history_interval")}
 
 
 @admin.register(DeadLetter)

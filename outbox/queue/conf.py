@@ -38,13 +38,17 @@ DEFAULTS: dict[str, Any] = {
     # Status rows of consumers and trackers (the admin's queue pages).
     "status_interval": 2.0,
     "status_gone_after": 20.0,
+    # A tracker adds a sample per queue to the history (the queue pages' charts) this often (0: never)...
+    "history_interval": 10.0,
+    # ...and deletes samples older than this.
+    "history_retention": 24 * 3600.0,
     # Inbox rows (manage.py outbox_consume --inbox) older than this are deleted.
     "inbox_retention": 7 * 24 * 3600.0,
 }
 KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 _SECONDS = {"redelivery_timeout", "keep_alive_interval", "poll_interval", "status_interval", "status_gone_after",
-            "inbox_retention"}
+            "inbox_retention", "history_interval", "history_retention"}
 
 
 def raw_settings() -> Any:
@@ -91,10 +95,13 @@ def problems() -> list[Problem]:
                 found.append(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}"))
             else:
                 found.extend(_unknown(limits, frozenset(LIMIT_NAMES), f"per_queue[{queue!r}]."))
-    for key in ("status_interval", "status_gone_after", "inbox_retention"):
+    for key in ("status_interval", "status_gone_after", "inbox_retention", "history_retention"):
         value = setting(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             found.append(Problem("E004", key, f"must be a positive number of seconds, got {value!r}"))
+    interval = setting("history_interval")
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0:
+        found.append(Problem("E004", "history_interval", f"must be a number of seconds, 0 or more, got {interval!r}"))
     if found:
         return found
     try:

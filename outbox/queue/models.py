@@ -98,6 +98,30 @@ class QueueCounter(models.Model):
         return self.queue
 
 
+class QueueSample(models.Model):
+    """A tracker's figures for one queue at one moment, for the queue pages' charts: written with its status row
+    every `history_interval` seconds (outbox.queue.status), deleted after `history_retention` seconds."""
+
+    id = models.BigAutoField(primary_key=True)
+    at = models.DateTimeField(db_default=Now())
+    #: The tracker (its status row's name): each tracker reports the queues of its partitions.
+    process = models.CharField(max_length=200)
+    queue = models.CharField(max_length=MAX_QUEUE_LENGTH)
+    in_progress = models.IntegerField(default=0)
+    #: The tracker's totals since it started (rates are their differences between samples).
+    redelivered = models.BigIntegerField(default=0)
+    dead_lettered = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "outbox_queue_history"
+        verbose_name = "queue sample"
+        ordering = ["at"]
+        indexes = [models.Index(fields=["at"], name="outbox_queue_history_at")]
+
+    def __str__(self) -> str:
+        return f"{self.queue} at {self.at}"
+
+
 class Queue(QueueProcess):
     """Admin's entry point for the per-queue pages (a proxy: no table of its own)."""
 

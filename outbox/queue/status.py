@@ -29,10 +29,14 @@ class StatusReporter(threading.Thread):
     """Upserts the row every `interval` seconds until stopped, then deletes it; a tracker's counts ride along."""
 
     def __init__(self, name: str, kind: str, *, interval: float, snapshot: Snapshot, queue: str = "",
-                 totals: Totals | None = None) -> None:
+                 totals: Totals | None = None, history_interval: float = 0.0,
+                 history_retention: float = 24 * 3600.0) -> None:
         super().__init__(name="queue-status", daemon=True)
         self.process_name, self.kind, self.queue = name, kind, queue
         self._interval, self._snapshot, self._totals = interval, snapshot, totals
+        # A tracker's stats carry each queue's figures: they are sampled into the history (the charts).
+        self._history_interval, self._history_retention = history_interval, history_retention
+        self._next_sample = 0.0
         self._since = datetime.now(UTC)
         self._halt = threading.Event()
         self._counted: tuple[dict[str, int], dict[str, int]] = ({}, {})
@@ -63,6 +67,7 @@ class StatusReporter(threading.Thread):
             store.write_status(self.process_name, self.kind, queue=self.queue, started=self._since,
                                in_progress=in_progress, stats=stats)
             self._count()
+            self._sample(stats)
         except DatabaseError as error:
             if not self._failing:
                 log.warning("Status row of %s not written: %s (retrying every %gs)", self.process_name, _line(error),
@@ -72,6 +77,18 @@ class StatusReporter(threading.Thread):
         if self._failing:
             log.info("Status row of %s written again", self.process_name)
         self._failing = False
+
+    def _sample(self, stats: dict[str, Any]) -> None:
+        """Every history_interval: a tracker's in progress, redelivered and dead-lettered per queue."""
+        if self.kind != "tracker" or not self._history_interval or time.monotonic() < self._next_sample:
+            return
+        self._next_sample = time.monotonic() + self._history_interval
+        queues = stats.get("queues") or {}
+        redelivered, dead = stats.get("redelivered") or {}, stats.get("dead_lettered") or {}
+        store.add_samples(self.process_name, {
+            queue: (int((queues.get(queue) or {}).get("in_progress") or 0), int(redelivered.get(queue, 0)),
+                    int(dead.get(queue, 0))) for queue in sorted(set(queues) | set(redelivered) | set(dead))},
+            self._history_retention)
 
     def _count(self) -> None:
         if self._totals is None:

@@ -121,5 +121,16 @@ def write_status(name: str, kind: str, *, queue: str = "", started: datetime, in
         models.QueueProcess.objects.filter(last_seen__lt=now - STATUS_PRUNE_AFTER).delete()
 
 
+def add_samples(process: str, samples: Mapping[str, tuple[int, int, int]], retention: float) -> None:
+    """A tracker's history: (in progress, redelivered, dead-lettered) per queue now; samples older than
+    `retention` seconds are deleted."""
+    now = timezone.now()
+    with transaction.atomic():
+        models.QueueSample.objects.bulk_create([
+            models.QueueSample(at=now, process=process, queue=queue, in_progress=in_progress, redelivered=redelivered,
+                               dead_lettered=dead) for queue, (in_progress, redelivered, dead) in samples.items()])
+        models.QueueSample.objects.filter(at__lt=now - timedelta(seconds=retention)).delete()
+
+
 def remove_status(name: str) -> None:
     models.QueueProcess.objects.filter(name=name).delete()

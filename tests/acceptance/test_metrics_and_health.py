@@ -59,6 +59,7 @@ def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_u
         assert f'outbox_backlog_records{{name="{name}"}}' in metrics
         assert metrics[f'outbox_held_records{{name="{name}"}}'] == 0.0
         assert metrics[f'outbox_parked_records{{name="{name}"}}'] == 0.0
+        assert metrics[f'outbox_oldest_record_age_seconds{{name="{name}"}}'] == 0.0, "an empty outbox waits for none"
 
         # A record too large for the producer is held; one parked earlier is in the dead-letter table.
         poison = OutboxRecord.objects.create(kafka_topic=topic, kafka_key="k0", kafka_value="x" * 1_200_000)
@@ -67,6 +68,8 @@ def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_u
         wait_until(lambda: scrape(port).get(f'outbox_held_records{{name="{name}"}}') == 1.0, 30,
                    "the held gauge to count the poison record")
         assert scrape(port)[f'outbox_parked_records{{name="{name}"}}'] == 1.0
+        OutboxRecord.objects.filter(pk=poison.pk).update(create_time=timezone.now() - timedelta(minutes=10))
+        assert 600 <= scrape(port)[f'outbox_oldest_record_age_seconds{{name="{name}"}}'] < 700, "the held row's age"
 
         healthy = wait_until(lambda: (r := manage("harvest_health", "--name", name, "--require-leader", env=env))
                              .stdout.endswith("; 1 held, 1 parked\n") and r, 30, "the probe to count held records")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -11,7 +12,8 @@ from django.test import Client
 from django.utils import timezone
 
 from outbox.queue import api, conf
-from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
+from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess, QueueSample
+from outbox.queue.status import StatusReporter
 from outbox.queue.topics import ensure_topics
 from tests.support.harness import wait_until
 from tests.support.queue_harness import new_prefix, queue_settings
@@ -123,3 +125,69 @@ def test_requeue_sends_a_dead_letter_back_with_its_id_after_a_confirmation(super
         message.ack()
     assert (message.id, message.payload, message.deliveries, message.headers) == ("m-requeued", b"again", 1,
                                                                                   [("trace", "t-1")])
+
+
+# -- charts -----------------------------------------------------------------------------------------
+
+def tracker_samples(process_name: str, queue: str, *, minutes: int = 30, every: float = 10.0, in_progress: int = 4,
+                    redelivered_per_minute: float = 6.0, dead_per_minute: float = 0.0, now=None) -> None:
+    """A tracker's samples of one queue over the last `minutes`, as its status reporter writes them."""
+    now = now or timezone.now()
+    count = int(minutes * 60 / every)
+    QueueSample.objects.bulk_create([
+        QueueSample(at=now - timedelta(seconds=(count - 1 - i) * every), process=process_name, queue=queue,
+                    in_progress=in_progress, redelivered=int(i * every * redelivered_per_minute / 60),
+                    dead_lettered=int(i * every * dead_per_minute / 60)) for i in range(count)])
+
+
+def chart(page: str, title: str) -> str:
+    found = re.search(rf'data-title="{re.escape(title)}">(.*?)</figure>', page, re.S)
+    assert found, f"no chart {title!r}"
+    return found.group(1)
+
+
+def test_a_queue_page_charts_in_progress_redeliveries_and_dead_letters_summed_over_its_trackers(superuser_client):
+    now = timezone.now()
+    # Two trackers share the partitions of emails; samples ten seconds apart, not aligned.
+    tracker_samples("tracker-1", "emails", in_progress=4, redelivered_per_minute=6.0, dead_per_minute=3.0, now=now)
+    tracker_samples("tracker-2", "emails", in_progress=3, redelivered_per_minute=6.0,
+                    now=now - timedelta(seconds=4))
+    tracker_samples("tracker-1", "reports", in_progress=1, now=now)
+    page = superuser_client.get(f"{QUEUES}emails/").content.decode()
+    in_progress = chart(page, "Messages in progress")
+    values = re.findall(r"emails: (\d+) at", in_progress)
+    assert values and set(values[1:-1]) == {"7"}, "each bucket adds up both trackers' latest figures"
+    rates = chart(page, "Redeliveries and dead letters per minute")
+    redelivered = [float(v) for v in re.findall(r"redelivered: ([\d.]+)/min at", rates)]
+    dead = [float(v) for v in re.findall(r"dead-lettered: ([\d.]+)/min at", rates)]
+    assert redelivered and all(10 <= v <= 14 for v in redelivered[2:-1]), redelivered
+    assert dead and all(2 <= v <= 4 for v in dead[2:-1]), dead
+    assert "reports" not in in_progress
+    overview = superuser_client.get(QUEUES).content.decode()
+    assert re.findall(r'data-title="([^"]+)"', overview) == ["Messages in progress", "Redeliveries per minute",
+                                                             "Dead letters per minute"]
+    legend = chart(overview, "Messages in progress")
+    assert "emails" in legend and "reports" in legend
+
+
+@pytest.mark.django_db(transaction=True)  # the reporter writes on a connection of its own
+def test_the_tracker_samples_its_queues_and_prunes_old_samples():
+    QueueSample.objects.create(at=timezone.now() - timedelta(days=2), process="gone", queue="emails")
+    stats = {"queues": {"emails": {"in_progress": 2, "oldest_started": None}}, "redelivered": {"emails": 5},
+             "dead_lettered": {"reports": 1}}
+    reporter = StatusReporter("tracker-x", "tracker", interval=0.05, snapshot=lambda: (2, stats),
+                              history_interval=0.05, history_retention=3600)
+    reporter.start()
+    try:
+        wait_until(lambda: QueueSample.objects.filter(process="tracker-x").count() >= 4, 10, "two rounds of samples")
+    finally:
+        reporter.stop()
+    assert not QueueSample.objects.filter(process="gone").exists()
+    rows = {(s.queue, s.in_progress, s.redelivered, s.dead_lettered) for s in QueueSample.objects.all()}
+    assert rows == {("emails", 2, 5, 0), ("reports", 0, 0, 1)}
+    consumer = StatusReporter("consumer-x", "consumer", queue="emails", interval=0.05, snapshot=lambda: (0, {}),
+                              history_interval=0.05)
+    consumer.start()
+    wait_until(lambda: QueueProcess.objects.filter(name="consumer-x").exists(), 10, "the consumer's row")
+    consumer.stop()
+    assert not QueueSample.objects.filter(process="consumer-x").exists(), "only trackers know the queues' figures"

@@ -1,4 +1,5 @@
-"""Each replica's status row: written while it runs, gone when it stops; long-gone rows are pruned."""
+"""Each replica's status row: written while it runs, gone when it stops; long-gone rows are pruned. Its history
+samples: taken with the status row, pruned after history_retention, off with history_interval 0."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.db import transaction
 from django.utils import timezone
 
+from outbox import stash_many
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
-from outbox.models import HarvesterStatus
+from outbox.models import HarvesterSample, HarvesterStatus, OutboxRecord
 from tests.support.harness import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -52,6 +55,64 @@ def test_status_rows_can_be_turned_off(database_url, bootstrap_servers):
     try:
         wait_until(lambda: harvester.is_leader, 30, "leadership")
         assert not HarvesterStatus.objects.filter(name="quiet-replica").exists()
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+
+
+def test_the_history_samples_what_the_replica_did_and_old_samples_are_pruned(database_url, bootstrap_servers,
+                                                                               new_topic):
+    """Samples every history_interval: state, leadership, totals, in flight, the table's rows and oldest age."""
+    long_ago = timezone.now() - timedelta(days=3)
+    HarvesterSample.objects.create(name="crashed-last-week", at=long_ago, state="leader", since=long_ago,
+                                   harvested_table="outbox", leader_group="g")
+    topic = new_topic("history")
+    with transaction.atomic():
+        stash_many([{"topic": topic, "key": f"k{i % 3}", "value": str(i)} for i in range(30)])
+    old = OutboxRecord.objects.order_by("id").first()
+    OutboxRecord.objects.filter(pk=old.pk).update(create_time=timezone.now() - timedelta(minutes=10))
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    # Samples taken before the leader publishes: the table's rows are counted, the oldest row is ten minutes old.
+    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
+                                        leader_topic=leader, leader_group=leader, name="history-replica",
+                                        history_retention=86400,
+                                        limits=Limits(heartbeat_timeout=2.0, status_interval=0.1,
+                                                      history_interval=0.1)))
+    harvester.start()
+    try:
+        wait_until(lambda: not OutboxRecord.objects.exists(), 30, "the outbox to be drained")
+        wait_until(lambda: HarvesterSample.objects.filter(name="history-replica", published=30).exists(), 10,
+                   "a sample counting the 30 published records")
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+    samples = list(HarvesterSample.objects.filter(name="history-replica").order_by("at"))
+    assert not HarvesterSample.objects.filter(name="crashed-last-week").exists(), "old samples are pruned"
+    assert len(samples) >= 2 and all(s.leader_group == leader and s.harvested_table == "outbox" for s in samples)
+    assert [s.published for s in samples] == sorted(s.published for s in samples), "totals only grow"
+    first_full = next(s for s in samples if s.backlog)
+    assert first_full.backlog <= 30 and first_full.oldest_age >= 600
+    last = samples[-1]
+    assert last.backlog == 0 and last.oldest_age is None and last.in_flight == 0
+    leading = [s for s in samples if s.state == "leader"]
+    assert leading and {s.since for s in leading} == {leading[0].since}, "one acquisition, one `since`"
+    assert leading[-1].leader_id is not None
+
+
+def test_the_history_can_be_turned_off(database_url, bootstrap_servers):
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
+                                        leader_topic=leader, leader_group=leader, name="no-history-replica",
+                                        limits=Limits(heartbeat_timeout=2.0, status_interval=0.1,
+                                                      history_interval=0)))
+    harvester.start()
+    try:
+        wait_until(lambda: HarvesterStatus.objects.filter(name="no-history-replica", state="leader").exists(), 30,
+                   "the leader's status row")
+        status = HarvesterStatus.objects.get(name="no-history-replica")
+        wait_until(lambda: HarvesterStatus.objects.get(name="no-history-replica").last_seen > status.last_seen, 10,
+                   "a few more status rows")
+        assert not HarvesterSample.objects.filter(name="no-history-replica").exists()
     finally:
         harvester.stop()
         harvester.wait(timeout=30)

@@ -151,6 +151,9 @@ def test_the_engine_sql_matches_the_models():
     ({"max_in_flight_per_key": 8, "producer_kafka_config": {"delivery.timeout.ms": 5000}}, "outbox.E014",
      "OUTBOX['producer_kafka_config'] delivery.timeout.ms must not be set when max_in_flight_per_key > 1"),
     ({"park_after": 0}, "outbox.E004", "OUTBOX['park_after'] must be a positive integer or None, got 0"),
+    ({"history_retention": 0}, "outbox.E004",
+     "OUTBOX['history_retention'] must be a positive number of seconds, got 0"),
+    ({"history_interval": -1}, "outbox.E004", "OUTBOX['history_interval'] must be at least 0, got -1"),
     ({"dead_letter_topic": "no spaces"}, "outbox.E007", "OUTBOX['dead_letter_topic'] must be a Kafka topic name"),
     ({"mark_query_recods": 5}, "outbox.E002", "OUTBOX['mark_query_recods'] is not a known setting"),
 ])

@@ -50,7 +50,9 @@ class Command(BaseCommand):
             raise CommandError(str(error)) from None
         reporter = StatusReporter(name, "tracker", interval=conf.setting("status_interval"),
                                   snapshot=lambda: tracker_status(tracker),
-                                  totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered))
+                                  totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered),
+                                  history_interval=conf.setting("history_interval"),
+                                  history_retention=conf.setting("history_retention"))
         reporter.start()
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],

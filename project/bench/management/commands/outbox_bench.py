@@ -36,7 +36,7 @@ from django.test import override_settings
 from outbox import conf
 from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.status import StatusReporter, StatusSnapshot
-from outbox.models import HarvesterStatus, OutboxRecord
+from outbox.models import HarvesterSample, HarvesterStatus, OutboxRecord
 from outbox.stasher import stash, stash_many
 from project.bench.management.commands.outbox_pump import pump
 
@@ -88,6 +88,8 @@ class Command(BaseCommand):
         page.add_argument("--rows", type=int, default=1_000_000)
         page.add_argument("--repeat", type=int, default=5)
         page.add_argument("--parked", type=int, default=20_000, help="rows in the dead-letter table (default 20000)")
+        page.add_argument("--history-replicas", type=int, default=3,
+                          help="replicas with a full hour of history samples, one every 10 s (default 3)")
 
     def handle(self, *args: Any, mode: str, **options: Any) -> None:
         getattr(self, f"bench_{mode}")(**options)
@@ -261,9 +263,10 @@ class Command(BaseCommand):
 
     # -- admin ----------------------------------------------------------------------------------
 
-    def bench_admin(self, rows: int, repeat: int, parked: int, **_: Any) -> None:
+    def bench_admin(self, rows: int, repeat: int, parked: int, history_replicas: int = 3, **_: Any) -> None:
         """Time the dashboard and the records pages on an outbox of `rows` rows, with a live leader
-        (a status row written by the engine's own StatusReporter) holding one record of a busy key."""
+        (a status row written by the engine's own StatusReporter) holding one record of a busy key, and a full
+        hour of history for `history_replicas` replicas (the dashboard's charts)."""
         from django.contrib.auth.models import User
         from django.test import Client
 
@@ -298,6 +301,7 @@ class Command(BaseCommand):
                        now(), 'harvester bench' FROM generate_series(1, %s) AS g""", [parked])
             cursor.execute(f'ANALYZE "{table}"')
             cursor.execute(f'ANALYZE "{dead_letters}"')
+        self._hour_of_history(history_replicas)
         reporter = self._leader_status(leader_id, HeldRecord(held_id, "key-4242", held_topic,
                                                              "Broker: Message size too large", 3, 120.0, 99, False))
         user = User.objects.create_superuser(f"bench-{uuid.uuid4().hex[:8]}", "bench@example.com", None)
@@ -312,7 +316,7 @@ class Command(BaseCommand):
                   ("record detail", f"{records}{self._first_id()}/change/"),
                   ("parked records", "/admin/outbox/deadletter/")]
         self.stdout.write(f"admin benchmark: {rows:,} rows in the outbox, one held (99 behind it), {parked:,} "
-                          f"parked; median of {repeat} requests")
+                          f"parked, an hour of history of {history_replicas} replica(s); median of {repeat} requests")
         try:
             with override_settings(ALLOWED_HOSTS=["testserver"], DEBUG=False):
                 for name, url in pages:
@@ -331,6 +335,23 @@ class Command(BaseCommand):
             with connections["default"].cursor() as cursor:
                 cursor.execute(f'TRUNCATE "{table}"')
                 cursor.execute(f'DELETE FROM "{dead_letters}" WHERE outbox_id < 0')
+                cursor.execute(f'DELETE FROM "{HarvesterSample._meta.db_table}" WHERE name LIKE %s',
+                               ["bench-history-%"])
+
+    @staticmethod
+    def _hour_of_history(replicas: int) -> None:
+        """An hour of samples, one every 10 s (the default history_interval), of `replicas` replicas taking
+        the lead in turn, as their status reporters write them."""
+        with connections["default"].cursor() as cursor:
+            cursor.execute(f"""
+                INSERT INTO "{HarvesterSample._meta.db_table}" (name, at, state, leader_id, since, harvested_table,
+                    leader_group, published, failed, in_flight, queued, held, backlog, oldest_age)
+                SELECT 'bench-history-' || r, now() - make_interval(secs => 10 * (359 - s)),
+                       CASE WHEN s / (360 / %(replicas)s) = r THEN 'leader' ELSE 'standby' END, NULL,
+                       now() - make_interval(secs => 10 * (359 - (r * (360 / %(replicas)s)))),
+                       'outbox', 'bench', s * 20000, s, 4000, 0, 1, 1000000 - s * 1000, 30 + s
+                FROM generate_series(0, %(replicas)s - 1) AS r, generate_series(0, 359) AS s""",
+                           {"replicas": replicas})
 
     @staticmethod
     def _leader_status(leader_id: uuid.UUID, held: HeldRecord) -> StatusReporter:

@@ -1,0 +1,127 @@
+"""The dashboard's charts, the backlog by topic and the console's choices, through Django's test client.
+History samples are written as a replica's status reporter writes them (tests/support/history_rows.py)."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connections
+from django.test import Client
+from django.utils import timezone
+
+from outbox import history
+from outbox.charts import clock
+from outbox.harvest.contract import ReplicaState
+from outbox.models import HarvesterSample, OutboxRecord
+from outbox.states import table_estimate
+from tests.support.harness import wait_until
+from tests.support.history_rows import samples
+from tests.support.status_rows import status_row
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
+
+DASHBOARD = "/admin/outbox/dashboard/"
+
+
+@pytest.fixture
+def client() -> Client:
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", None))
+    return client
+
+
+def figure(page: str, title: str) -> str:
+    found = re.search(rf'<figure class="outbox-chart-figure" data-title="{re.escape(title)}">(.*?)</figure>', page,
+                      re.S)
+    assert found, f"no chart {title!r}"
+    return found.group(1)
+
+
+def test_the_charts_draw_each_replicas_rates_the_backlog_and_mark_the_moment_the_lead_moved(client):
+    now = timezone.now()
+    # replica-a leads from 50 to 30 minutes ago, then replica-b takes over.
+    samples("replica-a", leading_from=20, rate=100.0, failed_rate=0.5, now=now - timedelta(minutes=30), minutes=30)
+    samples("replica-b", leading_from=30, rate=250.0, now=now)
+    status_row("replica-b", ReplicaState.LEADER, leader_id=HarvesterSample.objects.filter(
+        name="replica-b", state="leader").first().leader_id)
+    page = client.get(DASHBOARD).content.decode()
+    titles = re.findall(r'data-title="([^"]+)"', page)
+    assert titles == ["Records published per second", "Deliveries failed per second", "Rows in the outbox",
+                      "Age of the oldest row", "Records in flight"]
+    published = figure(page, "Records published per second")
+    assert "replica-a: 100/s" in published and "replica-b: 250/s" in published
+    assert published.count('class="chart-line chart-1"') >= 1 and published.count('class="chart-line chart-2"') >= 1
+    assert "replica-a: 0.5/s" in figure(page, "Deliveries failed per second")
+    assert "outbox: 500 at" in figure(page, "Rows in the outbox")
+    assert "outbox: 30 s at" in figure(page, "Age of the oldest row")
+    for name in ("replica-a", "replica-b"):
+        took = HarvesterSample.objects.filter(name=name, state="leader").first().since
+        assert f"{name} took the lead at {clock(took.timestamp())}" in page
+    assert page.count('class="chart-marker"') == 5 * 2, "both takeovers on every chart"
+
+
+def test_a_replica_gone_for_a_while_leaves_a_gap_and_a_restart_is_no_negative_rate(client):
+    now = timezone.now()
+    samples("replica-a", leading_from=60, minutes=20, now=now - timedelta(minutes=40))
+    samples("replica-a", leading_from=20, minutes=20, now=now)  # back after 20 minutes, its totals from zero
+    chart = figure(client.get(DASHBOARD).content.decode(), "Records published per second")
+    assert chart.count("<polyline") == 2, "two stretches, no line across the gap"
+    assert "-" not in "".join(re.findall(r": ([^<]*)/s at", chart)), "no negative rate"
+
+
+def test_a_longer_span_is_read_into_a_bounded_number_of_points(client):
+    now = timezone.now()
+    samples("replica-a", leading_from=24 * 60, minutes=6 * 60, every=10, now=now)  # 2,160 samples, 10 s apart
+    for span, bucket in (("1h", 20), ("6h", 120)):
+        found = history.read(span, "default", now=now)
+        [series] = found.charts[0].series
+        assert len(series.points) <= history.MAX_POINTS
+        assert len(series.points) >= history.SPANS[span].total_seconds() / bucket - 3
+    page = client.get(f"{DASHBOARD}?span=6h").content.decode()
+    assert "The last 6 hours" in page and "<strong>last 6 hours</strong>" in page
+    assert "The last hour" in client.get(f"{DASHBOARD}?span=bogus").content.decode()
+
+
+def test_no_history_says_so(client):
+    page = client.get(DASHBOARD).content.decode()
+    assert page.count("no samples in this span") == 5 and "The lead did not move in this span." in page
+
+
+def test_the_backlog_by_topic_is_exact_on_a_small_outbox(client):
+    for topic, n in (("orders", 3), ("emails", 1)):
+        OutboxRecord.objects.bulk_create([OutboxRecord(kafka_topic=topic, kafka_key=f"k{i}") for i in range(n)])
+    page = client.get(DASHBOARD).content.decode()
+    rows = re.findall(r'<tr class="topic-row"><td>([^<]*)</td><td class="number">(\d+)</td><td>', page)
+    assert rows == [("orders", "3"), ("emails", "1")]
+    assert "estimate" not in page.split('id="topics"')[1].split('id="held"')[0]
+
+
+@pytest.mark.django_db(transaction=True)  # committed, so Postgres's statistics see the rows
+def test_the_backlog_by_topic_stays_bounded_on_a_big_outbox(client):
+    table = OutboxRecord._meta.db_table
+    with connections["default"].cursor() as cursor:
+        cursor.execute(f"""INSERT INTO "{table}" (kafka_topic, kafka_key, kafka_value)
+                           SELECT CASE WHEN g <= 5000 THEN 'head' ELSE 'tail-' || (g % 2) END, 'k' || g, 'v'
+                           FROM generate_series(1, 30000) AS g""")
+        cursor.execute(f'ANALYZE "{table}"')
+    wait_until(lambda: (table_estimate(table) or 0) > 20_000, 10, "Postgres's live-row estimate of the outbox")
+    page = client.get(DASHBOARD).content.decode()
+    section = page.split('id="topics"')[1].split('id="held"')[0]
+    rows = dict(re.findall(r'<tr class="topic-row"><td>([^<]*)</td><td class="number">(\d+)</td>', section))
+    assert rows == {"head": "5000", "tail-0": "2500", "tail-1": "2500"}, "counted among the oldest 10,000 rows"
+    assert "among the oldest 10000" in section
+    estimates = [int(n.replace(",", "")) for n in re.findall(r"about ([\d,]+)", section)]
+    assert len(estimates) == 3 and 25_000 <= sum(estimates) <= 35_000
+
+
+def test_the_refresh_choice_is_kept_in_the_address_and_offered(client):
+    page = client.get(f"{DASHBOARD}?refresh=5&span=6h").content.decode()
+    assert '<option value="5" selected>every 5 s</option>' in page
+    assert 'href="?span=1h&amp;refresh=5"' in page
+    assert "outbox/refresh.js" in page
+    assert '<option value="0" selected>off</option>' in client.get(f"{DASHBOARD}?refresh=7").content.decode()
+    for part in ("warnings", "charts", "leader", "backlog", "topics", "held", "in-flight-keys", "replicas", "stuck"):
+        assert f'id="{part}" data-refresh' in page, part
