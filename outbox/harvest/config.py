@@ -15,20 +15,31 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox.harvest.redaction import redact_dsn, redact_mapping
+
 # Kafka's own rule for topic names: 1..249 of [a-zA-Z0-9._-], and not "." or "..".
 TOPIC_PATTERN = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 MAX_TOPIC_LENGTH = 249
 # An unquoted SQL identifier, optionally schema-qualified: [schema.]table.
 TABLE_PATTERN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_$]{0,62}\.)?[A-Za-z_][A-Za-z0-9_$]{0,62}")
-# Kafka config keys whose values must never be printed or logged.
-SECRET_KEY_PATTERN = re.compile(r"password|secret|token|jaas|credential|private", re.IGNORECASE)
-REDACTED = "***"
+# Control characters (C0, DEL, C1) and the Unicode line and paragraph separators: a name carrying
+# one could forge a line in every log that quotes it.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def default_name() -> str:
     """A replica name that is unique enough: host, pid and start second (as goharvest)."""
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname() or "localhost")
     return f"{host}_{os.getpid()}_{int(time.time())}"
+
+
+def name_problem(value: object) -> str | None:
+    """Why `value` cannot name a replica or a group (it shows up in every log line and status row), or None."""
+    if not isinstance(value, str) or not value.strip():
+        return f"must be a non-empty string, got {value!r}"
+    if CONTROL_CHARACTERS.search(value):
+        return f"must not contain control characters (a line break would forge a log line), got {value!r}"
+    return None
 
 
 def limit(default: float | int | None, minimum: float | str, doc: str) -> Any:
@@ -186,9 +197,9 @@ class HarvestConfig:
                                      f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -), "
                                      f"got {value!r}"))
         for name in ("leader_group", "name"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                found.append(Problem("E008", name, f"must be a non-empty string, got {value!r}"))
+            problem = name_problem(getattr(self, name))
+            if problem is not None:
+                found.append(Problem("E008", name, problem))
         for name in ("base_kafka_config", "producer_kafka_config"):
             value = getattr(self, name)
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -269,8 +280,8 @@ class HarvestConfig:
         return {
             "dsn": redact_dsn(self.dsn),
             "table": self.table,
-            "base_kafka_config": redact_kafka_config(self.base_kafka_config),
-            "producer_kafka_config": redact_kafka_config(self.producer_kafka_config),
+            "base_kafka_config": redact_mapping(self.base_kafka_config),
+            "producer_kafka_config": redact_mapping(self.producer_kafka_config),
             "leader_topic": self.leader_topic,
             "leader_group": self.leader_group,
             "name": self.name,
@@ -286,24 +297,6 @@ class HarvestConfig:
 
     def __repr__(self) -> str:  # never let a password reach a log line through repr()
         return f"HarvestConfig({self.redacted()!r})"
-
-
-def redact_kafka_config(config: Any) -> Any:
-    if not isinstance(config, Mapping):
-        return REDACTED if isinstance(config, str) and SECRET_KEY_PATTERN.search(config) else config
-    return {key: (REDACTED if SECRET_KEY_PATTERN.search(str(key)) else value) for key, value in config.items()}
-
-
-_URL_PASSWORD = re.compile(r"(?P<head>^[a-z][a-z0-9+.-]*://[^:/@]*:)(?P<password>[^@]*)(?P<tail>@)", re.IGNORECASE)
-_KV_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?P<password>'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def redact_dsn(dsn: str) -> str:
-    """Mask the password in a URL (postgres://u:pw@h/db) or key=value (password=pw) connection string."""
-    if not isinstance(dsn, str):
-        return REDACTED
-    dsn = _URL_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}{m['tail']}", dsn)
-    return _KV_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}", dsn)
 
 
 def _is_number(value: object) -> bool:

@@ -23,6 +23,7 @@ from psycopg import sql
 
 from outbox.harvest import contract
 from outbox.harvest.contract import Record
+from outbox.harvest.redaction import dsn_problem
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ class PostgresStore:
             conn = connect(dsn, "fence", name=f"{group_tag(group)} {name}")
         except psycopg.OperationalError as error:
             raise StoreError(f"cannot connect to Postgres at {where}: {first_line(error)}") from None
+        except psycopg.ProgrammingError:  # libpq cannot parse it; its words could quote part of a password
+            raise StoreError(f"cannot connect to Postgres: dsn {dsn_problem(dsn)}") from None
         try:
             columns = {name for (name,) in conn.execute(contract.TABLE_COLUMNS, {"table": table_name(table)})}
             oid = conn.execute(contract.TABLE_OID, {"table": table_name(table)}).fetchone()[0]
