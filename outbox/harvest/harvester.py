@@ -251,8 +251,7 @@ class Harvester:
         self._meter_started, self._meter_published = now, core.published
         self.last_meter = stats
         if published:  # an idle replica logs nothing
-            log.info("Throughput %.4g records/s (%d in %.1fs; %d published, %d failed, %d in flight)", stats.rate,
-                     published, interval, stats.total_published, stats.total_failed, stats.in_flight)
+            log.info("%s", stats)
         self._emit(events.MeterRead(stats))
 
     def _take_snapshot(self) -> None:
