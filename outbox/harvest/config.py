@@ -87,6 +87,9 @@ class Limits:
                                                  "time, up to 16 times it), in case its cause went away.")
     fence_retry_interval: float = limit(5.0, 0.001, "How often a leader blocked by another replica's database "
                                                     "fence tries to take it.")
+    topic_limits_interval: float = limit(60.0, 0.001, "How often each topic's max.message.bytes is read again "
+                                                      "from Kafka (the record producer's batches fit the smallest; "
+                                                      "a record that cannot fit is held before it is produced).")
     min_metrics_interval: float = limit(5.0, 0.0, "Throughput is measured (and logged, when it moved) at most "
                                                   "this often.")
     status_interval: float = limit(2.0, 0.0, "The replica's status row is written this often (0 turns status "

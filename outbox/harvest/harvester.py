@@ -134,6 +134,12 @@ class Harvester:
         return {held.key: held.reason for held in self._snapshot.held}
 
     @property
+    def topic_limits(self) -> dict[str, int]:
+        """Each topic's max.message.bytes as last read from Kafka (topics.UNLIMITED: could not be read)."""
+        limits = self._io.topic_limits
+        return limits.snapshot() if limits is not None else {}
+
+    @property
     def published(self) -> int:
         return self._snapshot.published
 

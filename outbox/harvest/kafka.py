@@ -15,6 +15,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.harvest.config import HarvestConfig, Problem
+from outbox.harvest.topics import UNLIMITED, batch_size_for
 
 log = logging.getLogger(__name__)
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
@@ -60,10 +61,13 @@ class KafkaUnavailable(Exception):
 #: enforces `delivery_timeout` itself (by purging the producer), so librdkafka never times out a
 #: queued record on its own, which could let a later record of its key through (a gap).
 PIPELINED_LIBRDKAFKA_TIMEOUT_MS = 2_147_483_647
+#: librdkafka's default batch.size.
+LIBRDKAFKA_BATCH_SIZE = 1_000_000
 
 
-def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
-    """Config of the producer that publishes outbox records.
+def record_producer_config(config: HarvestConfig, batch_limit: int | None = None) -> dict[str, Any]:
+    """Config of the producer that publishes outbox records, its batches at most `batch_limit` bytes
+    (the smallest max.message.bytes of the topics it sends to, topics.py).
 
     Idempotence is on: librdkafka's retries never duplicate or reorder a message within the
     producer's session. With one record per key in flight (goharvest's barrier),
@@ -90,9 +94,18 @@ def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
         merged["enable.gapless.guarantee"] = True
     merged.update(config.base_kafka_config)
     merged.update(config.producer_kafka_config)
+    if batch_limit is not None and batch_limit < UNLIMITED:
+        merged["batch.size"] = min(_int(merged.get("batch.size"), LIBRDKAFKA_BATCH_SIZE), batch_size_for(batch_limit))
     merged.setdefault("error_cb", _log_client_error)
     merged.setdefault("logger", client_log)
     return merged
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def dead_letter_producer_config(config: HarvestConfig) -> dict[str, Any]:

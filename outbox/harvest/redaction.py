@@ -46,9 +46,10 @@ LIBPQ_SECRETS = frozenset({"password", "sslpassword"})
 #: Any other name that looks like it holds a secret (Django's HIDDEN_SETTINGS does the same).
 SECRET_NAME = re.compile(r"pass(?:word|wd|phrase)|secret|token|credential|jaas|private|(?:\.pem|key)$",
                          re.IGNORECASE)
-#: Secret values shorter than this are not scrubbed from free text (they would mask ordinary words);
-#: they are still masked wherever their setting is printed by name.
-MIN_SCRUBBED_LENGTH = 4
+#: Secret values shorter than this are not scrubbed from free text: they would mask ordinary words
+#: (a development database whose password is its name would blank the name from every log line).
+#: They are still masked wherever their setting is printed by name.
+MIN_SCRUBBED_LENGTH = 8
 #: Keys whose value is a whole connection string.
 DSN_KEYS = frozenset({"dsn", "database_url"})
 

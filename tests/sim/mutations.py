@@ -18,6 +18,7 @@ from typing import Any
 from outbox.harvest import commands as cmd
 from outbox.harvest.core import Core, EntryState, Lane
 from outbox.harvest.driver import Driver
+from outbox.harvest.topics import UNLIMITED
 from tests.sim.scenario import Options, quiet, run
 
 
@@ -108,6 +109,32 @@ class RestartForgetsInFlight(Driver):
         super().delivered(record_id, error)
 
 
+class IgnoresTopicLimits(Driver):
+    """Produces without asking for the topics' max.message.bytes (as before it was learned)."""
+
+    def _send(self, command: cmd.Send) -> None:
+        io = self.io
+        asked = io.topic_limit
+        io.topic_limit = lambda _topic: UNLIMITED
+        try:
+            super()._send(command)
+        finally:
+            io.topic_limit = asked
+
+
+class BatchesNotFitted(Driver):
+    """Knows the topics' limits, but keeps the producer's batch size (holds only records too big alone)."""
+
+    def _send(self, command: cmd.Send) -> None:
+        io = self.io
+        fit = io.fit_batches
+        io.fit_batches = lambda _limit: True
+        try:
+            super()._send(command)
+        finally:
+            io.fit_batches = fit
+
+
 def _core(kind: type[Core]) -> Callable[..., Core]:
     return lambda *args, **kwargs: kind(*args, **kwargs)
 
@@ -126,6 +153,11 @@ MUTATIONS: dict[str, Options] = {
     "records sent past a refused record of their key": Options(driver_factory=SendsPastARefusal, per_key=4),
     # Several per key in flight: a refused batch is fatal there, so producers are replaced often.
     "a producer restart that forgets what was in flight": Options(driver_factory=RestartForgetsInFlight, per_key=4),
+    # A topic with a small max.message.bytes (topics.py): batches that do not fit it are refused whole.
+    "records produced without reading the topic's limit": Options(driver_factory=IgnoresTopicLimits, per_key=4,
+                                                                  topic_limits=True),
+    "batches not fitted to the topic's limit": Options(driver_factory=BatchesNotFitted, per_key=4,
+                                                       topic_limits=True),
 }
 
 #: Seeds that catch each mutation, as `python -m tests.sim.mutations` found them. A change to the
@@ -134,13 +166,15 @@ MUTATIONS: dict[str, Options] = {
 CAUGHT_BY: dict[str, list[int]] = {
     "barrier lowered on the ack instead of after the purge": [1, 2, 3],
     "a leader id reused": [1, 2, 3],
-    "no fencing on missing heartbeats": [6, 29, 37],
-    "purging without the leader-id guard": [286, 588],
-    "a failed record resent before the refresh": [8, 9, 15],
-    "settling skipped on revoke": [97, 299, 362],
-    "a mark error taken as a mark that found nothing": [2, 7, 14],
-    "records sent past a refused record of their key": [20, 449, 1202],
-    "a producer restart that forgets what was in flight": [9, 15, 30],
+    "no fencing on missing heartbeats": [6, 23, 29],
+    "purging without the leader-id guard": [227],
+    "a failed record resent before the refresh": [2, 9, 15],
+    "settling skipped on revoke": [263, 553, 739],
+    "a mark error taken as a mark that found nothing": [2, 5, 7],
+    "records sent past a refused record of their key": [1, 3, 4],
+    "a producer restart that forgets what was in flight": [9, 12, 15],
+    "records produced without reading the topic's limit": [4, 8, 9],
+    "batches not fitted to the topic's limit": [4, 6, 8],
 }
 
 

@@ -76,7 +76,7 @@ def test_config_objects_print_no_secret():
 
 def test_scrub_masks_values_wherever_they_turn_up():
     assert scrub("login as alice with hunter22 failed", {"hunter22"}) == "login as alice with *** failed"
-    assert scrub("a b c", {"b"}) == "a b c"  # too short to scrub from free text
+    assert scrub("harvesting outbox", {"outbox"}) == "harvesting outbox"  # too short to scrub from free text
 
 
 def test_the_log_filter_masks_remembered_secrets_in_messages_and_tracebacks():
