@@ -36,6 +36,11 @@ class StoreError(Exception):
     """The outbox table cannot be used; the message is one line for the operator."""
 
 
+#: The oldest Postgres the engine runs on (server_version_num); README, "Using it in your project", says
+#: so, and tests/integration/test_postgres_majors.py runs the harvester on it.
+MIN_SERVER_VERSION = 140000
+
+
 def connect(dsn: str, purpose: str, *, name: str = "") -> psycopg.Connection:
     """An autocommit connection of the engine's own, named in pg_stat_activity by purpose (and replica)."""
     application = f"{APPLICATION_PREFIX}-{purpose}" + (f" {name}" if name else "")
@@ -148,6 +153,11 @@ class PostgresStore:
             raise StoreError(f"cannot connect to Postgres at {where}: {first_line(error)}") from None
         except psycopg.ProgrammingError:  # libpq cannot parse it; its words could quote part of a password
             raise StoreError(f"cannot connect to Postgres: dsn {dsn_problem(dsn)}") from None
+        if conn.info.server_version < MIN_SERVER_VERSION:
+            version = conn.info.server_version
+            close_quietly(conn)
+            raise StoreError(f"Postgres at {where} is {version // 10000}.{version % 10000}: the oldest supported "
+                             f"is {MIN_SERVER_VERSION // 10000}")
         try:
             columns = {name for (name,) in conn.execute(contract.TABLE_COLUMNS, {"table": table_name(table)})}
             oid = conn.execute(contract.TABLE_OID, {"table": table_name(table)}).fetchone()[0]
