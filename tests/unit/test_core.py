@@ -272,7 +272,7 @@ def test_a_record_that_fails_alone_is_held_its_key_waits_and_other_keys_go_on():
     [held] = d.core.snapshot().held
     assert (held.id, held.key, held.reason, held.attempts) == (1, "bad", str(TOO_LARGE), 1)
     d.core.on_held(1, 500)
-    d.core._next_mark_at = 0
+    d.core.marking.next_mark_at = 0
     d.take()
     d.marked([rec(2, "bad", lid), rec(3, "good", lid)])
     assert d.sent() == [3], "the held key waits; the other goes"
@@ -320,7 +320,7 @@ def test_a_held_record_is_retried_alone_when_its_row_changes_and_the_key_moves_o
 
 def test_a_held_record_that_fails_again_stays_held_and_is_parked_after_park_after_failures():
     d = Driver(held_check_interval=1.0)
-    d.core._park_after = 2
+    d.core.poison.park_after = 2
     lid = d.lead()
     d.core.on_marked(d.one(cmd.Mark), [rec(1, "bad", lid)], SETTLED)
     d.take()
@@ -382,14 +382,14 @@ def test_the_watermark_waits_for_every_transaction_that_could_own_a_skipped_id()
     lid = d.lead()
     # Rows 1 and 3 are visible; 2 belongs to a transaction still running (xid 7).
     d.marked([rec(1, "a", lid), rec(3, "b", lid)], snapshot=(7, 9))
-    d.core._next_mark_at = 0
+    d.core.marking.next_mark_at = 0
     d.advance(2.0)
     assert d.one(cmd.Mark).after == 0, "row 2 may still commit: marks start at the head"
     d.marked([], snapshot=(7, 12))
-    d.core._next_mark_at = 0
+    d.core.marking.next_mark_at = 0
     d.advance(0.1)
     d.marked([], snapshot=(12, 12))  # xid 7 (and everything older than 12) has finished
-    d.core._next_mark_at = 0
+    d.core.marking.next_mark_at = 0
     d.advance(0.1)
     assert d.one(cmd.Mark).after == 3, "nothing at or below 3 can appear any more"
 
