@@ -153,9 +153,10 @@ class QueueConsumer:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            ensure_topics(self.config, KAFKA_START_TIMEOUT)
-            self._markers = self._producer_factory(clients.marker_producer_config(self.config, self.name))
-            self._starts = self._producer_factory(clients.start_producer_config(self.config, self.queue, self.name))
+            limit = ensure_topics(self.config, KAFKA_START_TIMEOUT)  # batches fit the topics' max.message.bytes
+            self._markers = self._producer_factory(clients.marker_producer_config(self.config, self.name, limit))
+            self._starts = self._producer_factory(clients.start_producer_config(self.config, self.queue, self.name,
+                                                                                limit))
             clients.init_transactions(self._starts, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.queue_consumer_config(self.config, self.queue, self.name))
             self._consumer.subscribe([self.config.topic], on_assign=self._on_assign)

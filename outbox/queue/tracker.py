@@ -135,8 +135,8 @@ class RedeliveryTracker:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            ensure_topics(self.config, KAFKA_START_TIMEOUT)
-            self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name))
+            limit = ensure_topics(self.config, KAFKA_START_TIMEOUT)  # batches fit the topics' max.message.bytes
+            self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name, limit))
             clients.init_transactions(self._producer, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.markers_consumer_config(self.config, self.name))
             self._consumer.subscribe([self.config.markers_topic], on_assign=self._on_assign,

@@ -4,7 +4,7 @@ The harvester reads each topic's limit before producing to it, builds batches th
 a record that cannot fit even alone, naming the limit, before producing it: no producer restart, no
 record of another key published twice, no flood of log lines. Without this, a broker refusing whole
 batches made the idempotent producer fail fatally over and over, and with a limit of a few KB no
-record of any key went out at all.
+record of any key went out at all. The queue's producers likewise.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 from django.db import transaction
 
-from outbox import stash_many
+from outbox import InvalidRecord, stash_many
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
+from outbox.queue import api
+from outbox.queue.topics import MARKERS_TOPIC_CONFIG
 from tests.support.harness import assert_complete_and_ordered, outbox_count, read_topic, wait_until
+from tests.support.queue_harness import new_prefix, queue_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -117,3 +120,28 @@ def test_a_limit_lowered_while_the_harvester_runs_is_learned_and_respected(datab
     finally:
         harvester.stop()
         harvester.wait(timeout=30)
+
+
+def test_the_queue_producers_fit_small_topics_and_refuse_a_message_too_large_for_them(settings, bootstrap_servers):
+    names = queue_settings(new_prefix())
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    small = {"max.message.bytes": "3000"}
+    for future in admin.create_topics([
+            NewTopic(names["topic"], 4, 1, config=small),
+            NewTopic(names["markers_topic"], 2, 1, config={**small, **MARKERS_TOPIC_CONFIG})]).values():
+        future.result(30)
+    settings.OUTBOX = {**settings.OUTBOX, "queues": names}
+    with pytest.raises(InvalidRecord) as raised:
+        api.send("letters", "x" * 2900)
+    assert raised.value.field == "payload" and "at most 3,000 (max.message.bytes)" in str(raised.value)
+    with pytest.raises(InvalidRecord, match=r"^payloads\[1\]: too large"):
+        api.send_many("letters", ["fine", "x" * 4000])
+    # Hundreds of small messages: batched past 3,000 bytes, the broker would refuse them (QueueError).
+    ids = api.send_many("letters", [f"letter {n:04d} " * 8 for n in range(500)])
+    seen = set()
+    with api.consumer("letters", max_in_progress=100) as consumer:  # Start and End markers: batches too
+        while len(seen) < len(ids):
+            message = wait_until(lambda: consumer.receive(timeout=0.5), 60, "the small queue's messages")
+            seen.add(message.id)
+            message.ack()
+    assert seen == set(ids)
