@@ -42,10 +42,10 @@ def name_problem(value: object) -> str | None:
     return None
 
 
-def limit(default: float | int | None, minimum: float | str, doc: str) -> Any:
+def limit(default: float | int | None, minimum: float | str, doc: str, maximum: float | None = None) -> Any:
     """A Limits field: its default, the least value it accepts (or the name of the field that is
-    its least value), and what it does."""
-    return field(default=default, metadata={"minimum": minimum, "doc": doc})
+    its least value), the most (if any), and what it does."""
+    return field(default=default, metadata={"minimum": minimum, "maximum": maximum, "doc": doc})
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ class Limits:
     min_poll_interval: float = limit(0.1, 0.001, "The leader topic is polled at least this often, so Kafka sees "
                                                  "the replica alive.")
     heartbeat_timeout: float = limit(5.0, 0.001, "A leader fences itself when it has not seen its own heartbeat "
-                                                 "for this long; Kafka's session timeout is three times it.")
+                                                 "for this long; Kafka's session timeout is three times it.",
+                                     maximum=1200.0)
     max_poll_interval: float | None = limit(None, "min_poll_interval",
                                             "Longest gap between polls of the leader topic before the leader "
                                             "re-marks (default: heartbeat_timeout / 2).")
@@ -135,6 +136,10 @@ class Limits:
                 found.append(Problem("E003", spec.name, f"must be {kind}, got {value!r}"))
             elif value < minimum:
                 found.append(Problem("E004", spec.name, f"must be at least {minimum:g}, got {value!r}"))
+            elif spec.metadata["maximum"] is not None and value > spec.metadata["maximum"]:
+                # heartbeat_timeout: Kafka's session timeout is 3 x it, and librdkafka takes at most an hour.
+                found.append(Problem("E004", spec.name, f"must be at most {spec.metadata['maximum']:g}, got "
+                                                        f"{value!r}"))
         return found
 
 

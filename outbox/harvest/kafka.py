@@ -61,6 +61,8 @@ class KafkaUnavailable(Exception):
 #: enforces `delivery_timeout` itself (by purging the producer), so librdkafka never times out a
 #: queued record on its own, which could let a later record of its key through (a gap).
 PIPELINED_LIBRDKAFKA_TIMEOUT_MS = 2_147_483_647
+#: librdkafka's largest socket.timeout.ms.
+MAX_SOCKET_TIMEOUT_MS = 300_000
 #: librdkafka's default batch.size.
 LIBRDKAFKA_BATCH_SIZE = 1_000_000
 
@@ -127,7 +129,9 @@ def election_socket_timeout_ms(config: HarvestConfig) -> int:
     (measured: docs/operations.md, "Production Kafka"); at two heartbeat timeouts it resumes within
     about three.
     """
-    return max(1000, int(2 * config.limits.heartbeat_timeout * 1000))
+    # librdkafka takes at most 300 s: a heartbeat_timeout over 150 s would otherwise be refused as a
+    # socket.timeout.ms nobody set.
+    return min(MAX_SOCKET_TIMEOUT_MS, max(1000, int(2 * config.limits.heartbeat_timeout * 1000)))
 
 
 def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
@@ -166,6 +170,10 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
         "error_cb": _log_client_error,
         "logger": client_log,
     })
+    # librdkafka refuses a session timeout above max.poll.interval.ms (5 minutes by default), which a
+    # heartbeat_timeout over 100 s makes.
+    merged["max.poll.interval.ms"] = max(_int(merged.get("max.poll.interval.ms"), 300_000),
+                                         merged["session.timeout.ms"])
     return merged
 
 
@@ -179,7 +187,8 @@ def client_config_problems(config: HarvestConfig) -> list[Problem]:
         try:
             client = build({**settings, **quiet, "bootstrap.servers": "127.0.0.1:1"})
         except (KafkaException, ValueError, TypeError) as error:
-            message = kafka_reason(error)
+            text = kafka_reason(error).strip()
+            message = text.splitlines()[0] if text else type(error).__name__
             field = "producer_kafka_config" if any(f'"{key}"' in message or f"'{key}'" in message
                                                    for key in config.producer_kafka_config) else "base_kafka_config"
             problem = Problem("E013", field, f"is refused by librdkafka: {message}")

@@ -89,6 +89,7 @@ def test_default_settings_pass_the_checks():
 @pytest.mark.parametrize(("outbox", "code"), [
     ({"max_in_flight_recods": 5}, "outbox.E002"),
     ({"max_in_flight_records": 0}, "outbox.E004"),
+    ({"heartbeat_timeout": 1201}, "outbox.E004"),
     ({"heartbeat_timeout": "5s"}, "outbox.E003"),
     ({"max_value_bytes": -1}, "outbox.E003"),
     ({"listen": "yes"}, "outbox.E003"),
@@ -192,3 +193,10 @@ def test_an_unknown_librdkafka_property_stops_harvest_at_its_system_check_not_wi
     assert result.returncode != 0
     assert "(outbox.E013) OUTBOX['producer_kafka_config'] is refused by librdkafka" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_long_heartbeat_timeout_keeps_the_derived_socket_timeout_within_librdkafka_s_range():
+    # Found by test_fuzz_settings.py: heartbeat_timeout 151 made socket.timeout.ms 302,000 (librdkafka's
+    # most is 300,000), refused as a setting nobody had set, in a message of two lines.
+    assert outbox_errors(heartbeat_timeout=151) == []
+    assert outbox_errors(heartbeat_timeout=1200) == []
