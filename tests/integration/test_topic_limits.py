@@ -13,12 +13,14 @@ import logging
 import uuid
 
 import pytest
+from confluent_kafka import KafkaError, Producer
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 from django.db import transaction
 
 from outbox import InvalidRecord, stash_many
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
+from outbox.harvest.topics import record_size
 from outbox.queue import api
 from outbox.queue.topics import MARKERS_TOPIC_CONFIG
 from tests.support.harness import assert_complete_and_ordered, outbox_count, read_topic, wait_until
@@ -145,3 +147,18 @@ def test_the_queue_producers_fit_small_topics_and_refuse_a_message_too_large_for
             seen.add(message.id)
             message.ack()
     assert seen == set(ids)
+
+
+def test_a_record_s_size_is_what_the_broker_measures_against_max_message_bytes(bootstrap_servers):
+    """record_size() to the byte: a record of exactly the limit is taken, one byte more refused."""
+    topic = create_topic(bootstrap_servers, 3000)
+    producer = Producer({"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "linger.ms": 0})
+    headers = [("outbox-id", "12345"), ("outbox-create-time", "2026-11-21T23:47:08.171250Z"), ("trace", "é")]
+    answers = {}
+    for target in (3000, 3001):
+        length = next(n for n in range(3000) if record_size("key-é", "v" * n, headers) == target)
+        producer.produce(topic, key="key-é", value="v" * length, headers=headers,
+                         on_delivery=lambda error, _message, target=target: answers.__setitem__(target, error))
+        assert producer.flush(30) == 0
+    assert answers[3000] is None
+    assert answers[3001] is not None and answers[3001].code() == KafkaError.MSG_SIZE_TOO_LARGE
