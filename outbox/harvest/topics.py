@@ -103,7 +103,7 @@ def limit_fitted_by(batch_size: int) -> int:
 
 def too_large(size: int, limit: int, topic: str) -> str:
     """The held record's reason, naming the limit."""
-    return (f"too large for topic {topic}: {size:,} bytes as a message, its max.message.bytes is {limit:,} (not "
+    return (f"too large: {size:,} bytes as a message, over topic {topic}'s max.message.bytes of {limit:,} (not "
             f"produced; raise the topic's max.message.bytes, or fix or park the record)")
 
 
