@@ -43,6 +43,11 @@ DJANGO_DEFAULTS: dict[str, Any] = {
     "stuck_reset_count": 3,
     "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
 }
+#: Settings that did something once and do nothing now: accepted, with a warning saying so.
+RETIRED_KEYS: dict[str, str] = {
+    "rescan_interval": "marks look up the ids that were not visible yet by key; nothing re-reads the table from "
+                       "its head any more",
+}
 #: Keys other parts of the app register (outbox.queue adds "queues").
 EXTRA_KEYS: set[str] = set()
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
@@ -52,7 +57,8 @@ _ENGINE_DEFAULTS = {f.name: f for f in dataclasses.fields(HarvestConfig)}
 
 
 def known_keys() -> frozenset[str]:
-    return frozenset(DJANGO_DEFAULTS) | frozenset(ENGINE_KEYS) | frozenset(LIMIT_NAMES) | frozenset(EXTRA_KEYS)
+    return (frozenset(DJANGO_DEFAULTS) | frozenset(ENGINE_KEYS) | frozenset(LIMIT_NAMES) | frozenset(EXTRA_KEYS)
+            | frozenset(RETIRED_KEYS))
 
 
 def raw_settings() -> Any:
@@ -142,6 +148,10 @@ def warnings() -> list[Problem]:
     found = config.warnings()
     from outbox.models import OutboxRecord
 
+    raw = raw_settings()
+    for key, why in RETIRED_KEYS.items():
+        if key in raw:
+            found.append(Problem("W004", key, f"no longer does anything ({why}); remove it"))
     if config.table != OutboxRecord._meta.db_table:
         found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
                                               f"use the model's table {OutboxRecord._meta.db_table!r}"))
