@@ -15,6 +15,7 @@ It needs the server on this machine (the project's own, or testcontainers' would
 from __future__ import annotations
 
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,15 +101,23 @@ class ServerMeter:
             self.has_statements = cursor.fetchone() is not None
 
     def cpu(self) -> float:
-        times = self.postmaster.cpu_times()
-        total = times.user + times.system + times.children_user + times.children_system
-        for child in self.postmaster.children():
-            try:
-                child_times = child.cpu_times()
-            except psutil.Error:
-                continue  # exited just now: its time is in the postmaster's children_* already
-            total += child_times.user + child_times.system
-        return total
+        """CPU seconds of every server process so far. A backend that exits while this reads would be
+        counted twice (alive, then reaped) or not at all: read again until none did."""
+        for _ in range(20):
+            children = self.postmaster.children()
+            alive = 0.0
+            for child in children:
+                try:
+                    times = child.cpu_times()
+                except psutil.Error:
+                    break
+                alive += times.user + times.system
+            else:
+                own = self.postmaster.cpu_times()
+                if all(child.is_running() for child in children):
+                    return own.user + own.system + own.children_user + own.children_system + alive
+            time.sleep(0.01)
+        raise RuntimeError("the server's processes kept changing while their CPU time was read")
 
     def statements(self) -> Statements:
         if not self.has_statements:
