@@ -27,6 +27,7 @@ EXTRA = "pip install 'django-outbox-harvest[delta]'"
 _TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 _USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+_MATERIALIZE_SOURCE = "spark.databricks.delta.merge.materializeSource"
 
 
 def package_missing() -> str | None:
@@ -79,9 +80,14 @@ def table(spark: SparkSession, path: str) -> Any:
 
 
 @contextmanager
-def transaction(spark: SparkSession, commit: Commit) -> Iterator[None]:
-    """The DML (MERGE) run inside is labelled with `commit`, and skipped if that micro-batch committed already."""
+def transaction(spark: SparkSession, commit: Commit, *, materialized_source: bool = False) -> Iterator[None]:
+    """The DML (MERGE) run inside is labelled with `commit`, and skipped if that micro-batch committed already.
+
+    `materialized_source`: the MERGE's source is materialized already, so Delta need not copy it first.
+    """
     settings = {_USER_METADATA: commit.label}
+    if materialized_source:
+        settings[_MATERIALIZE_SOURCE] = "none"
     if commit.app_id is not None:
         settings.update({_TXN_APP_ID: commit.app_id, _TXN_VERSION: str(commit.batch_id)})
     for key, value in settings.items():

@@ -144,22 +144,25 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
     def write_outputs(session: SparkSession, batch_id: int, batch: DataFrame, before: audit.AuditState | None,
                       folded: audit.AuditState, saved: audit.AuditState) -> None:
         """The output tables after `batch`: written before the state's version is marked folded."""
+        began = time.monotonic()
         if options.latest and not delta_latest:
             assert saved.latest is not None
             latest_state.write(saved.latest, options.latest, tombstones=options.tombstones)
+            log(f"batch {batch_id}: --latest rewritten in {time.monotonic() - began:.1f}s")
         if options.sink:
             sink.append(batch, before.ids if before else None, options.sink, commit_of(batch_id))
-            log(f"batch {batch_id}: --sink appended")
+            log(f"batch {batch_id}: --sink appended in {time.monotonic() - began:.1f}s")
         if delta_latest:
+            began = time.monotonic()
             assert options.latest is not None and folded.batch_keys is not None
             if before is None:  # a checkpoint that starts over: the table starts over too
                 latest_state.write(latest_state.fold(None, None, batch, folded.batch_keys), options.latest,
                                    table_format=delta_table.FORMAT, tombstones=options.tombstones,
                                    commit=commit_of(batch_id))
             else:
-                changed = latest_state.changes(before.keys, saved.keys, batch, folded.batch_keys)
+                changed = latest_state.changes(before.keys, batch, folded.batch_keys)
                 latest_state.merge(session, options.latest, changed, commit_of(batch_id), options.tombstones)
-            log(f"batch {batch_id}: --latest merged")
+            log(f"batch {batch_id}: --latest merged in {time.monotonic() - began:.1f}s")
 
     def fold_batch(frame: DataFrame, batch_id: int) -> None:
         activity["busy"] = True

@@ -104,33 +104,39 @@ def table(state: DataFrame, tombstones: Tombstones = "delete") -> DataFrame:
     return newest.where(F.col("value").isNotNull()).select(*RECORD_COLUMNS)
 
 
-def changes(previous_keys: DataFrame | None, keys: DataFrame, batch: DataFrame, batch_keys: DataFrame) -> DataFrame:
+def changes(previous_keys: DataFrame, batch: DataFrame, batch_keys: DataFrame) -> DataFrame:
     """The rows a micro-batch changes in the table: per (topic, key), its new newest record (a null `value`:
-    a tombstone), with `_by_id`, whether the key ever had an outbox id.
+    a tombstone), with `_by_id`, whether the key ever had an outbox id. Materialized (a local checkpoint).
 
-    `keys` are the keys' highest ids per partition after the batch. A record from one partition is
-    the key's newest only when that partition holds the key's highest id of all its partitions
-    (ties: the higher partition), which `keys` tells without reading the table. A key that never
-    had an id in any partition is decided against the table's row in `merge` (the higher partition wins).
+    A record from one partition is the key's newest only when that partition holds the key's highest
+    id of all its partitions after the batch (ties: the higher partition), which the keys' highest
+    ids tell without reading the table. A key that never had an id in any partition is decided
+    against the table's row in `merge` (the higher partition wins).
+
+    `previous_keys` (one row per key ever seen) is read once, for the batch's keys only: those are
+    few and materialized, so Spark broadcasts them instead of shuffling every key of the table.
     """
-    records = _records(batch, _chosen(previous_keys, batch_keys))
+    touched = batch_keys.select("topic", "key").distinct().localCheckpoint().alias("t")
+    known = previous_keys.alias("k")
+    prior = (known.join(touched, [known["topic"] == touched["topic"], known["key"].eqNullSafe(touched["key"])])
+             .select(known["topic"], known["partition"], known["key"], known["max_id"]).localCheckpoint())
+    records = _records(batch, _chosen(prior, batch_keys))
     candidates = records.withColumn("_n", _newest(records)).where(F.col("_n") == 1).drop("_n").alias("c")
-    touched = candidates.select("topic", "key").alias("t")
-    held = keys.alias("k")
-    top = (held.join(touched, [held["topic"] == touched["topic"], held["key"].eqNullSafe(touched["key"])])
-           .groupBy(held["topic"].alias("_topic"), held["key"].alias("_key"))
-           .agg(F.max(F.struct(held["max_id"], held["partition"])).alias("_top")).alias("r"))
-    joined = candidates.join(top, [candidates["topic"] == top["_topic"], candidates["key"].eqNullSafe(top["_key"])],
-                             "left")
+    after = (prior.unionByName(batch_keys.where(F.col("max_id").isNotNull()).select(*KEY, "max_id"))
+             .groupBy(F.col("topic").alias("_topic"), F.col("key").alias("_key"))
+             .agg(F.max(F.struct("max_id", "partition")).alias("_top")).alias("r"))
+    joined = candidates.join(after, [candidates["topic"] == after["_topic"],
+                                     candidates["key"].eqNullSafe(after["_key"])], "left")
     best = F.col("_top")
     wins = ((best.isNull() & F.col("max_id").isNull())
             | ((F.col("max_id") == best.getField("max_id")) & (F.col("partition") == best.getField("partition"))))
-    return joined.where(wins).select(*RECORD_COLUMNS, F.col("max_id").isNotNull().alias("_by_id"))
+    return joined.where(wins).select(*RECORD_COLUMNS, F.col("max_id").isNotNull().alias("_by_id")).localCheckpoint()
 
 
 def merge(spark: SparkSession, path: str, changed: DataFrame, commit: delta_table.Commit,
           tombstones: Tombstones = "delete") -> None:
-    """MERGE `changes()` into the Delta table at `path`, in one commit (skipped if `commit` is there already)."""
+    """MERGE `changes()` (materialized) into the Delta table at `path`, in one commit (skipped if `commit`
+    is there already)."""
     source, target = changed.alias("s"), delta_table.table(spark, path).alias("t")
     same_key = (F.col("t.topic") == F.col("s.topic")) & F.col("t.key").eqNullSafe(F.col("s.key"))
     newer = F.col("s._by_id") | (F.col("s.partition") >= F.col("t.partition"))
@@ -143,7 +149,7 @@ def merge(spark: SparkSession, path: str, changed: DataFrame, commit: delta_tabl
     else:
         builder = (builder.whenMatchedDelete(newer & tombstone).whenMatchedUpdate(newer, values)
                    .whenNotMatchedInsert(~tombstone, values))
-    with delta_table.transaction(spark, commit):
+    with delta_table.transaction(spark, commit, materialized_source=True):
         builder.execute()
 
 
@@ -153,7 +159,9 @@ def write(state: DataFrame, path: str, *, table_format: str = "parquet", tombsto
 
     As Parquet the folder is replaced file by file; as Delta in one commit (`commit`).
     """
-    rows = table(state, tombstones).repartition("topic").sortWithinPartitions("topic", "partition", "offset")
+    # A file per (topic, Kafka partition): a MERGE scans the table's keys in as many tasks, not in one.
+    rows = (table(state, tombstones).repartition("topic", "partition")
+            .sortWithinPartitions("topic", "partition", "offset"))
     if table_format == delta_table.FORMAT:
         delta_table.write(rows, path, commit or delta_table.Commit(), overwrite=True, properties=DELTA_PROPERTIES)
     else:

@@ -156,6 +156,14 @@ def test_follow_merges_each_micro_batch_once_as_the_reference_says(spark, bootst
     assert {k: replayed[k] for k in ("messages", "distinct_ids", "duplicates", "reversals")} == {
         k: second[k] for k in ("messages", "distinct_ids", "duplicates", "reversals")}
 
+    # The maintenance docs/audit.md recommends between runs leaves the same tables.
+    spark.sql(f"OPTIMIZE delta.`{latest}`").collect()
+    spark.sql(f"REORG TABLE delta.`{latest}` APPLY (PURGE)").collect()
+    spark.sql(f"OPTIMIZE delta.`{sink}`").collect()
+    assert spark_latest(spark, latest) == rust_latest(latest) == expected
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+    assert [operation for operation, _ in history(spark, latest)][3:] == ["OPTIMIZE", "REORG"]
+
     # The checkpoint's tables stay where they are and as they are.
     for changed, says in ((delta("--latest", str(tmp_path / "elsewhere")), "keeps its Delta table in"),
                           (["--latest", str(latest)], "keeps --latest as --format delta, not parquet"),

@@ -91,7 +91,7 @@ def test_merging_each_batch_gives_the_rewritten_table_and_the_reference(spark, t
                 latest_state.write(latest_state.fold(None, None, messages, folded.batch_keys), merged,
                                    table_format="delta", tombstones=tombstones, commit=commit)
             else:
-                changed = latest_state.changes(before.keys, saved.keys, messages, folded.batch_keys)
+                changed = latest_state.changes(before.keys, messages, folded.batch_keys)
                 latest_state.merge(spark, merged, changed, commit, tombstones)
             sink.append(messages, before.ids if before else None, appended, commit)
 
