@@ -162,7 +162,8 @@ def test_follow_merges_each_micro_batch_once_as_the_reference_says(spark, bootst
     spark.sql(f"OPTIMIZE delta.`{sink}`").collect()
     assert spark_latest(spark, latest) == rust_latest(latest) == expected
     assert spark_sink(spark, sink) == first_ids(messages.sent)
-    assert [operation for operation, _ in history(spark, latest)][3:] == ["OPTIMIZE", "REORG"]
+    operations = [operation for operation, _ in history(spark, latest)]
+    assert operations[3] == "OPTIMIZE" and set(operations[4:]) <= {"REORG"}  # REORG: only what OPTIMIZE left
 
     # The checkpoint's tables stay where they are and as they are.
     for changed, says in ((delta("--latest", str(tmp_path / "elsewhere")), "keeps its Delta table in"),
