@@ -59,6 +59,8 @@ class Snapshot:
     fence_holder: str | None
     published: int
     failed: int
+    #: The highest outbox id the term of `marking_id` has read.
+    marked_upto: int | None = None
 
 
 class Core:
@@ -116,11 +118,12 @@ class Core:
         marking = leadership.leader_id if self.phase in (Phase.ACTIVE, Phase.DRAINING) else None
         if marking is None and (lanes.in_flight or self.poison.held):
             marking = leadership.last_term_id
+        marked_upto = self.marking.high_water if marking is not None and self.marking.high_water else None
         return Snapshot(state=self.state, leader_id=leadership.leader_id if self.phase is Phase.ACTIVE else None,
                         marking_id=marking, in_flight=lanes.in_flight, queued=lanes.queued,
                         in_flight_keys=list(itertools.islice(lanes.busy, KEY_SAMPLE)),
                         in_flight_key_count=len(lanes.busy), held=held, fence_holder=leadership.fence_holder,
-                        published=self.published, failed=self.failed)
+                        published=self.published, failed=self.failed, marked_upto=marked_upto)
 
     @property
     def state(self) -> ReplicaState:
@@ -249,12 +252,12 @@ class Core:
         self.marking.notified()
         self.poison.notified()
 
-    def on_marked(self, mark: cmd.Mark, records: list[Record], snapshot: tuple[int, int] | None = None) -> None:
-        """The rows a Mark marked, sorted by id, and the (xmin, xmax) of a database snapshot taken
-        just before it (the oldest transaction still running, and the next transaction id)."""
-        if self.marking.marked(mark, records, snapshot):
-            for record in records:
-                self.lanes.take(record)
+    def on_marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str] = frozenset()) -> None:
+        """The rows a Mark read, sorted by id, and the transactions writing to the outbox just before
+        (their virtual transaction ids)."""
+        taken = self.marking.marked(mark, records, writers)
+        for record in taken or ():
+            self.lanes.take(record)
 
     def on_mark_failed(self, mark: cmd.Mark, error: str) -> None:
         """A Mark raised: its UPDATE may have committed all the same, so re-mark rather than retry."""

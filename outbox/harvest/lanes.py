@@ -112,6 +112,7 @@ class Lanes:
         self._to_purge: list[Entry] = []
         self._purging: list[Entry] | None = None
         self._purge_retry_at = now
+        self._next_purge_at = now  # purges are coalesced: one at most every purge_interval
         self._to_reset: list[Entry] = []
         self._resetting: list[Entry] | None = None
         self._reset_retry_at = now
@@ -141,7 +142,7 @@ class Lanes:
         if active and self.ready and self._paused_until > self.core.now:
             deadline = min(deadline, self._paused_until)
         if self._to_purge and self._purging is None:
-            deadline = min(deadline, self._purge_retry_at)
+            deadline = min(deadline, max(self._purge_retry_at, self._next_purge_at))
         if self._to_reset and self._resetting is None:
             deadline = min(deadline, self._reset_retry_at)
         if self._sent and not self.aborted:
@@ -161,6 +162,10 @@ class Lanes:
             if not lane.waiting:
                 queued += len(lane.queued)
         assert unsettled == self.in_flight, f"{unsettled} unsettled, in_flight says {self.in_flight}"
+        tracked = {entry.record.id for lane in self.lanes.values()
+                   for entry in (*lane.queued, *lane.unsettled, *([lane.held] if lane.held is not None else []))}
+        stray = sorted(set(self.entries) ^ tracked)
+        assert not stray, f"entries out of step with the lanes: {stray[:5]}"
         assert queued == self.queued, f"{queued} queued, queued says {self.queued}"
         assert len(self.busy) <= len(self.lanes)
 
@@ -427,12 +432,13 @@ class Lanes:
     def flush_settling(self, fenced: bool) -> None:
         """Purge and reset what is due; `fenced`: each also checks that the fence is still held."""
         now = self.core.now
-        if self._to_purge and self._purging is None and now >= self._purge_retry_at:
+        if self._to_purge and self._purging is None and now >= self._purge_retry_at and now >= self._next_purge_at:
+            self._next_purge_at = now + self.limits.purge_interval
             self._purging, self._to_purge = self._to_purge, []
-            self.core.command(cmd.Purge(tuple((e.record.id, e.record.leader_id) for e in self._purging), fenced))
+            self.core.command(cmd.Purge(tuple(e.record.id for e in self._purging), fenced))
         if self._to_reset and self._resetting is None and now >= self._reset_retry_at:
             self._resetting, self._to_reset = self._to_reset, []
-            self.core.command(cmd.Reset(tuple((e.record.id, e.record.leader_id) for e in self._resetting),
+            self.core.command(cmd.Reset(tuple(e.record.id for e in self._resetting),
                                         tuple(str(e.error) for e in self._resetting), fenced))
 
     def purged(self) -> int:

@@ -58,6 +58,8 @@ class PoisonBook:
         self._checking = False
         self._asked: dict[int, int] = {}  # record id -> its lane's holds when the CheckHeld under way was asked
         self._parking: set[int] = set()
+        #: Held records to park once their Hold has answered (Park moves the version the Hold left).
+        self._to_park: dict[int, tuple[str, int]] = {}
 
     # -- what the lanes ask -----------------------------------------------------------------------
 
@@ -104,6 +106,7 @@ class PoisonBook:
         """The term's queued records were dropped (Lanes.abandon_queued): nothing is held any more."""
         self.held.clear()
         self._parking.clear()
+        self._to_park.clear()
         self._checking = False
 
     def deadline(self, deadline: float) -> float:
@@ -138,19 +141,38 @@ class PoisonBook:
         backoff = self.limits.held_retry_after * min(MAX_RETRY_FACTOR, 2 ** (attempts - 1))
         self._poison[record.id] = Poison(reason, poison.since if poison else core.now, attempts,
                                          core.now + backoff, fingerprint(record))
-        if lane.held is None:
+        held = lane.held
+        first = held is None
+        if held is not None and held is not entry and held.record.id > record.id:
+            # An earlier record of the key failed on its own after a later one was held (it was in flight
+            # then): the earlier one is held now, and the later one waits behind it, known poison. The
+            # key stays held throughout, so what waits in its lane stays uncounted.
+            held.state = EntryState.QUEUED
+            held.rehold = True
+            lane.queued.appendleft(held)
+            first = True
+        if first:
             log.error("Holding key %r of topic %s: record %d cannot be published (%s); other keys go on",
                       record.key, record.topic, record.id, reason)
             core.announce(events.RecordHeld(record.id, record.key, reason))
+        elif held is not entry:
+            # A later record of a held key failed on its own (defensive: it waits behind, known poison).
+            log.warning("Record %d (key %r) cannot be published either (%s); it waits behind held record %d",
+                        record.id, record.key, reason, held.record.id)
+            entry.state = EntryState.QUEUED
+            entry.rehold = True
+            position = next((i for i, e in enumerate(lane.queued) if e.record.id > record.id), len(lane.queued))
+            lane.queued.insert(position, entry)
+            return
         else:
             log.warning("Held record %d (key %r) failed again (attempt %d): %s", record.id, record.key, attempts,
                         reason)
         self.hold_again(lane, entry)
         lane.version_known = False
-        core.command(cmd.Hold(record.id, record.leader_id, reason))
+        core.command(cmd.Hold(record.id, reason))
         if self.park_after is not None and attempts >= self.park_after:
             self._parking.add(record.id)
-            core.command(cmd.Park(record, reason, attempts))
+            self._to_park[record.id] = (reason, attempts)
 
     def hold_again(self, lane: Lane, entry: Entry) -> None:
         lanes = self.core.lanes
@@ -170,12 +192,6 @@ class PoisonBook:
 
     def _retry(self, lane: Lane, current: Record, why: str) -> None:
         entry = lane.held
-        if current.leader_id != entry.record.leader_id:
-            # Someone unmarked it (a raw requeue): re-mark from the head, so it keeps its place in its key.
-            log.warning("Held record %d (key %r) was unmarked by someone else; re-marking", entry.record.id,
-                        lane.key)
-            self.core.leadership.remark()
-            return
         log.info("Retrying held record %d (key %r): %s", entry.record.id, lane.key, why)
         entry.record = current
         entry.state = EntryState.QUEUED
@@ -235,10 +251,15 @@ class PoisonBook:
     def on_held(self, record_id: int, version: int | None) -> None:
         entry = self.core.lanes.entries.get(record_id)
         lane = self.core.lanes.lanes.get(entry.record.key) if entry is not None else None
+        pending = self._to_park.pop(record_id, None)
         if lane is not None and lane.held is entry:
             if version is not None:
                 entry.record.version = version
             lane.version_known = True
+            if pending is not None:
+                self.core.command(cmd.Park(entry.record, *pending))
+                return
+        self._parking.discard(record_id)
 
     def on_held_checked(self, rows: dict[int, Record]) -> None:
         now = self.core.now
@@ -267,16 +288,19 @@ class PoisonBook:
         log.warning("Could not re-read held records: %s", error)
 
     def on_parked(self, record_id: int, parked: bool) -> None:
+        """Parked; or not (the row is gone, or changed since its Hold): the next check of held rows decides."""
         self._parking.discard(record_id)
         lanes = self.core.lanes
         entry = lanes.entries.get(record_id)
         lane = lanes.lanes.get(entry.record.key) if entry is not None else None
         if lane is None or lane.held is not entry:
             return
-        if parked:
-            reason = self._poison[record_id].reason if record_id in self._poison else ""
-            self.core.announce(events.RecordParked(record_id, entry.record.key, reason))
-        self._release(lane, "parked" if parked else "its row was gone when parking it")
+        if not parked:
+            self._check_at = self.core.now
+            return
+        reason = self._poison[record_id].reason if record_id in self._poison else ""
+        self.core.announce(events.RecordParked(record_id, entry.record.key, reason))
+        self._release(lane, "parked")
 
     def on_park_failed(self, record_id: int, error: str) -> None:
         self._parking.discard(record_id)
