@@ -6,7 +6,7 @@
     tracker.wait()         # blocks until stopped; re-raises a background failure
 
 Any number of replicas share the markers topic's partitions through one consumer group; each
-rebuilds the state of the partitions it is given from the log (tracking.py), starting at the
+rebuilds the state of the partitions it is given from the log (tracker_state.py), starting at the
 offset committed for them: the oldest Start marker still in progress.
 
 A message whose deadline passed is redelivered to the queue topic together with the End marker
@@ -41,7 +41,7 @@ from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, MarkerError
 from outbox.queue.topics import ensure_topics
-from outbox.queue.tracking import Due, PartitionTracker, QueueStats
+from outbox.queue.tracker_state import Due, PartitionTracker, QueueStats
 
 log = logging.getLogger(__name__)
 

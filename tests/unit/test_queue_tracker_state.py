@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from outbox.queue.markers import DELIVERIES_HEADER, ID_HEADER, Kind, Marker
-from outbox.queue.tracking import PartitionTracker
+from outbox.queue.tracker_state import PartitionTracker
 
 TIMEOUT = 10.0
 
