@@ -103,12 +103,14 @@ class RedeliveryTracker:
                  instruments: QueueInstruments | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 create_topics: Callable[[QueueConfig, float], None] = ensure_topics) -> None:
         self.config = config
         self.name = name or default_name()
         self._dead_letters = dead_letters
         self._instruments = instruments or QueueInstruments()
         self._consumer_factory, self._producer_factory, self._clock = consumer_factory, producer_factory, clock
+        self._create_topics = create_topics
         self.state = State.CREATED
         self._trackers: dict[int, PartitionTracker] = {}
         self._committed: dict[int, int] = {}
@@ -129,13 +131,21 @@ class RedeliveryTracker:
 
     def start(self) -> None:
         """Join the trackers' group and start tracking in the background."""
+        self.open()
+        self._thread = threading.Thread(target=self._run, name="queue-tracker", daemon=True)
+        self._thread.start()
+        log.info("Tracking redeliveries as %s (markers topic %s, group %s)", self.name, self.config.markers_topic,
+                 self.config.tracker_group)
+
+    def open(self) -> None:
+        """Create the clients and join the group, starting no thread (start() and the simulator)."""
         if self.state is not State.CREATED:
             raise QueueError(f"cannot start a tracker that is {self.state.value}")
         problems = self.config.validate()
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            ensure_topics(self.config, KAFKA_START_TIMEOUT)
+            self._create_topics(self.config, KAFKA_START_TIMEOUT)
             self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name))
             clients.init_transactions(self._producer, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.markers_consumer_config(self.config, self.name))
@@ -147,10 +157,6 @@ class RedeliveryTracker:
             bootstrap = self.config.base_kafka_config.get("bootstrap.servers", "?")
             raise QueueError(f"Kafka is unreachable at {bootstrap}: {kafka_reason(error)}") from None
         self.state = State.RUNNING
-        self._thread = threading.Thread(target=self._run, name="queue-tracker", daemon=True)
-        self._thread.start()
-        log.info("Tracking redeliveries as %s (markers topic %s, group %s)", self.name, self.config.markers_topic,
-                 self.config.tracker_group)
 
     def stop(self) -> None:
         """Ask the tracker to stop; returns at once."""
@@ -172,24 +178,29 @@ class RedeliveryTracker:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._step()
+                self.step()
             self._commit(force=True)
         except BaseException as error:
             self._failure = error
             log.error("Tracker stopping after a failure: %s", kafka_reason(error), exc_info=error)
         finally:
-            try:
-                self._consumer.close()
-            except (KafkaException, RuntimeError) as error:
-                log.warning("Closing the markers consumer: %s", kafka_reason(error))
-            self._producer = None
-            self.snapshot = self._take_snapshot()
-            self.state = State.STOPPED
-            log.info("Tracker stopped (redelivered %d, dead-lettered %d)", sum(self._redelivered.values()),
-                     sum(self._dead.values()))
-            self._stopped.set()
+            self.close()
 
-    def _step(self) -> None:
+    def close(self) -> None:
+        """Leave the group (committing what the revoke callback commits) and let go of the clients."""
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as error:
+            log.warning("Closing the markers consumer: %s", kafka_reason(error))
+        self._producer = None
+        self.snapshot = self._take_snapshot()
+        self.state = State.STOPPED
+        log.info("Tracker stopped (redelivered %d, dead-lettered %d)", sum(self._redelivered.values()),
+                 sum(self._dead.values()))
+        self._stopped.set()
+
+    def step(self) -> None:
+        """One round: read markers, redeliver or dead-letter what is due, commit now and then."""
         # poll() wakes at the first record (or the interval, to check deadlines); consume(timeout=0)
         # adds whatever else is already fetched.
         first = self._consumer.poll(self.config.poll_interval)
