@@ -168,7 +168,8 @@ class QueueConsumer:
             self._starts = self._producer_factory(clients.start_producer_config(self.config, self.queue, self.name))
             clients.init_transactions(self._starts, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.queue_consumer_config(self.config, self.queue, self.name))
-            self._consumer.subscribe([self.config.topic], on_assign=self._on_assign)
+            self._consumer.subscribe([self.config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                     on_lost=self._on_revoke)
         except (KafkaUnavailable, clients.TransactionsUnavailable) as error:
             self.close_clients()
             raise QueueError(str(error)) from None
@@ -483,6 +484,11 @@ class QueueConsumer:
         consumer.incremental_assign(partitions)
         if self._state.paused:
             consumer.pause(partitions)
+
+    def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        # (confluent-kafka unassigns them after the callback returns.)
+        with self._lock:
+            self._state.revoked(tp.partition for tp in partitions)
 
     # -- failures ---------------------------------------------------------------------------------
 

@@ -9,8 +9,9 @@ Decisions made here:
   settled); held full for FULL_PAUSE_AFTER, the consumer pauses its partitions and keeps
   polling (so it stays in its group), reading nothing it keeps (`fetch_plan`);
 - which records of the shared queue topic are this queue's (by key), which offsets go into the
-  Start transaction (this batch's and those of other queues' records read before it), and where
-  to read again when the transaction fails or records were read while paused;
+  Start transaction (this batch's and those of other queues' records read before it, in
+  partitions it still holds), and where to read again when the transaction fails or records were
+  read while paused;
 - when the offsets of other queues' records are committed on their own;
 - which messages need a KeepAlive marker now;
 - what ack, retry, abandon and release do to a message, and the marker each sends.
@@ -172,6 +173,13 @@ class ConsumerState:
         for record in records:
             first.setdefault(record.partition(), record.offset())
         return first
+
+    def revoked(self, partitions: Iterable[int]) -> None:
+        """Partitions taken away (revoked, or lost with the group's session): their offsets are their
+        new owner's to commit. Committed later, with a valid generation, they would move the group's
+        offset back, and the new owner would read and start messages acked already."""
+        for partition in partitions:
+            self._pending.pop(partition, None)
 
     def foreign_offsets(self, now: float, force: bool = False) -> dict[int, int] | None:
         """Offsets past other queues' records to commit now (now and then, so a restart skips them), or None."""

@@ -99,6 +99,9 @@ class State(enum.Enum):
 class RedeliveryTracker:
     """One replica of the redelivery tracker."""
 
+    #: Markers read at most per round (the simulator lowers it, so replays take several rounds).
+    fetch_batch = FETCH_BATCH
+
     def __init__(self, config: QueueConfig, *, dead_letters: DeadLetterSink, name: str | None = None,
                  instruments: QueueInstruments | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
@@ -204,21 +207,22 @@ class RedeliveryTracker:
         # poll() wakes at the first record (or the interval, to check deadlines); consume(timeout=0)
         # adds whatever else is already fetched.
         first = self._consumer.poll(self.config.poll_interval)
-        records = [] if first is None else [first, *self._consumer.consume(FETCH_BATCH - 1, timeout=0)]
+        records = [] if first is None else [first, *self._consumer.consume(self.fetch_batch - 1, timeout=0)]
         now = self._clock()
         for record in records:
             error = record.error()
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
-                    tracker = self._trackers.get(record.partition())
-                    if tracker is not None:
-                        tracker.reached_end()
+                    self._reached_end(record)
                 elif error.fatal():
                     raise KafkaException(error)
                 else:
                     log.warning("Markers consumer: %s", error.str())
                 continue
             self._apply(record, now)
+        for partition, tracker in self._trackers.items():
+            if tracker.caught_up:
+                tracker.saw_high_watermark(self._high_watermark(partition, -1))
         due = [entry for tracker in self._trackers.values() for entry in tracker.due(now)]
         if due:
             self._settle(due, now)
@@ -226,6 +230,22 @@ class RedeliveryTracker:
         if now >= self._next_snapshot:
             self._next_snapshot = now + SNAPSHOT_INTERVAL
             self.snapshot = self._take_snapshot()
+
+    def _reached_end(self, record: Any) -> None:
+        """The end of a partition: for read_committed, its last stable offset (tracker_state.py)."""
+        tracker = self._trackers.get(record.partition())
+        if tracker is not None:
+            tracker.reached_end(record.offset(), self._high_watermark(record.partition(), record.offset()))
+
+    def _high_watermark(self, partition: int, default: int) -> int:
+        """The partition's end as of the last fetch, records an open transaction hides included."""
+        try:
+            found = self._consumer.get_watermark_offsets(TopicPartition(self.config.markers_topic, partition),
+                                                         cached=True)
+        except (KafkaException, RuntimeError) as error:
+            log.debug("Watermarks of markers partition %d: %s", partition, kafka_reason(error))
+            return default
+        return default if found is None else found[1]
 
     def _apply(self, record: Any, now: float) -> None:
         tracker = self._trackers.get(record.partition())

@@ -18,6 +18,17 @@ The deadline clock is the timestamp of the last marker read. When the partition 
 clock from the moment that marker was read; while the tracker is behind (replaying after a
 restart), it does not, so a message whose End marker is still unread is never redelivered just
 because replaying takes time. (kafka-mq-go extrapolates after a fixed quiet period instead.)
+
+Nor does it while the end reached is only the last stable offset: a transaction left open (a
+consumer died inside its Start transaction) hides every later marker from a read_committed
+consumer, KeepAlives and End markers included, until the broker aborts it
+(transaction.timeout.ms). Running the clock on then would redeliver messages whose handlers are
+alive and keeping them alive.
+
+And nothing is handed out for redelivery until the partition is read to its end (hidden records
+included): a deadline passed by the markers read so far proves nothing about an End marker
+further on, such as another tracker's, which redelivered the message already. Holding back
+costs redeliveries in a partition behind an open transaction a wait of at most its timeout.
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ class PartitionTracker:
     _last_timestamp: float | None = None
     _seen_at: float = 0.0
     _caught_up: bool = False
+    _end: int = 0
     _rebuilt: bool = False
     _clock_floor: float = -math.inf
 
@@ -112,9 +124,18 @@ class PartitionTracker:
         self._seen_at = now
         self._caught_up = False
 
-    def reached_end(self) -> None:
-        """The consumer read to the end of the partition (its high watermark, or last stable offset)."""
-        self._caught_up = self._rebuilt = True
+    def reached_end(self, offset: int, high_watermark: int) -> None:
+        """The consumer reported the end of the partition at `offset` (for read_committed, its last
+        stable offset); records between it and the high watermark are hidden from it."""
+        self._rebuilt = True
+        self._end = offset
+        self._caught_up = high_watermark <= offset
+
+    def saw_high_watermark(self, high_watermark: int) -> None:
+        """Every round: records past the end last reported (hidden by an open transaction, or not read
+        yet) stop the clock until the end is reported again."""
+        if high_watermark > self._end:
+            self._caught_up = False
 
     @property
     def caught_up(self) -> bool:
@@ -135,10 +156,15 @@ class PartitionTracker:
         return self._clock_floor
 
     def due(self, now: float) -> list[Due]:
-        """Messages whose deadline has passed, each handed out once; they stay in progress until ended."""
+        """Messages whose deadline has passed, each handed out once; they stay in progress until ended.
+
+        Nothing while the partition is not read to its end: a message whose deadline passed by the
+        markers read so far may have been ended (redelivered by another tracker, acked late) by a
+        marker not read yet, or hidden behind an open transaction.
+        """
         t = self.logical_now(now)
         found: list[Due] = []
-        if t is None:
+        if t is None or not self._caught_up:
             return found
         heap = self._by_deadline
         while heap and heap[0][0] <= t:
