@@ -213,16 +213,14 @@ class RedeliveryTracker:
             error = record.error()
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
-                    self._reached_end(record)
+                    continue  # the end: the consumer's position moves to it (past a control record)
                 elif error.fatal():
                     raise KafkaException(error)
                 else:
                     log.warning("Markers consumer: %s", error.str())
                 continue
             self._apply(record, now)
-        for partition, tracker in self._trackers.items():
-            if tracker.caught_up:
-                tracker.saw_high_watermark(self._high_watermark(partition, -1))
+        self._read_to()
         due = [entry for tracker in self._trackers.values() for entry in tracker.due(now)]
         if due:
             self._settle(due, now)
@@ -231,21 +229,31 @@ class RedeliveryTracker:
             self._next_snapshot = now + SNAPSHOT_INTERVAL
             self.snapshot = self._take_snapshot()
 
-    def _reached_end(self, record: Any) -> None:
-        """The end of a partition: for read_committed, its last stable offset (tracker_state.py)."""
-        tracker = self._trackers.get(record.partition())
-        if tracker is not None:
-            tracker.reached_end(record.offset(), self._high_watermark(record.partition(), record.offset()))
+    def _read_to(self) -> None:
+        """How far each partition is read: the consumer's position against the high watermark
+        (tracker_state.py: caught up, or behind, or stopped by an open transaction)."""
+        if not self._trackers:
+            return
+        topic = self.config.markers_topic
+        try:
+            positions = self._consumer.position([TopicPartition(topic, p) for p in self._trackers])
+        except KafkaException as error:
+            log.debug("Positions in the markers topic: %s", kafka_reason(error))
+            positions = [TopicPartition(topic, p, -1) for p in self._trackers]
+        for tp in positions:
+            tracker = self._trackers.get(tp.partition)
+            if tracker is not None:
+                tracker.read_to(tp.offset if tp.offset >= 0 else None, self._high_watermark(tp.partition))
 
-    def _high_watermark(self, partition: int, default: int) -> int:
-        """The partition's end as of the last fetch, records an open transaction hides included."""
+    def _high_watermark(self, partition: int) -> int | None:
+        """The partition's end as of the last fetch, with what an open transaction hides (cached, no request)."""
         try:
             found = self._consumer.get_watermark_offsets(TopicPartition(self.config.markers_topic, partition),
                                                          cached=True)
         except (KafkaException, RuntimeError) as error:
             log.debug("Watermarks of markers partition %d: %s", partition, kafka_reason(error))
-            return default
-        return default if found is None else found[1]
+            return None
+        return None if found is None else found[1]
 
     def _apply(self, record: Any, now: float) -> None:
         tracker = self._trackers.get(record.partition())

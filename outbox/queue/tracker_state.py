@@ -13,22 +13,25 @@ As in kafka-mq-go, three structures per partition:
 Heap entries are never updated in place: a newer entry supersedes an older one (the version)
 and stale entries are dropped when they reach the head.
 
+The tracker is caught up when it has read everything the partition holds: its consumer's
+position has reached the high watermark librdkafka last fetched (`read_to`, every round). Under
+steady traffic that is most rounds (librdkafka's end-of-partition event then never comes: it
+needs a fetch that waited fetch.wait.max.ms for nothing); after a transaction's last marker its
+control record keeps the position one short until the partition is quiet and that event moves
+it on. And never while a transaction is left open (a consumer or tracker died inside it): a
+read_committed consumer gets nothing past its first record, KeepAlives and End markers written
+after it included, until the broker aborts it (transaction.timeout.ms).
+
 The deadline clock is the timestamp of the last marker read. When the partition is caught up
-(the consumer reported the end of the log) and quiet, it advances with the local monotonic
-clock from the moment that marker was read; while the tracker is behind (replaying after a
-restart), it does not, so a message whose End marker is still unread is never redelivered just
-because replaying takes time. (kafka-mq-go extrapolates after a fixed quiet period instead.)
+and quiet, it advances with the local monotonic clock from the moment that marker was read;
+while the tracker is behind (replaying after a restart, or stopped by an open transaction), it
+does not, so a message whose End marker or KeepAlive is still unread is never redelivered just
+because reading takes time. (kafka-mq-go extrapolates after a fixed quiet period instead.)
 
-Nor does it while the end reached is only the last stable offset: a transaction left open (a
-consumer died inside its Start transaction) hides every later marker from a read_committed
-consumer, KeepAlives and End markers included, until the broker aborts it
-(transaction.timeout.ms). Running the clock on then would redeliver messages whose handlers are
-alive and keeping them alive.
-
-And nothing is handed out for redelivery until the partition is read to its end (hidden records
-included): a deadline passed by the markers read so far proves nothing about an End marker
-further on, such as another tracker's, which redelivered the message already. Holding back
-costs redeliveries in a partition behind an open transaction a wait of at most its timeout.
+And nothing is handed out for redelivery while the tracker is behind: a deadline passed by the
+markers read so far proves nothing about an End marker further on, such as another tracker's
+that redelivered the message already. Behind an open transaction, that is a wait of at most its
+timeout for the redeliveries of that partition.
 """
 
 from __future__ import annotations
@@ -86,7 +89,6 @@ class PartitionTracker:
     _last_timestamp: float | None = None
     _seen_at: float = 0.0
     _caught_up: bool = False
-    _end: int = 0
     _rebuilt: bool = False
     _clock_floor: float = -math.inf
 
@@ -124,27 +126,20 @@ class PartitionTracker:
         self._seen_at = now
         self._caught_up = False
 
-    def reached_end(self, offset: int, high_watermark: int) -> None:
-        """The consumer reported the end of the partition at `offset` (for read_committed, its last
-        stable offset); records between it and the high watermark are hidden from it."""
-        self._rebuilt = True
-        self._end = offset
-        self._caught_up = high_watermark <= offset
-
-    def saw_high_watermark(self, high_watermark: int) -> None:
-        """Every round: records past the end last reported (hidden by an open transaction, or not read
-        yet) stop the clock until the end is reported again."""
-        if high_watermark > self._end:
-            self._caught_up = False
+    def read_to(self, position: int | None, high_watermark: int | None) -> None:
+        """Every round, after the markers read: the consumer's position (the offset it returns next)
+        and the partition's high watermark as last fetched; None when not known (not caught up)."""
+        self._caught_up = position is not None and high_watermark is not None and position >= high_watermark >= 0
+        self._rebuilt = self._rebuilt or self._caught_up
 
     @property
     def caught_up(self) -> bool:
-        """At the end of the log as far as the tracker knows (until the next marker is read)."""
+        """Everything the partition holds has been read (as of the last round)."""
         return self._caught_up
 
     @property
     def rebuilt(self) -> bool:
-        """Read to the end at least once since the partition was assigned: the state is whole."""
+        """Caught up at least once since the partition was assigned: the state is whole."""
         return self._rebuilt
 
     def logical_now(self, now: float) -> float | None:

@@ -25,11 +25,13 @@ from tests.sim.queue_scenario import QueueOptions
 
 
 class EndIsTheStableOffset(RedeliveryTracker):
-    """Takes the end a read_committed consumer reports for the end of the log, though an open
-    transaction may hide KeepAlives and End markers past it (as the tracker did before the simulator)."""
+    """Takes the end a read_committed consumer can read to (the last stable offset) for the end of the
+    partition, though an open transaction may hide KeepAlives and End markers past it (the tracker
+    before the simulator took the end-of-partition event for it; here, the queried watermark)."""
 
-    def _high_watermark(self, partition: int, default: int) -> int:
-        return default
+    def _high_watermark(self, partition: int) -> int | None:
+        return self._consumer.get_watermark_offsets(TopicPartition(self.config.markers_topic, partition),
+                                                    timeout=1.0)[1]
 
 
 class DueWhileReplaying(PartitionTracker):

@@ -36,7 +36,10 @@ def joined(world, broker, *consumers, topics=("t",)):
         consumer.subscribe(list(topics))
     world.run_until(world.now + 1.0)
     for consumer in consumers:
-        first = consumer.poll(0)  # serves the assignment, and reports the empty partition's end
+        assert consumer.poll(0) is None  # serves the assignment; at the end of an empty partition
+    world.run_until(world.now + 0.5)
+    for consumer in consumers:
+        first = consumer.poll(0)  # reports the end once it sat there for fetch.wait.max.ms
         assert first is not None and first.error().code() == KafkaError._PARTITION_EOF
     return consumers
 
@@ -81,6 +84,29 @@ def test_a_transaction_left_open_is_aborted_by_the_broker_after_its_timeout(worl
     assert read_all(consumer) == []
     world.run_until(world.now + 0.2)
     assert read_all(consumer) == [(0, 1)]
+
+
+def test_the_end_of_a_partition_is_reported_only_when_quiet_and_moves_the_position_past_a_control_record(
+        world, broker):
+    """As librdkafka 2.16 does against Kafka 4.1.1 (measured): no end-of-partition event under steady
+    traffic; after a transaction, position() stays at its control record until that event."""
+    (consumer,) = joined(world, broker, MemoryConsumer(broker, GROUP), topics=("m",))
+    producer = TransactionalProducer(broker, {"transactional.id": "x"})
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.produce("m", value=b"start", key=b"q")
+    producer.commit_transaction()
+    assert read_all(consumer) == [(0, 0)]
+    tp = TopicPartition("m", 0)
+    assert consumer.position([tp])[0].offset == 1 and consumer.get_watermark_offsets(tp) == (0, 2)
+    for _ in range(20):  # a marker every 0.25 s
+        world.run_until(world.now + 0.25)
+        broker.append("m", 0, b"q", b"keepalive", None)
+        assert all(record.error() is None for record in consumer.consume(10, 0))
+        assert consumer.position([tp])[0].offset == consumer.get_watermark_offsets(tp)[1]
+    world.run_until(world.now + 0.6)
+    (end,) = consumer.consume(10, 0)
+    assert end.error().code() == KafkaError._PARTITION_EOF and end.offset() == 22
 
 
 def test_markers_carry_the_brokers_append_time(world, broker):

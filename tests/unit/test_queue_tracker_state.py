@@ -41,8 +41,8 @@ class Log:
         return offset
 
     def at_end(self, hidden: int = 0) -> None:
-        """The consumer reports the end; `hidden` records lie past it (behind an open transaction)."""
-        self.tracker.reached_end(self.offset, self.offset + hidden)
+        """Read to the end; or `hidden` records lie past the position (unread, or behind an open transaction)."""
+        self.tracker.read_to(self.offset, self.offset + hidden)
 
 
 def test_a_started_message_is_in_progress_until_its_end_marker():
@@ -111,7 +111,7 @@ def test_markers_hidden_behind_an_open_transaction_stop_the_deadline_clock():
     assert log.tracker.due(now=50.0) == [], "the keep-alives of message 1 may be among the hidden records"
     log.at_end()
     assert log.tracker.caught_up
-    log.tracker.saw_high_watermark(log.offset + 2)  # more records since: an open transaction, or unread ones
+    log.at_end(hidden=2)  # more records since: an open transaction, or unread ones
     assert not log.tracker.caught_up and log.tracker.due(now=50.0) == []
     log.add(keep_alive(1), timestamp=140.0, now=60.0)  # the transaction was aborted: what it hid is read
     log.at_end()

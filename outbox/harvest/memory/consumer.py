@@ -5,8 +5,12 @@ What the queue's consumers and trackers use is modelled: subscribe() with rebala
 not apply itself is applied after it, and a revoked one taken away), incremental assignment,
 pause and resume, seek, synchronous commits (refused for a stale generation or a member the group
 dropped), consumer_group_metadata() for transactions, read_committed isolation (nothing at or
-past the last stable offset, nothing aborted, no control records), the end-of-partition event,
-and get_watermark_offsets() (the high watermark, past open transactions).
+past the last stable offset, nothing aborted, no control records), get_watermark_offsets() (the
+high watermark, past open transactions), position() (the offset after the last record returned;
+records skipped do not move it), and the end-of-partition event as librdkafka gives it (measured
+against Kafka 4.1.1): once per offset, only after the partition sat at its end for
+fetch.wait.max.ms with nothing new (so never under steady traffic), and it moves the position to
+the end (past a transaction's control record).
 
 Records come straight from the logs: a poll sees everything visible at that moment. Nothing
 blocks: a poll that finds nothing adds its timeout to `blocked`, which the simulator reads to
@@ -39,6 +43,7 @@ class MemoryConsumer:
         self.read_committed = config.get("isolation.level") == "read_committed"
         self.partition_eof = bool(config.get("enable.partition.eof", False))
         self.session_timeout = float(config.get("session.timeout.ms", 45_000)) / 1000
+        self.fetch_wait = float(config.get("fetch.wait.max.ms", 500)) / 1000
         #: Called at every call into the client: the simulator's crash points.
         self.checkpoint = checkpoint
         self.member = GroupMember(name, alive)
@@ -46,6 +51,8 @@ class MemoryConsumer:
         self.positions: dict[TP, int] = {}
         self.paused: set[TP] = set()
         self._eof_at: dict[TP, int] = {}  # the end is reported once per offset it is reached at
+        self._at_end_since: dict[TP, float] = {}
+        self._returned: dict[TP, int] = {}  # position(): after the last record (or end event) returned
         self._callbacks: dict[str, Callback | None] = {}
         self._noticed_at: float | None = None  # dropped: when it will notice (a round trip after it can talk)
         self._turn = 0
@@ -113,7 +120,7 @@ class MemoryConsumer:
         for tp in partitions:
             key = (tp.topic, tp.partition)
             self.positions[key] = tp.offset if tp.offset >= 0 else self.group.committed.get(key, 0)
-            self._eof_at.pop(key, None)
+            self._forget_reads(key)
 
     def incremental_unassign(self, partitions: list[TopicPartition]) -> None:
         self._unassign([(tp.topic, tp.partition) for tp in partitions])
@@ -122,7 +129,12 @@ class MemoryConsumer:
         for tp in partitions:
             self.positions.pop(tp, None)
             self.paused.discard(tp)
-            self._eof_at.pop(tp, None)
+            self._forget_reads(tp)
+
+    def _forget_reads(self, tp: TP) -> None:
+        self._eof_at.pop(tp, None)
+        self._at_end_since.pop(tp, None)
+        self._returned.pop(tp, None)
 
     def consumer_group_metadata(self) -> GroupMetadata:
         self.checkpoint()
@@ -190,9 +202,16 @@ class MemoryConsumer:
                                        and message.txn.state != "committed"):
                     continue
                 found.append(message)
-            self.positions[tp] = position
-            if self.partition_eof and position >= end and self._eof_at.get(tp) != position and len(found) < limit:
-                self._eof_at[tp] = position
+                self._returned[tp] = position
+            moved, self.positions[tp] = position != self.positions[tp], position
+            if position < end:
+                continue
+            if moved:  # it reached the end just now
+                self._at_end_since[tp] = self.world.now
+            since = self._at_end_since.setdefault(tp, self.world.now)
+            if self.partition_eof and self._eof_at.get(tp) != position and len(found) < limit \
+                    and self.world.now - since >= self.fetch_wait:
+                self._eof_at[tp] = self._returned[tp] = position
                 found.append(StoredMessage(topic, partition, position, None, None, None, error=KafkaError(
                     KafkaError._PARTITION_EOF, f"Fetch from broker reached end of partition at offset {position}")))
         return found
@@ -209,9 +228,19 @@ class MemoryConsumer:
         if key not in self.positions:
             raise KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION, "Local: Unknown partition"))
         self.positions[key] = partition.offset
-        self._eof_at.pop(key, None)
+        self._forget_reads(key)
+        self._returned[key] = partition.offset
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """The offset after the last record (or end event) returned; OFFSET_INVALID (-1001) before any."""
+        return [TopicPartition(tp.topic, tp.partition, self._returned.get((tp.topic, tp.partition), -1001))
+                for tp in partitions]
 
     def get_watermark_offsets(self, partition: TopicPartition, timeout: float | None = None,
                               cached: bool = False) -> tuple[int, int]:
-        """(low, high): the high watermark is the end of the log, open transactions included."""
-        return 0, len(self.broker.log(partition.topic)[partition.partition])
+        """(low, high). Cached: the high watermark, past open transactions. Queried: for read_committed,
+        the broker answers the last stable offset (as Kafka 4.1.1 does)."""
+        topic, number = partition.topic, partition.partition
+        if not cached and self.read_committed:
+            return 0, self.broker.stable_end(topic, number)
+        return 0, len(self.broker.log(topic)[number])
