@@ -62,6 +62,20 @@ class Wait:
     for_room: bool = False
 
 
+def _without_errors(records: list[Any]) -> list[Any]:
+    """The records without the errors among them (a fatal one raises)."""
+    good = []
+    for record in records:
+        error = record.error()
+        if error is None:
+            good.append(record)
+        elif error.fatal():
+            raise KafkaException(error)
+        else:
+            log.warning("Queue consumer: %s", error.str())
+    return good
+
+
 class Message:
     """One delivery of a queue message. Acknowledge it with ack(); until then it is kept alive."""
 
@@ -371,7 +385,7 @@ class QueueConsumer:
             if plan.plan is Plan.PAUSE:
                 consumer.pause(consumer.assignment())
             # Polls keep the consumer in its group (max.poll.interval.ms) and serve rebalances while paused.
-            self._seek_back(ConsumerState.rewind(self._good(consumer.consume(FETCH_BATCH,
+            self._seek_back(ConsumerState.rewind(_without_errors(consumer.consume(FETCH_BATCH,
                                                                              timeout=self.config.poll_interval))))
             return Wait()
         if plan.resume:
@@ -386,25 +400,11 @@ class QueueConsumer:
         # stays in librdkafka's fetch queue (a seek back would discard it and cost a fetch).
         records = [first, *consumer.consume(plan.room - 1, timeout=0)] if plan.room > 1 else [first]
         with self._lock:
-            batch = self._state.read(self._good(records), self._clock())
+            batch = self._state.read(_without_errors(records), self._clock())
         if batch is not None:
             return self._start(batch)
         self._commit_foreign(consumer)
         return Wait()
-
-    @staticmethod
-    def _good(records: list[Any]) -> list[Any]:
-        """The records without the errors among them (a fatal one raises)."""
-        good = []
-        for record in records:
-            error = record.error()
-            if error is None:
-                good.append(record)
-            elif error.fatal():
-                raise KafkaException(error)
-            else:
-                log.warning("Queue consumer: %s", error.str())
-        return good
 
     def _start(self, batch: StartBatch) -> Wait:
         """Start markers for the batch and the consumer's offsets, in one transaction; then hand it out."""
