@@ -24,14 +24,18 @@ after it included, until the broker aborts it (transaction.timeout.ms).
 
 The deadline clock is the timestamp of the last marker read. When the partition is caught up
 and quiet, it advances with the local monotonic clock from the moment that marker was read;
-while the tracker is behind (replaying after a restart, or stopped by an open transaction), it
-does not, so a message whose End marker or KeepAlive is still unread is never redelivered just
-because reading takes time. (kafka-mq-go extrapolates after a fixed quiet period instead.)
+while the tracker is behind (replaying after a restart, stopped by an open transaction, or
+reading a busy partition), it does not, so a message whose End marker or KeepAlive is still
+unread is never redelivered just because reading takes time: a deadline passes only by the
+timestamps of markers read, and a marker hidden past them was written after them.
+(kafka-mq-go extrapolates after a fixed quiet period instead.)
 
-And nothing is handed out for redelivery while the tracker is behind: a deadline passed by the
-markers read so far proves nothing about an End marker further on, such as another tracker's
-that redelivered the message already. Behind an open transaction, that is a wait of at most its
-timeout for the redeliveries of that partition.
+And nothing is handed out for redelivery until the partition is rebuilt: read up to the high
+watermark first known after it was assigned. The previous owner's redeliveries end with End
+markers before that point; a deadline passed by the markers read so far proves nothing about
+them, and handing out before reading them redelivers the same delivery twice. Behind an open
+transaction, rebuilding waits for the broker to abort it. (Once rebuilt, no other tracker can
+write an End marker in the partition: the group's generation fences them.)
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class PartitionTracker:
     _last_timestamp: float | None = None
     _seen_at: float = 0.0
     _caught_up: bool = False
+    _rebuild_to: int | None = None
     _rebuilt: bool = False
     _clock_floor: float = -math.inf
 
@@ -129,8 +134,13 @@ class PartitionTracker:
     def read_to(self, position: int | None, high_watermark: int | None) -> None:
         """Every round, after the markers read: the consumer's position (the offset it returns next)
         and the partition's high watermark as last fetched; None when not known (not caught up)."""
-        self._caught_up = position is not None and high_watermark is not None and position >= high_watermark >= 0
-        self._rebuilt = self._rebuilt or self._caught_up
+        if position is None or high_watermark is None or high_watermark < 0:
+            self._caught_up = False
+            return
+        if self._rebuild_to is None:
+            self._rebuild_to = high_watermark
+        self._caught_up = position >= high_watermark
+        self._rebuilt = self._rebuilt or position >= self._rebuild_to
 
     @property
     def caught_up(self) -> bool:
@@ -139,7 +149,7 @@ class PartitionTracker:
 
     @property
     def rebuilt(self) -> bool:
-        """Caught up at least once since the partition was assigned: the state is whole."""
+        """Read up to the high watermark first known after the partition was assigned: the state is whole."""
         return self._rebuilt
 
     def logical_now(self, now: float) -> float | None:
@@ -153,13 +163,13 @@ class PartitionTracker:
     def due(self, now: float) -> list[Due]:
         """Messages whose deadline has passed, each handed out once; they stay in progress until ended.
 
-        Nothing while the partition is not read to its end: a message whose deadline passed by the
-        markers read so far may have been ended (redelivered by another tracker, acked late) by a
-        marker not read yet, or hidden behind an open transaction.
+        Nothing before the partition is rebuilt: a message whose deadline passed by the markers
+        read so far may have been redelivered by the previous owner already, its End marker not
+        read yet (or hidden behind an open transaction).
         """
         t = self.logical_now(now)
         found: list[Due] = []
-        if t is None or not self._caught_up:
+        if t is None or not self._rebuilt:
             return found
         heap = self._by_deadline
         while heap and heap[0][0] <= t:

@@ -146,7 +146,7 @@ CAUGHT_BY: dict[str, list[int]] = {
     "records sent past a refused record of their key": [20, 449, 1202],
     "a producer restart that forgets what was in flight": [9, 15, 30],
     # The queue (tests/sim/queue_mutations.py).
-    "a tracker that takes the last stable offset for the end of its partition": [34, 188, 289],
+    "a tracker that takes the last stable offset for the end of its partition": [289, 451, 598],
     "a tracker that redelivers before reading its partition to the end": [40, 102, 138],
     "a tracker that ignores KeepAlives": [2, 4, 5],
     "dead-lettering one delivery early": [1, 2, 6],

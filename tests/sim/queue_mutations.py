@@ -35,17 +35,14 @@ class EndIsTheStableOffset(RedeliveryTracker):
 
 
 class DueWhileReplaying(PartitionTracker):
-    """Hands out what is due by the markers read so far, before reading the partition to its end."""
+    """Hands out what is due by the markers read so far, before the partition is rebuilt."""
 
     def due(self, now: float) -> list[Due]:
-        if self.caught_up:
-            return super().due(now)
-        caught_up, seen_at = self._caught_up, self._seen_at
-        self._caught_up, self._seen_at = True, now  # the clock stays at the last marker read, as while replaying
+        rebuilt, self._rebuilt = self._rebuilt, True
         try:
             return super().due(now)
         finally:
-            self._caught_up, self._seen_at = caught_up, seen_at
+            self._rebuilt = rebuilt
 
 
 class IgnoresKeepAlives(PartitionTracker):
