@@ -41,7 +41,14 @@ DJANGO_DEFAULTS: dict[str, Any] = {
     # Records waiting longer than this (or failed this often) are shown as stuck.
     "stuck_after": 300.0,
     "stuck_reset_count": 3,
+    # The dashboard, harvest_health and the metrics say who holds the database's horizon back this long.
+    "horizon_warn_after": 60.0,
     "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
+}
+#: Settings that did something once and do nothing now: accepted, with a warning saying so.
+RETIRED_KEYS: dict[str, str] = {
+    "rescan_interval": "marks look up the ids that were not visible yet by key; nothing re-reads the table from "
+                       "its head any more",
 }
 #: Keys other parts of the app register (outbox.queue adds "queues").
 EXTRA_KEYS: set[str] = set()
@@ -52,7 +59,8 @@ _ENGINE_DEFAULTS = {f.name: f for f in dataclasses.fields(HarvestConfig)}
 
 
 def known_keys() -> frozenset[str]:
-    return frozenset(DJANGO_DEFAULTS) | frozenset(ENGINE_KEYS) | frozenset(LIMIT_NAMES) | frozenset(EXTRA_KEYS)
+    return (frozenset(DJANGO_DEFAULTS) | frozenset(ENGINE_KEYS) | frozenset(LIMIT_NAMES) | frozenset(EXTRA_KEYS)
+            | frozenset(RETIRED_KEYS))
 
 
 def raw_settings() -> Any:
@@ -102,7 +110,7 @@ def settings_problems() -> list[Problem]:
         value = raw.get(key, DJANGO_DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             found.append(Problem("E003", key, f"must be a positive integer, got {value!r}"))
-    for key in ("status_gone_after", "stuck_after"):
+    for key in ("status_gone_after", "stuck_after", "horizon_warn_after"):
         value = _seconds(raw.get(key, DJANGO_DEFAULTS[key]))
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))
@@ -142,6 +150,10 @@ def warnings() -> list[Problem]:
     found = config.warnings()
     from outbox.models import OutboxRecord
 
+    raw = raw_settings()
+    for key, why in RETIRED_KEYS.items():
+        if key in raw:
+            found.append(Problem("W004", key, f"no longer does anything ({why}); remove it"))
     if config.table != OutboxRecord._meta.db_table:
         found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
                                               f"use the model's table {OutboxRecord._meta.db_table!r}"))

@@ -61,6 +61,8 @@ class HarvesterStatus(models.Model):
     pid = models.IntegerField()
     state = models.CharField(max_length=20, choices=STATES)
     leader_id = models.UUIDField(null=True, blank=True)
+    #: The highest outbox id its term has read: rows up to it (and not purged yet) are in flight.
+    marked_upto = models.BigIntegerField(null=True, blank=True)
     #: When the replica entered its current state.
     since = models.DateTimeField()
     started = models.DateTimeField()

@@ -2,11 +2,10 @@
 
 A running leader learns of each action without a restart: it re-reads the rows it holds every
 second (a deleted or parked row releases its key; a row whose version changed is retried at
-once, alone), and a NOTIFY on the table's channel makes it look at once. Rows a live leader has
-in flight are never unmarked: re-marking one behind a later record of its key could publish the
-two out of order.
+once, alone), and a NOTIFY on the table's channel makes it look at once.
 
-- requeue: unmark rows no live leader holds (the engine's REQUEUE), clearing their failure count;
+- requeue: clear the failure count of rows no live leader has read (the engine's REQUEUE); the next
+  term reads them again in any case, so this only says they are no longer stuck;
 - retry now: touch held rows (any UPDATE gives a row a new version), so the leader retries them;
 - park: move held rows to the dead-letter table (the engine's PARK), after publishing each to
   `OUTBOX["dead_letter_topic"]` when one is set; the key's later records go on;
@@ -28,6 +27,7 @@ from typing import Any
 import psycopg
 from django.contrib.messages import SUCCESS, WARNING
 from django.db import connections, transaction
+from django.db.models.expressions import RawSQL
 from psycopg import sql
 
 from outbox import conf
@@ -54,10 +54,9 @@ RETURNING id
 
 # Retry now: any UPDATE gives a held row a new version (xmin), which its leader notices when it
 # re-reads its held rows (every second, or at once after a NOTIFY) and retries the row, alone.
-# Only rows still marked by a live leader: anything else is not held.
 RETRY = """
 UPDATE {table} SET last_error = %(note)s
-WHERE id = ANY(%(ids)s) AND leader_id = ANY(%(live)s::uuid[])
+WHERE id = ANY(%(ids)s)
 RETURNING id
 """
 
@@ -111,34 +110,34 @@ def ids_text(ids: Sequence[int]) -> str:
 
 #: Why a row was left alone (after "#5 is" / "#5, #6 are").
 HELD = "held by the leader (use Retry now or Park)"
-LIVE = "marked by the live leader (it may be in flight)"
+LIVE = "read by the live leader (it may be in flight)"
 NOT_HELD = "not held by a live leader (released or published meanwhile)"
 GONE = "no longer in the outbox"
 NOT_PARKED = "no longer parked"
 
 
 def requeue(ids: Iterable[int], facts: Facts, using: str | None = None) -> Outcome:
-    """Unmark rows no live leader holds and clear their failure count, so the next mark takes them."""
+    """Clear the failure count of rows no live leader has read (held rows: retry them instead)."""
     using = using or conf.database_alias()
     ids = sorted(set(ids))
     outcome = Outcome("Requeued", "Nothing requeued", len(ids))
-    live = facts.replicas.live_leader_ids
+    upto = facts.replicas.marked_upto
     with transaction.atomic(using=using):
         # Locked, so the rows requeued are exactly the rows found requeueable here.
-        rows = dict(OutboxRecord.objects.using(using).select_for_update().filter(id__in=ids)
-                    .values_list("id", "leader_id"))
+        present = set(OutboxRecord.objects.using(using).select_for_update().filter(id__in=ids)
+                      .values_list("id", flat=True))
         for record_id in ids:
-            if record_id not in rows:
+            if record_id not in present:
                 outcome.skip(record_id, GONE)
             elif record_id in facts.held:
                 outcome.skip(record_id, HELD)
-            elif rows[record_id] is not None and rows[record_id] in live:
+            elif upto is not None and record_id <= upto:
                 outcome.skip(record_id, LIVE)
             else:
                 outcome.done.append(record_id)
         if outcome.done:
             # The engine's REQUEUE, on this transaction's connection (the locking query above opened it).
-            store.requeue(connections[using].connection, OutboxRecord._meta.db_table, outcome.done, live)
+            store.requeue(connections[using].connection, OutboxRecord._meta.db_table, outcome.done)
     return outcome
 
 
@@ -153,8 +152,7 @@ def retry_now(ids: Iterable[int], facts: Facts, user: str, using: str | None = N
         note = f"retry requested by {user} at {datetime.now().astimezone():%Y-%m-%d %H:%M:%S %Z}"
         with transaction.atomic(using=using):
             cursor = _cursor(using)
-            cursor.execute(sql.SQL(RETRY).format(table=_table()),
-                           {"ids": targets, "live": facts.replicas.live_leader_ids, "note": note})
+            cursor.execute(sql.SQL(RETRY).format(table=_table()), {"ids": targets, "note": note})
             touched = {row[0] for row in cursor.fetchall()}
             if touched:
                 notify(using)
@@ -179,8 +177,9 @@ def park(ids: Iterable[int], facts: Facts, user: str, using: str | None = None) 
     ids = sorted(set(ids))
     outcome = Outcome("Parked", "Nothing parked", len(ids))
     targets = _held(ids, facts, outcome)
-    records = list(OutboxRecord.objects.using(using).filter(
-        id__in=targets, leader_id__in=facts.replicas.live_leader_ids).order_by("id"))
+    # With each row's version: it is parked only as it is now (a row changed meanwhile is retried instead).
+    records = list(OutboxRecord.objects.using(using).filter(id__in=targets)
+                   .annotate(version=RawSQL("xmin::text::bigint", [])).order_by("id"))
     topic = conf.setting("dead_letter_topic")
     published: set[int] = set()
     failure = ""
@@ -191,7 +190,7 @@ def park(ids: Iterable[int], facts: Facts, user: str, using: str | None = None) 
         cursor = _cursor(using)
         for record in records:
             held = facts.held[record.id]
-            cursor.execute(statement, {"id": record.id, "leader_id": record.leader_id, "reason": held.reason,
+            cursor.execute(statement, {"id": record.id, "version": record.version, "reason": held.reason,
                                        "attempts": held.attempts, "parked_by": f"admin {user}",
                                        "dead_letter_topic": topic if record.id in published else None})
             if cursor.fetchone() is not None:

@@ -8,8 +8,9 @@ and `stuck_reset_count`. A record is in exactly one state; the first that applie
     held       a live leader holds it: it failed on its own (reason, attempts, since when)
     behind     a later record of a held key: it waits behind held record #N
     stuck      waiting or in flight longer than `stuck_after`, or failed `stuck_reset_count` times
-    in flight  marked by a live leader (sent, or queued to be sent)
-    waiting    not marked by a live leader: new, or left marked by a leader that is gone
+    in flight  read by a live leader (sent, or queued to be sent): at or below its status row's
+               `marked_upto`
+    waiting    not read by a live leader yet: new, or left by a leader that is gone
     parked     moved to the dead-letter table (it is no longer in the outbox)
 
 `Facts.state_of()` classifies one row in Python and `Facts.where()` selects the rows of a state
@@ -74,7 +75,7 @@ class Held:
     behind: int
     #: ...and whether more wait in the table beyond those.
     more_behind: bool
-    #: The replica holding it, and the leader id its row is marked with.
+    #: The replica holding it, and the leader id of its term.
     replica: str
     leader_id: uuid.UUID
 
@@ -100,10 +101,16 @@ class Replicas:
 
     @property
     def live_leader_ids(self) -> list[uuid.UUID]:
-        """Leader ids under which rows are in flight now: a row marked with any other is waiting. A live
-        replica's status row carries the leader id of its term, and keeps it while records of an
-        ended or refreshed term are still in flight or held, whatever its state."""
+        """Leader ids of the terms with records in flight now. A live replica's status row carries the
+        leader id of its term, and keeps it while records of an ended or refreshed term are still in
+        flight or held, whatever its state."""
         return [r.leader_id for r in self.live if r.leader_id is not None]
+
+    @property
+    def marked_upto(self) -> int | None:
+        """The highest outbox id a live term has read: the rows up to it still in the table are in flight."""
+        return max((r.marked_upto for r in self.live if r.leader_id is not None and r.marked_upto is not None),
+                   default=None)
 
 
 def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:
@@ -184,7 +191,8 @@ class Facts:
         held = self.held_by_key.get(record.kafka_key)
         if held is not None and record.id > held.id:
             return Verdict(RecordState.BEHIND, f"its key waits behind held record #{held.id}", held)
-        live = record.leader_id is not None and record.leader_id in self.replicas.live_leader_ids
+        upto = self.replicas.marked_upto
+        live = upto is not None and record.id <= upto
         reasons = []
         if record.create_time < self._old:
             written = timesince(record.create_time, self.now)
@@ -195,11 +203,8 @@ class Facts:
         if reasons:
             return Verdict(RecordState.STUCK, "; ".join(reasons))
         if live:
-            return Verdict(RecordState.IN_FLIGHT, "marked by the live leader")
-        if record.leader_id is not None:
-            return Verdict(RecordState.WAITING, f"marked by leader id {record.leader_id}, which no live leader "
-                                                f"holds: the next leader marks it again")
-        return Verdict(RecordState.WAITING, "not marked yet")
+            return Verdict(RecordState.IN_FLIGHT, "read by the live leader")
+        return Verdict(RecordState.WAITING, "not read by a live leader yet")
 
     # -- many rows --------------------------------------------------------------------------------
 
@@ -207,7 +212,8 @@ class Facts:
         """The rows of the outbox in `state`, as a filter."""
         held, behind = self._held_q, self._behind_q
         stuck = Q(create_time__lt=self._old) | Q(reset_count__gt=0, reset_count__gte=self.stuck_reset_count)
-        live = Q(leader_id__in=self.replicas.live_leader_ids)
+        upto = self.replicas.marked_upto
+        live = Q(id__lte=upto) if upto is not None else Q(pk__in=[])
         if state is RecordState.HELD:
             return held
         if state is RecordState.BEHIND:

@@ -45,47 +45,43 @@ class ReleaseFence:
 
 @dataclass(frozen=True, slots=True)
 class Mark:
-    """Mark up to `limit` rows for `leader_id`; answer on_marked() (with a snapshot's xmin and xmax
-    taken just before) or on_mark_failed(). A normal mark takes rows with id > after; a rescan
-    (upto set) takes rows with after < id <= upto.
+    """Read up to `limit` rows with id > after, and the visible rows of the `gaps` (id ranges, lowest
+    first), for the term of `leader_id`; answer on_marked() (with the outbox's writers seen just
+    before) or on_mark_failed(). Marking writes nothing: the term keeps what it has read in memory.
     """
 
     leader_id: uuid.UUID
     limit: int
     after: int
-    upto: int | None = None
-
-    @property
-    def rescan(self) -> bool:
-        return self.upto is not None
+    gaps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Purge:
-    """Delete delivered rows, each guarded by the leader id it was marked under; answer on_purged().
+    """Delete rows whose records Kafka acknowledged; answer on_purged().
 
     With `fenced`, also tell whether this replica's fence session still holds the fence.
     """
 
-    items: tuple[tuple[int, uuid.UUID], ...]
+    ids: tuple[int, ...]
     fenced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Reset:
-    """Unmark rows whose delivery failed (guarded like Purge); answer on_reset()."""
+    """Rows whose delivery failed: count the failure where the table can; answer on_reset() (with
+    `fenced`, whether the fence is still held). The next term reads them again."""
 
-    items: tuple[tuple[int, uuid.UUID], ...]
+    ids: tuple[int, ...]
     errors: tuple[str, ...]
     fenced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """Note on a poison row why it is held; answer on_held() with the row's new version."""
+    """Note on a poison row why it is held; answer on_held() with the row's version after it."""
 
     record_id: int
-    leader_id: uuid.UUID
     reason: str
 
 
@@ -98,7 +94,8 @@ class CheckHeld:
 
 @dataclass(frozen=True, slots=True)
 class Park:
-    """Move a poison row to the dead-letter table (and topic, if configured); answer on_parked()."""
+    """Move a poison row, as the version that failed (`record.version`), to the dead-letter table (and
+    topic, if configured); answer on_parked()."""
 
     record: Record
     reason: str

@@ -68,8 +68,8 @@ class Limits:
                                                "goharvest's barrier; more pipelines hot keys, see "
                                                "docs/guarantees.md).")
     mark_query_records: int = limit(1000, 1, "Rows marked by one mark query.")
-    rescan_interval: float = limit(10.0, 0.001, "How often the leader re-reads the table from its head for rows "
-                                                "that came back below the marks (requeued, or committed late).")
+    purge_interval: float = limit(0.01, 0.0, "Purges are coalesced: at most one statement this often, deleting every "
+                                             "record acknowledged meanwhile (a key's slot frees a little later).")
     held_check_interval: float = limit(1.0, 0.001, "How often a leader re-reads its held (poison) rows, so a "
                                                    "fix, a deletion or an operator's retry is seen at once.")
     held_retry_after: float = limit(60.0, 0.001, "A held record is tried again after this long (doubling each "

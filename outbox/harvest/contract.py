@@ -70,7 +70,7 @@ class Record:
     value: str | None
     header_keys: list[str] = field(default_factory=list)
     header_values: list[str] = field(default_factory=list)
-    #: The term that marked the row (None while pending).
+    #: goharvest's mark column, as the row has it (this harvester does not write it).
     leader_id: uuid.UUID | None = None
     #: The row version (Postgres xmin) when last read or written by the engine: a held record
     #: whose version changes was touched by someone else (its value fixed, or a retry asked for).
@@ -79,37 +79,43 @@ class Record:
 
 # -- SQL --------------------------------------------------------------------------------------
 # Every statement names the table as {table}; store.py fills it in as a quoted identifier.
+#
+# Marking is reading. A row is published, then deleted: the harvester never writes anything else to
+# a row it has not been asked to count a failure on, so harvesting costs the database one DELETE
+# per record (and the statements around it), not an UPDATE as well. Which rows a term has taken is
+# kept in the leader's memory: a new term (after a fail-over or a failure) reads the table again
+# from its head, so rows left by a dead leader look exactly like new ones (unimodal recovery).
 
-_RETURNING = ("RETURNING id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
-              "kafka_header_values, leader_id, xmin::text::bigint")
+_COLUMNS = ("id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values, "
+            "leader_id, xmin::text::bigint")
 
-# Mark: one atomic UPDATE ... RETURNING of the earliest rows this term has not marked. Rows left
-# by a dead leader look exactly like new ones (unimodal recovery). A mark starts above the
-# watermark (`after`: see core.Core._advance_watermark), so its cost does not grow with the rows
-# purged long ago, whose dead index entries linger until vacuum; a rescan walks the region below
-# it in chunks, for rows that came back some other way (an operator's requeue).
+# Mark: the earliest rows above the highest id this term has read (`after`). Its cost does not
+# grow with the rows purged before, whose dead index entries linger until vacuum (or while an old
+# transaction holds the database's horizon): it starts above them.
 MARK = f"""
-UPDATE {{table}} SET leader_id = %(leader_id)s
-WHERE id IN (
-  SELECT id FROM {{table}}
-  WHERE id > %(after)s AND (leader_id IS NULL OR leader_id <> %(leader_id)s)
-  ORDER BY id
-  LIMIT %(limit)s
-)
-{_RETURNING}
+SELECT {_COLUMNS} FROM {{table}}
+WHERE id > %(after)s
+ORDER BY id
+LIMIT %(limit)s
 """
-# Read just before each mark: the oldest running transaction and the next transaction id.
-SNAPSHOT = "SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint FROM pg_current_snapshot() s"
-RESCAN = f"""
-UPDATE {{table}} SET leader_id = %(leader_id)s
-WHERE id IN (
-  SELECT id FROM {{table}}
-  WHERE id > %(after)s AND id <= %(upto)s
-    AND (leader_id IS NULL OR leader_id <> %(leader_id)s)
-  ORDER BY id
-  LIMIT %(limit)s
-)
-{_RETURNING}
+# Gaps: ranges of ids below the highest read that were not visible then (their transactions had not
+# committed, or rolled back), looked up by primary key until they appear or can no longer appear
+# (see marking.py), lowest first: one index range scan per gap (a join would scan the whole index).
+GAPS = f"""
+SELECT o.* FROM unnest(%(los)s::bigint[], %(his)s::bigint[]) AS gap(lo, hi)
+CROSS JOIN LATERAL (
+  SELECT {_COLUMNS} FROM {{table}} WHERE id BETWEEN gap.lo AND gap.hi ORDER BY id LIMIT %(limit)s
+) AS o
+ORDER BY o.id
+LIMIT %(limit)s
+"""
+# Read just before each mark: the transactions writing to the outbox now (a row-exclusive lock on
+# it), by virtual transaction id, which a transaction has before it takes an id. A gap is forgotten
+# only once the writers seen after it was recorded have all ended.
+WRITERS = """
+SELECT virtualtransaction FROM pg_locks
+WHERE locktype = 'relation' AND relation = %(table_oid)s AND mode = 'RowExclusiveLock' AND granted
+  AND pid IS DISTINCT FROM pg_backend_pid()
 """
 
 # Whether the leader's fence session (by its backend pid) still holds the table's fence. Purges and
@@ -120,61 +126,53 @@ SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 
                  AND objsubid = 1 AND granted AND pid = %(fence_pid)s) AS held
 """
 
-# Purge: delete delivered rows, each only while it is still marked by the term that sent it, so a
-# stale leader can never delete a row another term has taken over. Answers (fence held, rows gone).
+# Purge: delete rows whose records Kafka acknowledged. Whoever deletes such a row (a leader that
+# has since been replaced included), the record is published: nothing is lost, and the next term
+# does not send it again. Answers (fence held, rows gone).
 PURGE = f"""
 WITH fence AS ({FENCE_HELD}),
-gone AS (
-  DELETE FROM {{table}} AS o USING unnest(%(ids)s::bigint[], %(leader_ids)s::uuid[]) AS p(id, leader_id)
-  WHERE o.id = p.id AND o.leader_id = p.leader_id
-  RETURNING 1
-)
+gone AS (DELETE FROM {{table}} WHERE id = ANY(%(ids)s::bigint[]) RETURNING 1)
 SELECT (SELECT held FROM fence), (SELECT count(*) FROM gone)
 """
 
-# Reset: put rows whose delivery failed back in scope of the next mark (same guard and answer as
-# purge). Tables made by this app's migrations also count the failure and keep the error.
+# Reset: a delivery failed. The next term reads the row again anyway; tables made by this app's
+# migrations also count the failure and keep the error (the dashboard shows them). Same answer.
 RESET = f"""
-WITH fence AS ({FENCE_HELD}),
-reset AS (
-  UPDATE {{table}} AS o SET leader_id = NULL
-  FROM unnest(%(ids)s::bigint[], %(leader_ids)s::uuid[]) AS p(id, leader_id)
-  WHERE o.id = p.id AND o.leader_id = p.leader_id
-  RETURNING 1
-)
-SELECT (SELECT held FROM fence), (SELECT count(*) FROM reset)
+WITH fence AS ({FENCE_HELD})
+SELECT (SELECT held FROM fence), 0
 """
 RESET_COUNTED = f"""
 WITH fence AS ({FENCE_HELD}),
 reset AS (
-  UPDATE {{table}} AS o SET leader_id = NULL, reset_count = o.reset_count + 1, last_error = p.error
-  FROM unnest(%(ids)s::bigint[], %(leader_ids)s::uuid[], %(errors)s::text[]) AS p(id, leader_id, error)
-  WHERE o.id = p.id AND o.leader_id = p.leader_id
+  UPDATE {{table}} AS o SET reset_count = o.reset_count + 1, last_error = p.error
+  FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS p(id, error)
+  WHERE o.id = p.id
   RETURNING 1
 )
 SELECT (SELECT held FROM fence), (SELECT count(*) FROM reset)
 """
 
-# Hold: a poison record stays marked (its key waits); say why on the row. Returns the new version.
+# Hold: a poison record stays in the table (its key waits); say why on the row, where the table can.
+# Returns the row's version (xmin) after it: a later change of version is an operator's doing.
 HOLD = """
-UPDATE {table} SET leader_id = leader_id WHERE id = %(id)s AND leader_id = %(leader_id)s RETURNING xmin::text::bigint
+SELECT xmin::text::bigint FROM {table} WHERE id = %(id)s
 """
 HOLD_COUNTED = """
 UPDATE {table} SET reset_count = reset_count + 1, last_error = %(error)s
-WHERE id = %(id)s AND leader_id = %(leader_id)s RETURNING xmin::text::bigint
+WHERE id = %(id)s RETURNING xmin::text::bigint
 """
 
 # Held rows as they are now: gone (deleted, parked), or changed (a new version).
-CHECK_HELD = """
-SELECT id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values, leader_id,
-       xmin::text::bigint
-FROM {table} WHERE id = ANY(%(ids)s::bigint[])
+CHECK_HELD = f"""
+SELECT {_COLUMNS}
+FROM {{table}} WHERE id = ANY(%(ids)s::bigint[])
 """
 
-# Park: move a row to the dead-letter table in one statement (so it is in exactly one of them).
+# Park: move a row to the dead-letter table in one statement (so it is in exactly one of them),
+# only as the version that failed: a row an operator changed meanwhile is retried instead.
 PARK = """
 WITH moved AS (
-  DELETE FROM {table} WHERE id = %(id)s AND leader_id = %(leader_id)s
+  DELETE FROM {table} WHERE id = %(id)s AND xmin::text::bigint = %(version)s
   RETURNING id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, kafka_header_values
 )
 INSERT INTO {dead_letters} (outbox_id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys,
@@ -201,12 +199,10 @@ WHERE l.locktype = 'advisory' AND l.classid = %(class)s AND l.objid = %(table_oi
 TERMINATE = "SELECT pg_terminate_backend(%(pid)s)"
 TABLE_OID = "SELECT to_regclass(%(table)s)::oid::bigint"
 
-# Requeue (an operator's action): put rows back in scope of the next mark, clearing their failure
-# count, but never rows marked by a live leader: one of those may be in flight, and re-marking it
-# behind a later record of its key would publish the two out of order.
+# Requeue (an operator's action): clear rows' failure counts. A held row changes version with it,
+# which its leader notices and retries the row at once; any other row is read again by the next term.
 REQUEUE = """
-UPDATE {table} SET leader_id = NULL{failure_columns}
-WHERE id = ANY(%(ids)s) AND (leader_id IS NULL OR NOT (leader_id = ANY(%(live)s::uuid[])))
+UPDATE {table} SET reset_count = 0, last_error = NULL WHERE id = ANY(%(ids)s)
 """
 
 # Does the table exist, and does it have goharvest's columns?

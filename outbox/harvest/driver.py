@@ -228,11 +228,11 @@ class Driver:
     def _mark(self, command: cmd.Mark) -> None:
         instruments = self._instruments
 
-        def mark(store: Store) -> tuple[list[Record], tuple[int, int]]:
+        def mark(store: Store) -> tuple[list[Record], frozenset[str]]:
             began = time.perf_counter()
-            records, snapshot = store.mark(command.leader_id, command.limit, command.after, command.upto)
+            records, writers = store.mark(command.limit, command.after, command.gaps)
             instruments.marked(time.perf_counter() - began, len(records))
-            return records, snapshot
+            return records, writers
 
         self._run(FENCE_SESSION, mark, lambda core, result: core.on_marked(command, *result),
                   lambda core, error: core.on_mark_failed(command, error))
@@ -261,8 +261,8 @@ class Driver:
 
         def purge(store: Store) -> bool:
             began = time.perf_counter()
-            _, held = store.purge(command.items)
-            instruments.purged(time.perf_counter() - began, len(command.items))
+            _, held = store.purge(command.ids)
+            instruments.purged(time.perf_counter() - began, len(command.ids))
             return held
 
         self._run(PURGE_SESSION, purge, lambda core, held: core.on_purged(held or not command.fenced),
@@ -272,8 +272,8 @@ class Driver:
         instruments = self._instruments
 
         def reset(store: Store) -> bool:
-            _, held = store.reset(command.items, command.errors)
-            instruments.reset(len(command.items))
+            _, held = store.reset(command.ids, command.errors)
+            instruments.reset(len(command.ids))
             return held
 
         self._run(PURGE_SESSION, reset, lambda core, held: core.on_reset(held or not command.fenced),
@@ -286,7 +286,7 @@ class Driver:
             log.warning("Could not note the error on record %d: %s", record_id, error)
             core.on_held(record_id, None)
 
-        self._run(PURGE_SESSION, lambda store: store.hold(record_id, command.leader_id, command.reason),
+        self._run(PURGE_SESSION, lambda store: store.hold(record_id, command.reason),
                   lambda core, version: core.on_held(record_id, version), noted)
 
     #: Each command's handler, by name (so a subclass's override is the one called).

@@ -15,7 +15,6 @@ with the engine's mark / purge / reset semantics and its fence. Switches for fai
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -201,9 +200,8 @@ class FakeConsumer:
 class FakeStore(MemoryStore):
     """The outbox table in memory, with the engine's mark / purge / reset semantics and the fence.
 
-    Faults: `fail_marks` / `fail_purges` count down errors to raise; `mark_commits_before_error`
-    makes a failing mark apply its UPDATE first, as a server can commit before the client sees a
-    broken connection. `fence_holder` set to a FenceHolder makes the fence taken by someone else.
+    Faults: `fail_marks` / `fail_purges` count down errors to raise. `fence_holder` set to a
+    FenceHolder makes the fence taken by someone else.
     `purge_gate` set to a cleared Event makes purge() wait until it is set (a slow commit).
     """
 
@@ -211,12 +209,11 @@ class FakeStore(MemoryStore):
         self.world = LiveWorld()
         self.lock = self.world.lock
         super().__init__(MemoryTable(self.world), "fake", "fake")
-        self.marks: list[tuple[uuid.UUID, list[int]]] = []
+        self.marks: list[list[int]] = []
         self.purged: list[int] = []
         self.resets: list[int] = []
         self.fail_marks = 0
         self.fail_purges = 0
-        self.mark_commits_before_error = True
         self.purge_gate: threading.Event | None = None
         self.fence_holder: FenceHolder | None = None
         self.fence_taken = False
@@ -261,17 +258,15 @@ class FakeStore(MemoryStore):
             super().release_fence()
             self.fence_taken = False
 
-    def mark(self, leader_id: uuid.UUID, limit: int, after: int,
-             upto: int | None = None) -> tuple[list[Record], tuple[int, int]]:
+    def mark(self, limit: int, after: int,
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
         with self.lock:
             if self.fail_marks:
                 self.fail_marks -= 1
-                if self.mark_commits_before_error:
-                    super().mark(leader_id, limit, after, upto)
                 raise psycopg.OperationalError("injected mark failure")
-            records, snapshot = super().mark(leader_id, limit, after, upto)
-            self.marks.append((leader_id, [record.id for record in records]))
-            return records, snapshot
+            records, writers = super().mark(limit, after, gaps)
+            self.marks.append([record.id for record in records])
+            return records, writers
 
     def check_held(self, ids: Sequence[int]) -> dict[int, Record]:
         with self.lock:
@@ -281,24 +276,24 @@ class FakeStore(MemoryStore):
         with self.lock:
             return super().park(record, reason, attempts, parked_by, dead_letter_topic)
 
-    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
+    def purge(self, ids: Sequence[int]) -> tuple[int, bool]:
         if self.purge_gate is not None:
             self.purge_gate.wait()
         with self.lock:
             if self.fail_purges:
                 self.fail_purges -= 1
                 raise psycopg.OperationalError("injected purge failure")
-            self.purged.extend(record_id for record_id, _ in items)
-            return super().purge(items)
+            self.purged.extend(ids)
+            return super().purge(ids)
 
-    def reset(self, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str]) -> tuple[int, bool]:
+    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
         with self.lock:
-            self.resets.extend(record_id for record_id, _ in items)
-            return super().reset(items, errors)
+            self.resets.extend(ids)
+            return super().reset(ids, errors)
 
-    def hold(self, record_id: int, leader_id: uuid.UUID, reason: str) -> int | None:
+    def hold(self, record_id: int, reason: str) -> int | None:
         with self.lock:
-            return super().hold(record_id, leader_id, reason)
+            return super().hold(record_id, reason)
 
     def close(self) -> None:
         with self.lock:

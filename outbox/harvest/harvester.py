@@ -144,7 +144,7 @@ class Harvester:
                               in_flight_keys=snapshot.in_flight_keys, in_flight_key_count=snapshot.in_flight_key_count,
                               held=snapshot.held, blocked_by=snapshot.fence_holder,
                               throughput=meter.rate if meter else 0.0, published=snapshot.published,
-                              failed=snapshot.failed)
+                              failed=snapshot.failed, marked_upto=snapshot.marked_upto)
 
     # -- lifecycle --------------------------------------------------------------------------------
 

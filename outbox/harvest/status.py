@@ -37,7 +37,7 @@ class StatusSnapshot:
     """What a replica reports about itself at one moment."""
 
     state: ReplicaState
-    #: The leader id its rows in flight are marked under (see core.Snapshot.marking_id).
+    #: The leader id of the term its records in flight belong to (see core.Snapshot.marking_id).
     leader_id: object
     since: datetime
     in_flight: int
@@ -50,17 +50,20 @@ class StatusSnapshot:
     throughput: float
     published: int
     failed: int
+    #: The highest outbox id its term has read (None: no term with records).
+    marked_upto: int | None = None
 
 
 UPSERT = """
-INSERT INTO {table} (name, host, pid, state, leader_id, since, started, last_seen, harvested_table, leader_topic,
-                     leader_group, in_flight, queued, in_flight_keys, in_flight_key_count, held_keys, held,
-                     blocked_by, throughput, published, failed)
-VALUES (%(name)s, %(host)s, %(pid)s, %(state)s, %(leader_id)s, %(since)s, %(started)s, now(), %(harvested_table)s,
-        %(leader_topic)s, %(leader_group)s, %(in_flight)s, %(queued)s, %(in_flight_keys)s, %(in_flight_key_count)s,
-        %(held_keys)s, %(held)s, %(blocked_by)s, %(throughput)s, %(published)s, %(failed)s)
+INSERT INTO {table} (name, host, pid, state, leader_id, marked_upto, since, started, last_seen, harvested_table,
+                     leader_topic, leader_group, in_flight, queued, in_flight_keys, in_flight_key_count, held_keys,
+                     held, blocked_by, throughput, published, failed)
+VALUES (%(name)s, %(host)s, %(pid)s, %(state)s, %(leader_id)s, %(marked_upto)s, %(since)s, %(started)s, now(),
+        %(harvested_table)s, %(leader_topic)s, %(leader_group)s, %(in_flight)s, %(queued)s, %(in_flight_keys)s,
+        %(in_flight_key_count)s, %(held_keys)s, %(held)s, %(blocked_by)s, %(throughput)s, %(published)s, %(failed)s)
 ON CONFLICT (name) DO UPDATE SET
   host = EXCLUDED.host, pid = EXCLUDED.pid, state = EXCLUDED.state, leader_id = EXCLUDED.leader_id,
+  marked_upto = EXCLUDED.marked_upto,
   since = EXCLUDED.since, last_seen = now(), harvested_table = EXCLUDED.harvested_table,
   leader_topic = EXCLUDED.leader_topic, leader_group = EXCLUDED.leader_group, in_flight = EXCLUDED.in_flight,
   queued = EXCLUDED.queued, in_flight_keys = EXCLUDED.in_flight_keys,
@@ -169,7 +172,8 @@ class StatusReporter(threading.Thread):
     def _report(self) -> None:
         snapshot = self._snapshot()
         params = {
-            **self._identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id, "since": snapshot.since,
+            **self._identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id,
+            "marked_upto": snapshot.marked_upto, "since": snapshot.since,
             "in_flight": snapshot.in_flight, "queued": snapshot.queued, "in_flight_keys": snapshot.in_flight_keys,
             "in_flight_key_count": snapshot.in_flight_key_count,
             "held_keys": [f"{held.key}: {held.reason}" for held in snapshot.held],

@@ -13,7 +13,6 @@ import hashlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,12 +93,10 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def requeue(conn: psycopg.Connection, table: str, ids: Sequence[int], live_leader_ids: Sequence[uuid.UUID],
-            *, counts_failures: bool = True) -> int:
-    """Requeue rows on the caller's connection (and transaction); returns how many were requeued."""
-    extra = ", reset_count = 0, last_error = NULL" if counts_failures else ""
-    statement = sql.SQL(contract.REQUEUE).format(table=table_identifier(table), failure_columns=sql.SQL(extra))
-    return conn.execute(statement, {"ids": list(ids), "live": list(live_leader_ids)}).rowcount
+def requeue(conn: psycopg.Connection, table: str, ids: Sequence[int]) -> int:
+    """Clear rows' failure counts on the caller's connection (and transaction); returns how many."""
+    statement = sql.SQL(contract.REQUEUE).format(table=table_identifier(table))
+    return conn.execute(statement, {"ids": list(ids)}).rowcount
 
 
 def _record(row: Sequence[Any]) -> Record:
@@ -118,10 +115,12 @@ class PostgresStore:
         self._status_table = status_table
         self.counts_failures = counts_failures
         self.table_oid = table_oid
+        #: The table is partitioned by id range: the leader keeps its partitions (partitions.py).
+        self.partitioned = False
         self.dead_letter_table = dead_letter_table
         ident = table_identifier(table)
         self._mark_sql = sql.SQL(contract.MARK).format(table=ident)
-        self._rescan_sql = sql.SQL(contract.RESCAN).format(table=ident)
+        self._gaps_sql = sql.SQL(contract.GAPS).format(table=ident)
         self._purge_sql = sql.SQL(contract.PURGE).format(table=ident)
         self._reset_sql = sql.SQL(contract.RESET_COUNTED if counts_failures else contract.RESET).format(table=ident)
         self._hold_sql = sql.SQL(contract.HOLD_COUNTED if counts_failures else contract.HOLD).format(table=ident)
@@ -162,9 +161,16 @@ class PostgresStore:
         if missing:
             close_quietly(conn)
             raise StoreError(f"table {table!r} lacks the outbox column(s) {', '.join(missing)}")
+        try:
+            partitioned = bool(conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = %s)", [oid]).fetchone()[0])
+        except psycopg.Error as error:
+            close_quietly(conn)
+            raise StoreError(f"cannot read table {table!r} at {where}: {first_line(error)}") from None
         store = cls(dsn, table, name=name, group=group,
                     counts_failures=all(c in columns for c in contract.FAILURE_COLUMNS), table_oid=int(oid),
                     dead_letter_table=dead_letters, status_table=status_table)
+        store.partitioned = partitioned
         store._fence_conn = conn
         return store
 
@@ -241,31 +247,30 @@ class PostgresStore:
         self._fence_held = False
         self.fence_pid = 0
 
-    def mark(self, leader_id: uuid.UUID, limit: int, after: int,
-             upto: int | None = None) -> tuple[list[Record], tuple[int, int]]:
-        """Mark rows (contract.MARK / RESCAN), sorted by id, with the (xmin, xmax) of a snapshot taken
-        just before, in the same round trip. Needs the fence."""
+    def mark(self, limit: int, after: int,
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
+        """Read the rows a term takes next (contract.MARK, and GAPS when there are gaps), sorted by id,
+        and the outbox's writers seen just before (contract.WRITERS), in one round trip. Needs the fence."""
         try:
             conn = self._fence_connection()
             if not self._fence_held:
                 raise psycopg.OperationalError("the database fence was lost with its session")
             with conn.pipeline():
-                snapshot = conn.execute(contract.SNAPSHOT, prepare=True)
-                if upto is None:
-                    cursor = conn.execute(self._mark_sql, {"leader_id": leader_id, "limit": limit, "after": after},
-                                          prepare=True)
-                else:
-                    cursor = conn.execute(self._rescan_sql, {"leader_id": leader_id, "limit": limit, "after": after,
-                                                             "upto": upto}, prepare=True)
-            xmin, xmax = snapshot.fetchone()
+                writers = conn.execute(contract.WRITERS, {"table_oid": self.table_oid}, prepare=True)
+                cursor = conn.execute(self._mark_sql, {"limit": limit, "after": after}, prepare=True)
+                found = conn.execute(self._gaps_sql, {"los": [lo for lo, _ in gaps], "his": [hi for _, hi in gaps],
+                                                      "limit": limit}, prepare=True) if gaps else None
+            running = frozenset(row[0] for row in writers.fetchall())
             rows = cursor.fetchall()
+            if found is not None:
+                rows.extend(found.fetchall())
         except psycopg.Error:
             self._drop_fence()
             raise
         records = [Record(*row) for row in rows]
-        # RETURNING yields rows in no particular order; per-key order depends on this sort.
+        # Per-key order depends on this sort (gap rows come back with the others).
         records.sort(key=lambda r: r.id)
-        return records, (xmin, xmax)
+        return records, running
 
     def check_held(self, ids: Sequence[int]) -> dict[int, Record]:
         try:
@@ -281,7 +286,7 @@ class PostgresStore:
             raise StoreError("no dead-letter table (run manage.py migrate)")
         try:
             row = self._fence_connection().execute(self._park_sql, {
-                "id": record.id, "leader_id": record.leader_id, "reason": reason, "attempts": attempts,
+                "id": record.id, "version": record.version, "reason": reason, "attempts": attempts,
                 "parked_by": parked_by, "dead_letter_topic": dead_letter_topic}).fetchone()
         except psycopg.Error:
             self._drop_fence()
@@ -301,22 +306,21 @@ class PostgresStore:
             self._purge_conn = connect(self._dsn, "purge", name=self._name)
         return self._purge_conn
 
-    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
-        """Delete delivered rows still marked by the term that sent them: (how many went, whether this
-        replica's fence session still holds the fence)."""
-        return self._settle(self._purge_sql, {"ids": [i for i, _ in items], "leader_ids": [lid for _, lid in items]})
+    def purge(self, ids: Sequence[int]) -> tuple[int, bool]:
+        """Delete rows whose records Kafka acknowledged: (how many went, whether this replica's fence
+        session still holds the fence)."""
+        return self._settle(self._purge_sql, {"ids": list(ids)})
 
-    def reset(self, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str]) -> tuple[int, bool]:
-        """Unmark rows whose delivery failed (same guard and answer); count the failure when the table can."""
-        return self._settle(self._reset_sql, {"ids": [i for i, _ in items], "leader_ids": [lid for _, lid in items],
-                                              "errors": list(errors)})
+    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
+        """Rows whose delivery failed: count the failure when the table can (same answer as purge)."""
+        return self._settle(self._reset_sql, {"ids": list(ids), "errors": list(errors)})
 
-    def hold(self, record_id: int, leader_id: uuid.UUID, reason: str) -> int | None:
-        """Note on a poison row why it is held; returns its new version (None: the row is not ours)."""
+    def hold(self, record_id: int, reason: str) -> int | None:
+        """Note on a poison row why it is held; returns its version after that (None: the row is gone)."""
         with self._purge_lock:
             try:
                 row = self._purge_connection().execute(
-                    self._hold_sql, {"id": record_id, "leader_id": leader_id, "error": reason}).fetchone()
+                    self._hold_sql, {"id": record_id, "error": reason}).fetchone()
             except psycopg.Error:
                 self._drop_purge()
                 raise

@@ -127,8 +127,8 @@ class AuditState:
     and key: the highest id so far and the offset it first had), `latency` (histogram per topic),
     `examples` (the first few per kind and task; per kind after a second batch), and, when kept, `latest`
     (latest.py: each key's newest record). `messages`
-    is the last batch's messages (for the rare look-up of repeats under other keys), usable only
-    while `cached` (persisted frames) is not released.
+    is the last batch's messages (for the rare look-up of repeats under other keys) and `batch_keys`
+    its per-key summary (for latest.py), usable only while `cached` (persisted frames) is not released.
     """
 
     counters: DataFrame
@@ -138,6 +138,7 @@ class AuditState:
     examples: DataFrame
     latest: DataFrame | None = None
     messages: DataFrame | None = None
+    batch_keys: DataFrame | None = None
     cached: list[DataFrame] = field(default_factory=list)
 
     TABLES = ("counters", "ids", "keys", "latency", "examples", "latest")
@@ -153,6 +154,7 @@ class AuditState:
             frame.unpersist()
         self.cached.clear()
         self.messages = None
+        self.batch_keys = None
 
 
 def empty_state(spark: SparkSession, *, latest: bool = False) -> AuditState:
@@ -274,7 +276,7 @@ def fold(state: AuditState | None, batch: DataFrame, *, batch_id: int = 0, examp
     # A first batch has at most `examples` of each kind per task (scan.py): few enough to keep them all.
     kept = _keep_examples(found, examples) if state is not None else found
     return AuditState(counters=counters, ids=ids, keys=keys, latency=latency, examples=kept, latest=newest,
-                      messages=batch, cached=[aggregated])
+                      messages=batch, batch_keys=batch_keys, cached=[aggregated])
 
 
 def other_duplicates(messages: DataFrame, limit: int, batch_id: int = 0) -> DataFrame:

@@ -119,10 +119,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ledger.add_argument("--ledger-column", default="id", metavar="COLUMN", help="id column (default: id)")
     ledger.add_argument("--ledger-property", type=_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="JDBC connection property such as user=... (repeatable)")
-    parser.add_argument("--sink", metavar="DIR", help="write the de-duplicated records as Parquet (batch mode)")
+    parser.add_argument("--sink", metavar="DIR",
+                        help="write the de-duplicated records (follow mode: appended by every micro-batch, "
+                             "--format delta only)")
     parser.add_argument("--latest", metavar="DIR",
-                        help="write each key's newest record as Parquet (tombstoned keys left out; follow mode "
-                             "updates it after every micro-batch)")
+                        help="write each key's newest record (follow mode: updated by every micro-batch)")
+    parser.add_argument("--format", dest="table_format", choices=("parquet", "delta"), default=None,
+                        help="table format of --sink and --latest (default: parquet); delta: a Delta Lake table, "
+                             "one commit per run or micro-batch, --latest MERGEd")
+    parser.add_argument("--tombstones", choices=("delete", "mark"), default=None,
+                        help="what a tombstone does to its key's row in --latest: delete it (default), or keep "
+                             "it with deleted=true")
     parser.add_argument("--examples", type=_non_negative_int, default=10, metavar="N",
                         help="examples kept of each kind of violation (default: 10)")
     spark = parser.add_argument_group("Spark")
@@ -168,8 +175,13 @@ def validate(args: argparse.Namespace, defaults: Defaults) -> None:
     if follow_only and not args.follow:
         flags = ", ".join("--" + name.replace("_", "-") for name in follow_only)
         raise UsageError(f"{flags} only go with --follow")
-    if args.follow and args.sink:
-        raise UsageError("--sink works in batch mode only (run a batch audit to write the de-duplicated records)")
+    if args.table_format and not (args.sink or args.latest):
+        raise UsageError("--format goes with --sink or --latest")
+    if args.tombstones and not args.latest:
+        raise UsageError("--tombstones goes with --latest")
+    if args.follow and args.sink and args.table_format != "delta":
+        raise UsageError("--sink in follow mode needs --format delta (appending to plain Parquet files cannot be "
+                         "made exactly once across restarts)")
     if args.follow and args.once and args.max_batches:
         raise UsageError("give --once or --max-batches, not both")
     for key, _ in args.conf:
@@ -238,12 +250,29 @@ def check_before_spark(args: argparse.Namespace, defaults: Defaults) -> list[str
     for flag, path in folders.items():  # last: this creates the folders
         if path and not preflight.has_scheme(path):
             preflight.check_writable_folder(flag, path)
+    if delta(args):
+        from outbox.pipeline import delta_table
+
+        missing = delta_table.package_missing()
+        if missing:
+            raise UsageError(missing)
     submitted = _submitted_jars()
     if "spark-sql-kafka" in submitted:
+        if delta(args) and "delta-spark" not in submitted:
+            raise jar_lookup.JarsNotFound("--format delta: give spark-submit Delta Lake's jars too (--jars "
+                                          "delta-spark_4.2_2.13-*.jar,... or --packages io.delta:delta-spark_4.2_2.13:"
+                                          "VERSION)")
         return []
     jar_list = jar_lookup.resolve(args.jars, defaults.spark_jars)
     jar_lookup.check_versions(jar_list, *jar_lookup.pyspark_versions())
+    if delta(args):
+        jar_lookup.check_delta(jar_list, *jar_lookup.pyspark_versions())
     return jar_list
+
+
+def delta(args: argparse.Namespace) -> bool:
+    """Whether the run writes Delta tables (`--format delta`)."""
+    return args.table_format == "delta"
 
 
 def run(args: argparse.Namespace, *, defaults: Defaults | None = None, stdout: TextIO | None = None,
@@ -300,7 +329,8 @@ def _run_info(args: argparse.Namespace, kafka: sources.Kafka, started: datetime,
     """`run` of the report: the same keys in batch and follow mode (None where a mode has no such thing)."""
     return {"mode": "follow" if args.follow else "batch", "started": started.isoformat(), "seconds": None,
             "master": master, "bootstrap_servers": kafka.bootstrap_servers, "offsets": {},
-            "sink": args.sink, "latest": args.latest, "checkpoint": checkpoint,
+            "sink": args.sink, "latest": args.latest, "format": args.table_format or "parquet",
+            "checkpoint": checkpoint,
             "batches_folded": [], "batches_skipped": [], "stopped": None}
 
 
@@ -331,6 +361,7 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
 
     started = datetime.now(UTC)
     master = master_of(args)
+    table_format = args.table_format or "parquet"
     run_info = _run_info(args, kafka, started, master, checkpoint_of(args))
     offsets = None
     if not args.follow:
@@ -341,8 +372,13 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
         run_info["offsets"] = {topic: {str(p): [low, high] for p, (low, high) in parts.items()}
                                for topic, parts in offsets.items()}
     progress(f"starting Spark ({master or 'from spark-submit'})")
-    with session.spark_session(master, dict(args.conf), jar_list, on_stuck=stuck) as spark:
+    with session.spark_session(master, dict(args.conf), jar_list, on_stuck=stuck, delta=delta(args)) as spark:
         run_info["master"] = spark.sparkContext.master
+        if delta(args) and not session.has_delta(spark):
+            raise preflight.PreflightError(
+                f"--format delta: the running Spark session was started without Delta Lake; start it with "
+                f"spark.sql.extensions={session.DELTA_EXTENSION} and "
+                f"spark.sql.catalog.spark_catalog={session.DELTA_CATALOG}")
         _start_spark(spark, args, progress)
         ledger_frame, ledger_label = _ledger(spark, args, defaults)
         if args.follow:
@@ -360,14 +396,15 @@ def _audit(args: argparse.Namespace, defaults: Defaults, kafka: sources.Kafka, p
 
                     assert state.latest is not None
                     progress(f"writing each key's newest record to {args.latest}")
-                    latest.write(state.latest, args.latest)
+                    latest.write(state.latest, args.latest, table_format=table_format,
+                                 tombstones=args.tombstones or "delete")
             finally:
                 state.release()
             if args.sink:
                 progress(f"writing the de-duplicated records to {args.sink}")
                 from outbox.pipeline import sink
 
-                sink.write(batch, args.sink)
+                sink.write(batch, args.sink, table_format)
             run_info.update(batches_folded=[0], stopped="end of the offsets pinned at start")
     run_info["seconds"] = round((datetime.now(UTC) - started).total_seconds(), 3)
     built = reports.build(findings, args.topics, ledger=ledger_label, run=run_info)
@@ -400,7 +437,8 @@ def _follow(spark: Any, args: argparse.Namespace, kafka: sources.Kafka, ledger_f
     options = FollowOptions(checkpoint=checkpoint, once=args.once, max_batches=args.max_batches,
                             idle_timeout=args.idle_timeout, trigger_interval=args.trigger_interval,
                             max_offsets_per_trigger=args.max_offsets_per_trigger, examples=args.examples,
-                            latest=args.latest)
+                            latest=args.latest, sink=args.sink, table_format=args.table_format or "parquet",
+                            tombstones=args.tombstones or "delete")
     newest: list[Any] = []
 
     def on_state(state: audit.AuditState, offsets: dict[str, Any], run: FollowRun) -> None:

@@ -4,8 +4,10 @@
 `<checkpoint>/state` holds the audit's state, one version per folded micro-batch (see state.py).
 Each micro-batch is folded into the previous version inside foreachBatch, so a restart resumes
 where the last run stopped and a micro-batch that Spark replays is not counted again. Delete the
-whole checkpoint folder to start over. With `latest`, the latest-state table is rewritten from
-each version before the version counts as folded, so a crash in between redoes both.
+whole checkpoint folder to start over. The output tables are written after the version's state
+and before it counts as folded, so a crash in between redoes both: a Parquet `latest` is
+rewritten from the state; Delta tables (`sink`, `latest`) get one commit per micro-batch, which
+Delta skips when a replayed micro-batch finds it already there (delta_table.py).
 
 A run stops when `once` is set (Spark's availableNow trigger: everything there at start, then
 stop), after `max_batches` folded micro-batches, after `idle_timeout` seconds without a
@@ -15,18 +17,19 @@ SIGINT/SIGTERM (after the micro-batch under way).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
-from outbox.pipeline import audit, sources
+from outbox.pipeline import audit, delta_table, preflight, sink, sources
 from outbox.pipeline import latest as latest_state
-from outbox.pipeline.state import Offsets, StateError, StateStore
+from outbox.pipeline.state import Offsets, Outputs, StateError, StateStore
 
 
 @dataclass
@@ -38,7 +41,22 @@ class FollowOptions:
     trigger_interval: str = "5 seconds"
     max_offsets_per_trigger: int | None = None
     examples: int = 10
-    latest: str | None = None  # folder of the latest-state table, rewritten after each batch
+    latest: str | None = None  # folder of the latest-state table, kept in step with each batch
+    sink: str | None = None  # folder of the de-duplicated table (Delta only), appended to by each batch
+    table_format: str = "parquet"  # of `latest` and `sink`
+    tombstones: latest_state.Tombstones = "delete"
+
+    def outputs(self) -> Outputs:
+        """What this run keeps in step with its state, folders as absolute paths where local."""
+        return Outputs(sink=_where(self.sink), sink_format=self.table_format if self.sink else None,
+                       latest=_where(self.latest), latest_format=self.table_format if self.latest else None,
+                       tombstones=self.tombstones)
+
+
+def _where(path: str | None) -> str | None:
+    if path is None:
+        return None
+    return path.rstrip("/") if preflight.has_scheme(path) else os.path.abspath(path.removeprefix("file://"))
 
 
 @dataclass
@@ -51,12 +69,33 @@ class FollowRun:
 
 
 def check_state(spark: SparkSession, options: FollowOptions) -> None:
-    """Raise StateError, before the stream starts, when the saved state cannot serve this run."""
+    """Raise StateError, before the stream starts, when the saved state cannot serve this run.
+
+    An output the checkpoint did not keep would miss what earlier micro-batches wrote; a Delta table
+    in another folder, or kept with the other tombstone rule, would be out of step with the state.
+    """
     store = StateStore(spark, f"{options.checkpoint.rstrip('/')}/state")
     found = store.latest()
-    if found is not None and options.latest and found[1].latest is None:
-        raise StateError(f"--latest: the checkpoint {options.checkpoint} was started without --latest, so it "
-                         f"has no latest state to continue; give a new --checkpoint to start over")
+    if found is None:
+        return
+    before, wanted, checkpoint = store.outputs(found[0]), options.outputs(), options.checkpoint
+    start_over = "give a new --checkpoint to start over"
+    for name in ("sink", "latest"):
+        flag, kept, asked = f"--{name}", getattr(before, f"{name}_format"), getattr(wanted, f"{name}_format")
+        if asked is None:
+            continue
+        if kept is None:
+            raise StateError(f"{flag}: the checkpoint {checkpoint} was started without {flag}, so the table would "
+                             f"miss what earlier micro-batches wrote; {start_over}")
+        if kept != asked:
+            raise StateError(f"{flag}: the checkpoint {checkpoint} keeps {flag} as --format {kept}, not {asked}; "
+                             f"{start_over}")
+        if asked == delta_table.FORMAT and getattr(before, name) != getattr(wanted, name):
+            raise StateError(f"{flag} {getattr(options, name)}: the checkpoint {checkpoint} keeps its Delta table "
+                             f"in {getattr(before, name)}; give that folder, or {start_over}")
+    if wanted.latest_format == delta_table.FORMAT and before.tombstones != wanted.tombstones:
+        raise StateError(f"--tombstones {wanted.tombstones}: the checkpoint {checkpoint} keeps the Delta --latest "
+                         f"with --tombstones {before.tombstones}; {start_over}")
 
 
 def covered(previous: Offsets, start: dict[str, dict[str, int]], end: dict[str, dict[str, int]]) -> Offsets:
@@ -94,6 +133,37 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
         low = sources.watermarks(kafka, sources.partitions(kafka, topics))
         return {topic: {str(p): pair[0] for p, pair in parts.items()} for topic, parts in low.items()}
 
+    delta_latest = bool(options.latest) and options.table_format == delta_table.FORMAT
+    query_ids: dict[str, str] = {}
+
+    def commit_of(batch_id: int) -> delta_table.Commit:
+        if "id" not in query_ids:
+            query_ids["id"] = store.query_id(spark_checkpoint)
+        return delta_table.Commit(app_id=query_ids["id"], batch_id=batch_id)
+
+    def write_outputs(session: SparkSession, batch_id: int, batch: DataFrame, before: audit.AuditState | None,
+                      folded: audit.AuditState, saved: audit.AuditState) -> None:
+        """The output tables after `batch`: written before the state's version is marked folded."""
+        began = time.monotonic()
+        if options.latest and not delta_latest:
+            assert saved.latest is not None
+            latest_state.write(saved.latest, options.latest, tombstones=options.tombstones)
+            log(f"batch {batch_id}: --latest rewritten in {time.monotonic() - began:.1f}s")
+        if options.sink:
+            sink.append(batch, before.ids if before else None, options.sink, commit_of(batch_id))
+            log(f"batch {batch_id}: --sink appended in {time.monotonic() - began:.1f}s")
+        if delta_latest:
+            began = time.monotonic()
+            assert options.latest is not None and folded.batch_keys is not None
+            if before is None:  # a checkpoint that starts over: the table starts over too
+                latest_state.write(latest_state.fold(None, None, batch, folded.batch_keys), options.latest,
+                                   table_format=delta_table.FORMAT, tombstones=options.tombstones,
+                                   commit=commit_of(batch_id))
+            else:
+                changed = latest_state.changes(before.keys, batch, folded.batch_keys)
+                latest_state.merge(session, options.latest, changed, commit_of(batch_id), options.tombstones)
+            log(f"batch {batch_id}: --latest merged in {time.monotonic() - began:.1f}s")
+
     def fold_batch(frame: DataFrame, batch_id: int) -> None:
         activity["busy"] = True
         try:
@@ -103,20 +173,22 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
                 return
             began = time.monotonic()
             previous = store.latest(before=batch_id)
-            folded = audit.fold(previous[1] if previous else None, audit.normalize(frame), batch_id=batch_id,
-                                examples=options.examples, latest=bool(options.latest),
+            before = previous[1] if previous else None
+            batch = audit.normalize(frame)
+            folded = audit.fold(before, batch, batch_id=batch_id, examples=options.examples,
+                                latest=bool(options.latest) and not delta_latest,
                                 whole_partitions=kafka.whole_partitions, topics=topics)
             offsets = covered(previous[2] if previous else {}, _start(batch_id),
                               store.spark_offsets(spark_checkpoint, batch_id) or {})
-            write_latest = None
-            if options.latest:
-                path = options.latest
+            outputs = options.outputs()
+            if folded.latest is not None and outputs.latest_format is None:  # the state still keeps it
+                outputs = replace(outputs, latest_format="parquet")
 
-                def write_latest(state: audit.AuditState) -> None:
-                    assert state.latest is not None
-                    latest_state.write(state.latest, path)
+            def before_marking(saved: audit.AuditState) -> None:
+                write_outputs(frame.sparkSession, batch_id, batch, before, folded, saved)
+
             try:
-                saved = store.save(batch_id, folded, offsets, before_marking=write_latest)
+                saved = store.save(batch_id, folded, offsets, before_marking=before_marking, outputs=outputs)
             finally:
                 folded.release()
             run.folded.append(batch_id)

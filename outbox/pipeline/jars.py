@@ -1,7 +1,8 @@
 """Where the Kafka connector's jars come from, so that a run needs no network.
 
-PySpark ships Spark but not its Kafka source. `bin/services up` copies the connector and what it
-needs beyond pyspark's own jars (services/spark/pom.xml) into `.services/spark/jars-<version>/`.
+PySpark ships Spark but not its Kafka source, nor Delta Lake (`--format delta`). `bin/services up`
+copies both and what they need beyond pyspark's own jars (services/spark/pom.xml) into
+`.services/spark/jars-<version>/`.
 The audit looks, in order, at: the `--jars` flag, `$OUTBOX_SPARK_JARS`, the `OUTBOX["spark_jars"]`
 setting (passed in by the management command), then that folder. Each may name a folder (every
 `*.jar` in it) or a comma-separated list of jars; a URL (hdfs://, s3a://, https://...) is passed
@@ -21,6 +22,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 DEFAULT_DIR = REPO_ROOT / ".services" / "spark" / f"jars-{SPARK_VERSION}"
 CONNECTOR = "spark-sql-kafka-0-10"
 CONNECTOR_NAME = re.compile(r"spark-sql-kafka-0-10_(?P<scala>\d+\.\d+)-(?P<spark>\d+\.\d+)\.[^/]*\.jar")
+DELTA = "delta-spark_"
+# Delta Lake names its builds after the Spark minor version and the Scala version: delta-spark_4.2_2.13-4.4.0.jar
+DELTA_NAME = re.compile(r"delta-spark_(?P<spark>\d+\.\d+)_(?P<scala>\d+\.\d+)-(?P<delta>[^/]*)\.jar")
 HOW_TO_FETCH = (f"run `bin/services up` (copies them into {DEFAULT_DIR}) or `mvn -B -q -f services/spark/pom.xml "
                 f"dependency:copy-dependencies -DoutputDirectory=DIR -DincludeScope=runtime`, then pass --jars DIR "
                 f"or set {ENV_VAR}")
@@ -82,6 +86,29 @@ def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
+def has_delta(jars: Sequence[str]) -> bool:
+    """Whether `jars` include Delta Lake's Spark connector."""
+    return any(DELTA in jar.rsplit("/", 1)[-1] for jar in jars)
+
+
+def check_delta(jars: Sequence[str], pyspark_version: str, scala_version: str | None) -> None:
+    """Delta Lake's jar is among `jars` and built for pyspark's Spark minor and Scala versions, or JarsNotFound."""
+    if not has_delta(jars):
+        raise JarsNotFound(f"--format delta: no Delta Lake jar ({DELTA}*.jar) among the jars; {HOW_TO_FETCH}")
+    for jar in jars:
+        name = jar.rsplit("/", 1)[-1]
+        found = DELTA_NAME.fullmatch(name)
+        if found is None:
+            continue
+        if found["spark"] != _minor(pyspark_version):
+            raise JarsNotFound(f"--format delta: {name} is Delta Lake for Spark {found['spark']} but pyspark is "
+                               f"{pyspark_version}: use the delta-spark_{_minor(pyspark_version)} jars "
+                               f"(services/spark/pom.xml pins them)")
+        if scala_version and found["scala"] != scala_version:
+            raise JarsNotFound(f"--format delta: {name} is built for Scala {found['scala']} but pyspark's Spark "
+                               f"uses Scala {scala_version}")
+
+
 def check_versions(jars: Sequence[str], pyspark_version: str, scala_version: str | None) -> None:
     """The connector jar is built for pyspark's Spark minor version and Scala version, or JarsNotFound.
 
@@ -90,10 +117,10 @@ def check_versions(jars: Sequence[str], pyspark_version: str, scala_version: str
     or a URL without a version) is taken on trust.
     """
     for jar in jars:
-        found = CONNECTOR_NAME.search(jar.rsplit("/", 1)[-1])
+        name = jar.rsplit("/", 1)[-1]
+        found = CONNECTOR_NAME.search(name)
         if found is None:
             continue
-        name = jar.rsplit("/", 1)[-1]
         if found["spark"] != _minor(pyspark_version):
             raise JarsNotFound(f"the Kafka connector {name} is for Spark {found['spark']} but pyspark is "
                                f"{pyspark_version}: use the connector jars of Spark {_minor(pyspark_version)} "

@@ -42,15 +42,42 @@ DEFAULTS = {
 }
 
 
-def settings(master: str | None, confs: Mapping[str, str], jars: Sequence[str]) -> dict[str, str]:
-    """Every Spark setting the audit asks for, defaults first so that `confs` wins."""
+# `--format delta`: Delta Lake's SQL extension (MERGE, DESCRIBE HISTORY, OPTIMIZE, VACUUM) and catalog. Each
+# new snapshot of a table is read from its log in this many tasks: Delta's default of 50 made a 10,000-key
+# MERGE into a 1,000,000-row table on local[2] three times slower (docs/benchmarks.md).
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+DELTA_DEFAULTS = {
+    "spark.sql.catalog.spark_catalog": DELTA_CATALOG,
+    "spark.databricks.delta.snapshotPartitions": "2",
+}
+
+
+def settings(master: str | None, confs: Mapping[str, str], jars: Sequence[str],
+             delta: bool = False) -> dict[str, str]:
+    """Every Spark setting the audit asks for, defaults first so that `confs` wins.
+
+    With `delta`, Delta Lake's extension is added to any `spark.sql.extensions` given, not replaced by it.
+    """
     merged: dict[str, str] = dict(DEFAULTS)
     if master is not None and master.startswith("local"):
         merged.update(LOCAL_DEFAULTS)
+    if delta:
+        merged.update(DELTA_DEFAULTS)
     if jars:
         merged["spark.jars"] = ",".join(jars)
     merged.update(confs)
+    if delta:
+        extensions = [name.strip() for name in merged.get("spark.sql.extensions", "").split(",") if name.strip()]
+        merged["spark.sql.extensions"] = ",".join([*extensions, DELTA_EXTENSION] if DELTA_EXTENSION not in extensions
+                                                  else extensions)
     return merged
+
+
+def has_delta(spark: SparkSession) -> bool:
+    """Whether a running session was started with Delta Lake's SQL extension."""
+    extensions = spark.sparkContext.getConf().get("spark.sql.extensions", "") or ""
+    return DELTA_EXTENSION in extensions.split(",")
 
 
 REGISTRATION_TIMEOUT = 5.0  # seconds a spark:// master gets to register the audit; a real one takes milliseconds
@@ -115,10 +142,11 @@ def _registration_watch(master: str | None, on_stuck: Callable[[str], None] | No
 
 @contextmanager
 def spark_session(master: str | None, confs: Mapping[str, str], jars: Sequence[str],
-                  log_level: str = "WARN", on_stuck: Callable[[str], None] | None = None) -> Iterator[SparkSession]:
+                  log_level: str = "WARN", on_stuck: Callable[[str], None] | None = None,
+                  delta: bool = False) -> Iterator[SparkSession]:
     """A running session for the audit; stopped afterwards only if it was started here.
 
-    `on_stuck`: see `_registration_watch`.
+    `on_stuck`: see `_registration_watch`; `delta`: with Delta Lake's extension (see `settings`).
     """
     existing = SparkSession.getActiveSession()
     builder = SparkSession.builder.appName(APP_NAME)
@@ -131,7 +159,7 @@ def spark_session(master: str | None, confs: Mapping[str, str], jars: Sequence[s
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         if master is not None:  # None: spark-submit's --master
             builder = builder.master(master)
-        for key, value in settings(master, confs, jars).items():
+        for key, value in settings(master, confs, jars, delta=delta).items():
             builder = builder.config(key, value)
     with _registration_watch(master if existing is None else None, on_stuck):
         spark = builder.getOrCreate()

@@ -6,7 +6,9 @@ Layout under the state folder:
     batch-000000000007/_FOLDED                                         written last
 
 A version counts only once `_FOLDED` exists; the marker holds the state's format, the tables it
-has and the Kafka offsets the state covers. Structured Streaming may run a micro-batch again
+has, the Kafka offsets the state covers and the outputs kept in step with it (`Outputs`: which
+tables, in which format, where), so that a restart cannot silently add an output that would miss
+what earlier micro-batches wrote. Structured Streaming may run a micro-batch again
 after a crash (same id, same offsets) when its state was saved but its commit was not: such a
 batch finds its version folded and is skipped, so nothing is counted twice. A batch that died
 half-way has no marker, and is folded again from the previous version. Older versions are
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -32,6 +35,28 @@ Offsets = dict[str, dict[str, list[int]]]
 
 class StateError(Exception):
     """A one-line reason why the saved state cannot be used."""
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The tables a follow run keeps in step with its state: format and folder of each (None: not kept).
+
+    A Parquet `--latest` is rewritten from the state, so only its format matters; a Delta table holds
+    what earlier micro-batches wrote, so its folder must stay the same too.
+    """
+
+    sink: str | None = None
+    sink_format: str | None = None
+    latest: str | None = None
+    latest_format: str | None = None
+    tombstones: str = "delete"
+
+    @classmethod
+    def of(cls, marker: dict[str, Any]) -> Outputs:
+        """From a marker; one written before outputs were recorded kept at most a Parquet --latest."""
+        if "outputs" in marker:
+            return cls(**marker["outputs"])
+        return cls(latest_format="parquet" if "latest" in marker.get("tables", []) else None)
 
 
 class StateStore:
@@ -80,6 +105,17 @@ class StateStore:
                              f"delete the checkpoint folder to start over")
         return marker
 
+    def outputs(self, batch_id: int) -> Outputs:
+        return Outputs.of(self._marker(batch_id))
+
+    def query_id(self, checkpoint: str) -> str:
+        """The id of the streaming query of Spark's checkpoint `checkpoint` (written when the query starts).
+
+        It stays the same across restarts on that checkpoint and is new for a new one: the Delta
+        tables' transaction identifier (delta_table.py).
+        """
+        return str(json.loads(self._read_text(f"{checkpoint.rstrip('/')}/metadata"))["id"])
+
     def load(self, batch_id: int) -> tuple[AuditState, Offsets]:
         marker = self._marker(batch_id)
         version = self._version(batch_id)
@@ -89,11 +125,12 @@ class StateStore:
         return AuditState(**tables), marker.get("offsets", {})
 
     def save(self, batch_id: int, state: AuditState, offsets: Offsets,
-             before_marking: Callable[[AuditState], None] | None = None) -> AuditState:
+             before_marking: Callable[[AuditState], None] | None = None,
+             outputs: Outputs | None = None) -> AuditState:
         """Write `state` as version `batch_id`, mark it folded, drop old versions; returns it re-read.
 
         `before_marking` sees the written state before the marker exists: what it writes (the
-        latest-state table) is then redone if the process dies before the version counts.
+        tables of `outputs`) is then redone if the process dies before the version counts.
         """
         version = self._version(batch_id)
         self._fs.delete(self._path(version), True)  # a half-written earlier attempt
@@ -105,7 +142,8 @@ class StateStore:
                               for name in tables})
         if before_marking is not None:
             before_marking(saved)
-        marker = json.dumps({"format": FORMAT, "tables": list(tables), "offsets": offsets})
+        marker = json.dumps({"format": FORMAT, "tables": list(tables), "offsets": offsets,
+                             "outputs": asdict(outputs or Outputs())})
         out = self._fs.create(self._path(f"{version}/{MARKER}"), True)
         try:
             out.write(bytearray(marker.encode()))

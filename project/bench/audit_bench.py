@@ -61,8 +61,9 @@ class PeakMemory:
         self._thread.join()
 
 
-def publish(bootstrap: str, topic: str, messages: int, keys: int, value_bytes: int) -> float:
-    """Produce `messages` like the harvester's (ids ascending, per-key order kept); returns seconds."""
+def publish(bootstrap: str, topic: str, messages: int, keys: int, value_bytes: int, first_id: int = 1) -> float:
+    """Produce `messages` like the harvester's (ids ascending from `first_id`, per-key order kept) over keys
+    `key-0` to `key-<keys - 1>`; returns seconds."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50, "batch.size": 1_000_000,
                          "compression.type": "lz4", "queue.buffering.max.messages": 1_000_000,
                          "queue.buffering.max.kbytes": 1_048_576, "enable.idempotence": True})
@@ -74,7 +75,7 @@ def publish(bootstrap: str, topic: str, messages: int, keys: int, value_bytes: i
         if n % 1000 == 0:  # the create time moves on every 1,000 messages, as rows of one mark query
             stamp = datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
             created = stamp.encode()
-        headers = [("outbox-id", str(n + 1).encode()), ("outbox-create-time", created)]
+        headers = [("outbox-id", str(n + first_id).encode()), ("outbox-create-time", created)]
         while True:
             try:
                 producer.produce(topic, value=value, key=key_names[n % keys], headers=headers)
@@ -90,8 +91,12 @@ def publish(bootstrap: str, topic: str, messages: int, keys: int, value_bytes: i
 
 
 def run(messages: int, keys: int, partitions: int, bootstrap: str, master: str, value_bytes: int,
-        confs: Sequence[str], keep_topic: bool, jars: str | None, stdout: TextIO, topic: str | None = None) -> int:
-    """Publish to a new topic (or, with `topic`, audit that existing one as it is), audit, print figures."""
+        confs: Sequence[str], keep_topic: bool, jars: str | None, stdout: TextIO, topic: str | None = None,
+        sink_format: str | None = None) -> int:
+    """Publish to a new topic (or, with `topic`, audit that existing one as it is), audit, print figures.
+
+    With `sink_format`, the audit also writes `--sink` in that format, and the sink's step is timed.
+    """
     admin = AdminClient({"bootstrap.servers": bootstrap})
     reuse = topic is not None
     if topic is None:
@@ -114,10 +119,12 @@ def run(messages: int, keys: int, partitions: int, bootstrap: str, master: str, 
         if jars:
             argv += ["--jars", jars]
         with tempfile.TemporaryDirectory(prefix="outbox-audit-bench-") as out, PeakMemory() as memory:
+            if sink_format:
+                argv += ["--sink", f"{out}/sink", "--format", sink_format]
             summary = io.StringIO()
             began = time.perf_counter()
             progress = _Timestamps(sys.stderr)
-            code = cli.main([*argv, "--out", out], stdout=summary, stderr=progress)
+            code = cli.main([*argv, "--out", f"{out}/report"], stdout=summary, stderr=progress)
             seconds = time.perf_counter() - began
         scan = progress.scan_seconds()
         stdout.write("".join(line for line in summary.getvalue().splitlines(keepends=True)
@@ -127,6 +134,10 @@ def run(messages: int, keys: int, partitions: int, bootstrap: str, master: str, 
         if scan:
             stdout.write(f"  audit scan only {messages / scan:>12,.0f} records/s  ({scan:.1f} s, from the first "
                          f"Spark job to the report)\n")
+        sink = progress.sink_seconds()
+        if sink_format and sink:
+            stdout.write(f"  sink ({sink_format}) {messages / sink:>12,.0f} records/s  ({sink:.1f} s, the sink's "
+                         f"step alone)\n")
         stdout.write(f"  peak RSS        {memory.peak / 2**20:>12,.0f} MiB  (Python + JVM, sampled every "
                      f"{memory.interval:g} s)\n")
         return code
@@ -154,6 +165,8 @@ class _Timestamps(io.TextIOBase):
     def write(self, text: str) -> int:
         if "reading the messages" in text:
             self.marks["scan"] = time.perf_counter()
+        elif "writing the de-duplicated records" in text:
+            self.marks["sink"] = time.perf_counter()
         elif "] done" in text:
             self.marks["done"] = time.perf_counter()
         self.stream.write(text)
@@ -161,6 +174,11 @@ class _Timestamps(io.TextIOBase):
 
     def flush(self) -> None:
         self.stream.flush()
+
+    def sink_seconds(self) -> float | None:
+        if "sink" in self.marks and "done" in self.marks:
+            return self.marks["done"] - self.marks["sink"]
+        return None
 
     def scan_seconds(self) -> float | None:
         if "scan" in self.marks and "done" in self.marks:
@@ -180,6 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-topic", action="store_true", help="leave the benchmark topic in Kafka")
     parser.add_argument("--topic", help="audit this existing topic (e.g. one left by --keep-topic) instead of "
                                         "publishing a new one")
+    parser.add_argument("--sink-format", choices=("parquet", "delta"),
+                        help="also write the de-duplicated records (--sink) in this format, and time that step")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -190,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bootstrap = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or "localhost:9092"
     return run(args.messages, args.keys, args.partitions, bootstrap, args.master, args.value_bytes, args.conf,
-               args.keep_topic, args.jars, sys.stdout, topic=args.topic)
+               args.keep_topic, args.jars, sys.stdout, topic=args.topic, sink_format=args.sink_format)
 
 
 if __name__ == "__main__":

@@ -62,10 +62,10 @@ class FirstBatchStore:
     def __init__(self, store: PostgresStore) -> None:
         self._store, self._marked_once = store, False
 
-    def mark(self, leader_id: uuid.UUID, limit: int, after: int, upto: int | None = None) -> Any:
+    def mark(self, limit: int, after: int, gaps: Any = ()) -> Any:
         if self._marked_once:
-            return [], (0, 0)
-        marked = self._store.mark(leader_id, limit, after, upto)
+            return [], frozenset()
+        marked = self._store.mark(limit, after, gaps)
         self._marked_once = bool(marked[0])
         return marked
 

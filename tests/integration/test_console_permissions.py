@@ -55,13 +55,13 @@ def client_for(role: str) -> Client:
 
 @pytest.fixture
 def world(db):
-    """A live leader holding a poison record, a record stuck under a gone leader, a parked record, a queue with a
-    dead letter, and an hour of history."""
+    """A live leader holding a poison record, a record stuck (old, failing, not read by the leader), a parked
+    record, a queue with a dead letter, and an hour of history."""
     live_id = uuid.uuid4()
-    bad = OutboxRecord.objects.create(kafka_topic="orders", kafka_key="order-9", kafka_value="x", leader_id=live_id,
+    bad = OutboxRecord.objects.create(kafka_topic="orders", kafka_key="order-9", kafka_value="x",
                                       reset_count=1, last_error="Broker: Message size too large")
-    stuck = OutboxRecord.objects.create(kafka_topic="orders", kafka_key="ancient", kafka_value="v",
-                                        leader_id=uuid.uuid4())
+    stuck = OutboxRecord.objects.create(kafka_topic="orders", kafka_key="ancient", kafka_value="v", reset_count=4,
+                                        last_error="Local: Message timed out")
     OutboxRecord.objects.filter(pk=stuck.pk).update(create_time=timezone.now() - timedelta(hours=1))
     status_row("replica-a", ReplicaState.LEADER, leader_id=live_id, held=[held_record(bad.id, "order-9")])
     samples("replica-a", minutes=60, leading_from=60)
@@ -107,7 +107,7 @@ ACTIONS: list[tuple[str, str, Callable[[dict], list[int]], Callable[[dict], bool
     ("/admin/outbox/outboxrecord/", "park_selected", lambda w: [w["held"].id],
      lambda w: not OutboxRecord.objects.filter(pk=w["held"].pk).exists()),
     ("/admin/outbox/outboxrecord/", "requeue_selected", lambda w: [w["stuck"].id],
-     lambda w: OutboxRecord.objects.get(pk=w["stuck"].pk).leader_id is None),
+     lambda w: OutboxRecord.objects.get(pk=w["stuck"].pk).reset_count == 0),
     ("/admin/outbox/outboxrecord/", "delete_selected", lambda w: [w["stuck"].id],
      lambda w: not OutboxRecord.objects.filter(pk=w["stuck"].pk).exists()),
     ("/admin/outbox/deadletter/", "republish_selected", lambda w: [w["parked"].id],

@@ -225,7 +225,7 @@ def test_a_lost_partition_stops_sending_and_another_replica_leads(rig_factory):
     leader, standby = pair(rig_factory)
     leader.kafka.lose_partition_zero()
     wait_until(lambda: standby.harvester.is_leader, what="the standby to lead")
-    assert "LeaderRevoked" in leader.kinds()
+    wait_until(lambda: "LeaderRevoked" in leader.kinds(), what="the old leader to hear it lost partition 0")
     leader.store.add_many(TOPIC, ["k"] * 5)
     wait_until(lambda: not leader.store.rows, what="the new leader to publish")
 

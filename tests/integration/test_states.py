@@ -23,17 +23,18 @@ def test_every_row_is_in_exactly_the_state_its_filter_selects(settings):
     live, gone_leader = uuid.uuid4(), uuid.uuid4()
     now = timezone.now()
     rows = []
-    # Every combination of: key (held or not), mark (none, the live leader, a gone leader), age, failures.
-    for key, leader_id, age, resets in itertools.product(
-            ["poisoned", "plain"], [None, live, gone_leader], [0, 599, 601, 86400], [0, 2, 3, 9]):
-        row = OutboxRecord.objects.create(kafka_topic="orders", kafka_key=key, kafka_value="v", leader_id=leader_id,
-                                          reset_count=resets)
+    # Every combination of: key (held or not), read by the live leader or not, age, failures.
+    for read, key, age, resets in itertools.product(
+            [True, False], ["poisoned", "plain"], [0, 599, 601, 86400], [0, 2, 3, 9]):
+        row = OutboxRecord.objects.create(kafka_topic="orders", kafka_key=key, kafka_value="v", reset_count=resets)
         OutboxRecord.objects.filter(pk=row.pk).update(create_time=now - timedelta(seconds=age))
-        rows.append(row.pk)
-    held_id = rows[len(rows) // 4]  # a "poisoned" row in the middle: some rows of its key are before it
-    OutboxRecord.objects.filter(pk=held_id).update(leader_id=live)
-    status_row("leader", ReplicaState.LEADER, leader_id=live, held=[held_record(held_id, "poisoned")])
-    status_row("old-leader", ReplicaState.LEADER, leader_id=gone_leader, seen=600)
+        rows.append((row.pk, read))
+    marked_upto = max(pk for pk, read in rows if read)
+    held_id = rows[len(rows) // 8][0]  # a "poisoned" row among the read: some rows of its key are before it
+    status_row("leader", ReplicaState.LEADER, leader_id=live, marked_upto=marked_upto,
+               held=[held_record(held_id, "poisoned")])
+    status_row("old-leader", ReplicaState.LEADER, leader_id=gone_leader, marked_upto=max(pk for pk, _ in rows),
+               seen=600)
 
     facts = Facts.read()
     by_row = {r.id: facts.state_of(r).state for r in OutboxRecord.objects.all()}
@@ -50,26 +51,28 @@ def test_every_row_is_in_exactly_the_state_its_filter_selects(settings):
 
 def test_what_each_state_says_about_a_row():
     live = uuid.uuid4()
-    bad = OutboxRecord.objects.create(kafka_topic="t", kafka_key="k", leader_id=live, reset_count=2,
+    bad = OutboxRecord.objects.create(kafka_topic="t", kafka_key="k", reset_count=2,
                                       last_error="Broker: Message size too large")
-    behind = OutboxRecord.objects.create(kafka_topic="t", kafka_key="k", leader_id=live)
-    orphan = OutboxRecord.objects.create(kafka_topic="t", kafka_key="o", leader_id=uuid.uuid4())
+    behind = OutboxRecord.objects.create(kafka_topic="t", kafka_key="k")
+    sent = OutboxRecord.objects.create(kafka_topic="t", kafka_key="s")
+    unread = OutboxRecord.objects.create(kafka_topic="t", kafka_key="o")
     failing = OutboxRecord.objects.create(kafka_topic="t", kafka_key="f", reset_count=3, last_error="timed out")
-    status_row("leader", ReplicaState.LEADER, leader_id=live,
+    status_row("leader", ReplicaState.LEADER, leader_id=live, marked_upto=sent.id,
                held=[held_record(bad.id, "k", attempts=2, held_for=120)])
     facts = Facts.read()
     held = facts.state_of(bad)
     assert (held.label, held.why) == ("held", "held: Broker: Message size too large (2 attempt(s), for 2\xa0minutes)")
     assert facts.state_of(behind).label == f"waiting behind #{bad.id}"
-    assert facts.state_of(orphan).why.endswith("which no live leader holds: the next leader marks it again")
+    assert facts.state_of(sent).why == "read by the live leader"
+    assert facts.state_of(unread).why == "not read by a live leader yet"
     assert facts.state_of(failing).why == "delivery failed 3 times: timed out"
 
 
 def test_a_blocked_or_standby_replica_has_nothing_in_flight():
-    """Only a leader's leader id makes a row in flight; a leader between terms reports none."""
+    """Only a term (a leader id) has rows in flight; a leader between terms reports none."""
     status_row("blocked", ReplicaState.BLOCKED, blocked_by="replica a of leader group g on h (pid 1)")
     status_row("between-terms", ReplicaState.LEADER)
-    row = OutboxRecord.objects.create(kafka_topic="t", kafka_key="k", leader_id=uuid.uuid4())
+    row = OutboxRecord.objects.create(kafka_topic="t", kafka_key="k")
     facts = Facts.read()
     assert [r.name for r in facts.replicas.blocked] == ["blocked"]
     assert [r.name for r in facts.replicas.leaders] == ["between-terms"] and not facts.replicas.live_leader_ids

@@ -47,7 +47,6 @@ class Options:
 
     core_factory: Callable[..., Core] = Core
     driver_factory: Callable[..., Driver] = Driver
-    guard_purges: bool = True
     #: Force one record per key in flight (the mutations are about goharvest's barrier).
     per_key: int | None = None
     #: Whether the database fence works (None: the seed decides; off models PgBouncer in transaction mode).
@@ -55,10 +54,12 @@ class Options:
 
 
 def limits_for(world: SimWorld, per_key: int) -> Limits:
+    throttle = world.rng.randint(2, 60)
     return Limits(
         io_error_backoff=0.05, min_poll_interval=0.1, heartbeat_timeout=1.0, queue_timeout=5.0,
-        mark_backoff=0.02, idle_poll_interval=0.5, max_in_flight_records=world.rng.randint(2, 60),
-        max_in_flight_per_key=per_key, mark_query_records=world.rng.randint(3, 40), rescan_interval=2.0,
+        mark_backoff=0.02, idle_poll_interval=0.5, max_in_flight_records=throttle,
+        purge_interval=(0.0, 0.005, 0.05)[throttle % 3],  # from a draw already made: the seeds stay as they were
+        max_in_flight_per_key=per_key, mark_query_records=world.rng.randint(3, 40),
         held_check_interval=0.5, held_retry_after=3.0, fence_retry_interval=1.0,
         min_metrics_interval=5.0, status_interval=0.0,
     )
@@ -70,8 +71,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
     world.keep_trace = trace
     rng = world.rng
     kafka = MemoryBroker(world, partitions=rng.randint(1, 4), faults=ProducerFaults())
-    table = MemoryTable(world, published=kafka.published.__contains__, faults=TableFaults(),
-                     guard_purges=options.guard_purges)
+    table = MemoryTable(world, published=kafka.published.__contains__, faults=TableFaults())
     log = Log()
     per_key = options.per_key or rng.choice((1, 4))
     limits = limits_for(world, per_key)
@@ -101,6 +101,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
     write_window = rng.uniform(0.5, 18.0)
     per_key_rate = total / (len(keys) * write_window)  # records per second, each key
     written = {"n": 0}
+    rollbacks = rng.choice((0.0, 0.0, 0.02, 0.1))
     poison_ids: list[int] = []
 
     def write(key: str) -> None:
@@ -111,10 +112,15 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
         if poison_count and len(poison_ids) < poison_count and world.chance(0.02):
             value = rng.choice((POISON, HUGE))  # refused by the broker, or by the producer at produce()
         row = table.insert(key, value)
+        # Commits land out of id order across keys; now and then one takes a long while, and now and
+        # then a writer rolls back (its id is never seen: a gap that must be let go of).
+        commit_in = rng.uniform(0.0001, 0.02) if not world.chance(0.03) else rng.uniform(0.2, 2.0)
+        if world.chance(rollbacks):
+            written["n"] -= 1  # written again
+            world.after(commit_in, lambda: (table.rollback(row), write(key)))
+            return
         if value in POISONS:
             poison_ids.append(row.id)
-        # Commits land out of id order across keys; now and then one takes a long while.
-        commit_in = rng.uniform(0.0001, 0.02) if not world.chance(0.03) else rng.uniform(0.2, 2.0)
 
         def commit() -> None:
             table.commit(row)

@@ -294,7 +294,10 @@ def test_unreachable_kafka_exits_2_with_one_line(tmp_path):
     ["--topics", "bad topic!", "--out", "x"],
     ["--topics", "t", "--out", "x", "--conf", "nokey"],
     ["--topics", "t", "--out", "x", "--once"],                            # follow-only flag
-    ["--topics", "t", "--out", "x", "--follow", "--sink", "s"],
+    ["--topics", "t", "--out", "x", "--follow", "--sink", "s"],                # follow mode: a Delta sink only
+    ["--topics", "t", "--out", "x", "--format", "delta"],                    # a format for no table
+    ["--topics", "t", "--out", "x", "--sink", "s", "--tombstones", "mark"],  # tombstones without --latest
+    ["--topics", "t", "--out", "x", "--latest", "l", "--format", "orc"],
     ["--topics", "t", "--out", "x", "--ledger", "/no/such/ledger.txt"],
     ["--topics", "t", "--out", "x", "--ledger-url", "jdbc:postgresql://h/db"],
     ["--topics", "t", "--out", "x", "--max-batches", "0", "--follow"],
@@ -407,11 +410,12 @@ def test_missing_jars_exit_2_saying_how_to_fetch_them(tmp_path):
     assert len(lines) == 1 and "bin/services up" in lines[0], result.stderr
 
 
-def newest_by_reference(messages: list[dict]) -> dict[str, tuple[str, int | None]]:
+def newest_by_reference(messages: list[dict], *, tombstones: str = "delete") -> dict[str, tuple[str, int | None]]:
     """The latest-state table computed in plain Python, walking each key's messages in offset order.
 
     A message becomes its key's newest when it has no outbox id, or an id higher than any the key
-    had; per key the partition where it reached its highest id wins; tombstones drop the key.
+    had; per key the partition where it reached its highest id wins; tombstones drop the key
+    (`tombstones="mark"`: keep it, value None).
     """
     walked: dict[tuple[int, str], tuple[dict, int | None]] = {}
     for message in sorted(messages, key=lambda m: (m["partition"], m["offset"])):
@@ -428,7 +432,7 @@ def newest_by_reference(messages: list[dict]) -> dict[str, tuple[str, int | None
         if key not in chosen or rank > chosen[key][0]:
             chosen[key] = (rank, newest)
     return {key: (newest["value"], newest["outbox_id"]) for key, (_, newest) in chosen.items()
-            if newest["value"] is not None}
+            if newest["value"] is not None or tombstones == "mark"}
 
 
 class Ledgered:

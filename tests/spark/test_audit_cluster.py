@@ -101,3 +101,25 @@ def test_a_standalone_cluster_gives_the_local_report(spark, standalone_master, b
     assert (cluster["messages"], cluster["reversals"], cluster["duplicates"]) == (13, 1, 3)
     assert cluster["run"]["master"] == standalone_master
     assert time.monotonic() - began < 240  # liveness only: no wait on resources that never come
+
+
+def test_delta_tables_on_a_standalone_cluster_match_the_reference(spark, standalone_master, bootstrap_servers,
+                                                                  new_topic, tmp_path):
+    """Follow mode with Delta tables, the executors on the cluster writing them: a WRITE, then a MERGE."""
+    from tests.spark.test_audit import Ledgered, newest_by_reference
+    from tests.spark.test_audit_delta import FIRST, first_ids, history, micro_batches, spark_latest, spark_sink
+
+    topic = new_topic("audit-cluster-delta")
+    messages = Ledgered(bootstrap_servers, topic)
+    messages.send(*FIRST)
+    sink, latest = tmp_path / "sink", tmp_path / "latest"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox.pipeline", "--topics", topic, "--out", str(tmp_path / "out"),
+         "--bootstrap-servers", bootstrap_servers, "--master", standalone_master, "--executor-timeout", "90",
+         "--follow", "--once", "--max-offsets-per-trigger", "8", "--format", "delta", "--sink", str(sink),
+         "--latest", str(latest)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    assert result.returncode == 1, result.stderr[-3000:]  # the reversal of c
+    assert spark_latest(spark, latest) == newest_by_reference(messages.sent)
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+    assert history(spark, latest) == [("WRITE", micro_batches(0)[0]), ("MERGE", micro_batches(1)[0])]

@@ -401,7 +401,7 @@ class RecordingProducer(WrappedProducer):
 
 
 class FaultyStore:
-    """A real store whose marks sometimes fail after committing and whose purges sometimes fail before.
+    """A real store whose marks sometimes fail after reading and whose purges sometimes fail before.
 
     The second mark that returns rows and the second purge always fail, so every run meets both
     faults however the records happen to be batched; the rest fail at random."""
@@ -416,18 +416,18 @@ class FaultyStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)  # the fence, held rows, parking, close: as they are
 
-    def mark(self, leader_id: uuid.UUID, limit: int, after: int, upto: int | None = None) -> Any:
-        marked = self._store.mark(leader_id, limit, after, upto)
+    def mark(self, limit: int, after: int, gaps: Sequence[tuple[int, int]] = ()) -> Any:
+        marked = self._store.mark(limit, after, gaps)
         if marked[0]:
             self._marks += 1
             if self._marks == 2 or self._random.random() < self._fail_mark:
                 self.marks_failed += 1
-                raise psycopg.OperationalError("injected: connection lost after the mark committed")
+                raise psycopg.OperationalError("injected: connection lost after the mark ran")
         return marked
 
-    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
+    def purge(self, ids: Sequence[int]) -> tuple[int, bool]:
         self._purges += 1
         if self._purges == 2 or self._random.random() < self._fail_purge:
             self.purges_failed += 1
             raise psycopg.OperationalError("injected: purge failed")
-        return self._store.purge(items)
+        return self._store.purge(ids)

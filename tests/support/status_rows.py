@@ -27,12 +27,15 @@ def held_record(record_id: int, key: str, *, topic: str = "orders", reason: str 
 
 
 def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_id: uuid.UUID | None = None,
-               group: str = "g", host: str = "host-a", seen: float = 0.0, held: Sequence[HeldRecord] = (),
+               marked_upto: int | None = None, group: str = "g", host: str = "host-a", seen: float = 0.0,
+               held: Sequence[HeldRecord] = (),
                in_flight_keys: Sequence[str] = (), queued: int = 0, blocked_by: str | None = None,
                throughput: float = 0.0, published: int = 0, using: str = "default") -> HarvesterStatus:
     """Upsert a replica's status row; `seen` seconds ago."""
     if leader_id is not None and state is not ReplicaState.LEADER:
         raise ValueError("only a leader reports a leader id")
+    if marked_upto is not None and leader_id is None:
+        raise ValueError("only a term (a leader id) has read rows")
     if (blocked_by is not None) != (state is ReplicaState.BLOCKED):
         raise ValueError("a replica reports blocked_by exactly while it is blocked")
     if held and state is not ReplicaState.LEADER:
@@ -41,7 +44,8 @@ def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_
     params = {
         "name": name, "host": host, "pid": 1234, "started": now - timedelta(hours=1), "harvested_table": "outbox",
         "leader_topic": group, "leader_group": group, "state": str(state), "leader_id": leader_id,
-        "since": now - timedelta(minutes=5), "in_flight": len(in_flight_keys), "queued": queued,
+        "marked_upto": marked_upto, "since": now - timedelta(minutes=5), "in_flight": len(in_flight_keys),
+        "queued": queued,
         "in_flight_keys": list(in_flight_keys), "in_flight_key_count": len(in_flight_keys),
         "held_keys": [f"{h.key}: {h.reason}" for h in held], "held": json.dumps([h.as_json() for h in held]),
         "blocked_by": blocked_by, "throughput": throughput, "published": published, "failed": 0,

@@ -117,6 +117,36 @@ def test_a_connector_of_the_same_minor_version_passes():
     jars.check_versions(["s3a://libs/spark-sql-kafka.jar"], "4.2.1", "2.13")  # no version in the name: trusted
 
 
+@pytest.mark.parametrize(("found", "message"), [
+    (["/jars/spark-sql-kafka-0-10_2.13-4.2.0.jar"], r"no Delta Lake jar \(delta-spark_\*\.jar\).*bin/services up"),
+    (["/jars/delta-spark_4.1_2.13-4.0.0.jar"], "is Delta Lake for Spark 4.1 but pyspark is 4.2.1"),
+    (["/jars/delta-spark_4.2_2.12-4.4.0.jar"], "built for Scala 2.12 but pyspark's Spark uses Scala 2.13"),
+])
+def test_delta_jars_must_be_there_and_agree_with_pyspark(found, message):
+    with pytest.raises(jars.JarsNotFound, match=message):
+        jars.check_delta(found, "4.2.1", "2.13")
+
+
+def test_delta_jars_of_the_same_minor_version_pass():
+    jars.check_delta(["/jars/spark-sql-kafka-0-10_2.13-4.2.0.jar", "/jars/delta-spark_4.2_2.13-4.4.0.jar"],
+                     "4.2.1", "2.13")
+    assert not jars.has_delta(["/jars/delta-storage-4.4.0.jar"])
+
+
+def test_delta_settings_add_its_extension_to_any_given():
+    from outbox.pipeline import session
+
+    plain = session.settings("local[2]", {}, [])
+    assert "spark.sql.extensions" not in plain and "spark.sql.catalog.spark_catalog" not in plain
+    delta = session.settings("local[2]", {"spark.sql.extensions": "com.example.Ext"}, [], delta=True)
+    assert delta["spark.sql.extensions"] == f"com.example.Ext,{session.DELTA_EXTENSION}"
+    assert delta["spark.sql.catalog.spark_catalog"] == session.DELTA_CATALOG
+    given = session.settings(None, {"spark.sql.extensions": session.DELTA_EXTENSION,
+                                    "spark.databricks.delta.snapshotPartitions": "16"}, [], delta=True)
+    assert given["spark.sql.extensions"] == session.DELTA_EXTENSION
+    assert given["spark.databricks.delta.snapshotPartitions"] == "16"
+
+
 def test_follow_offsets_keep_the_first_start_and_the_last_end():
     first = covered({}, {"t": {"0": 0, "1": 5}}, {"t": {"0": 10, "1": 5}})
     assert first == {"t": {"0": [0, 10], "1": [5, 5]}}

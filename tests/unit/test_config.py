@@ -131,8 +131,8 @@ def test_the_engine_sql_matches_the_models():
 
     outbox_columns = {f.column for f in OutboxRecord._meta.get_fields()}
     assert set(contract.COLUMNS) | set(contract.FAILURE_COLUMNS) == outbox_columns
-    returning = contract.MARK.split("RETURNING")[1].replace(" ", "").strip().split(",")
-    assert returning == [*contract.COLUMNS, "xmin::text::bigint"]
+    read = re.search(r"SELECT (.*?) FROM", contract.MARK, re.S).group(1).replace(" ", "").split(",")
+    assert read == [*contract.COLUMNS, "xmin::text::bigint"]
     parked = re.search(r"INSERT INTO \{dead_letters\} \((.*?)\)", contract.PARK, re.S).group(1)
     assert {c.strip() for c in parked.split(",")} == {f.column for f in DeadLetter._meta.get_fields()} - {"id"}
     inserted = re.search(r"INSERT INTO \{table\} \((.*?)\)", status.UPSERT, re.S).group(1)
@@ -178,3 +178,10 @@ def test_an_unknown_librdkafka_property_stops_harvest_at_its_system_check_not_wi
     assert result.returncode != 0
     assert "(outbox.E013) OUTBOX['producer_kafka_config'] is refused by librdkafka" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_retired_setting_is_accepted_with_a_warning_that_it_does_nothing():
+    with override_settings(OUTBOX={"rescan_interval": 5}):
+        messages = checks.run_checks(tags=["outbox"])
+    assert [(m.id, m.level) for m in messages] == [("outbox.W004", checks.WARNING)]
+    assert "rescan_interval" in messages[0].msg and "no longer does anything" in messages[0].msg

@@ -20,7 +20,7 @@ from outbox.harvest.core import Core, Phase
 
 TIMEOUT = DeliveryError("_MSG_TIMED_OUT", "Local: Message timed out")
 TOO_LARGE = DeliveryError("MSG_SIZE_TOO_LARGE", "Broker: Message size too large", permanent=True)
-SETTLED = (100, 100)  # a snapshot in which no transaction is running
+NO_WRITERS: frozenset[str] = frozenset()  # nobody is writing to the outbox
 
 
 class Driver:
@@ -80,9 +80,15 @@ class Driver:
         assert self.of(cmd.Mark), "a new term marks at once"
         return fence.leader_id
 
-    def marked(self, records: list[Record], snapshot: tuple[int, int] = SETTLED) -> list[cmd.Command]:
-        self.core.on_marked(self.one(cmd.Mark), records, snapshot)
+    def marked(self, records: list[Record], writers: frozenset[str] = NO_WRITERS) -> list[cmd.Command]:
+        self.core.on_marked(self.one(cmd.Mark), records, writers)
         return self.take()
+
+    def mark_again(self) -> cmd.Mark:
+        """Time for the next mark (without waiting for a NOTIFY): the Mark asked for."""
+        self.core.marking.next_mark_at = 0
+        self.advance(0.1)
+        return self.one(cmd.Mark)
 
     def deliver(self, *ids: int, error: DeliveryError | None = None) -> list[cmd.Command]:
         for record_id in ids:
@@ -115,7 +121,7 @@ def test_one_record_per_key_in_flight_and_the_slot_frees_only_when_the_purge_com
     d.marked([rec(1, "a", lid), rec(2, "a", lid), rec(3, "b", lid)])
     assert d.sent() == [1, 3], "one per key"
     d.deliver(1)
-    assert d.sent() == [] and d.one(cmd.Purge).items == ((1, lid),), "acknowledged: purge, nothing more sent"
+    assert d.sent() == [] and d.one(cmd.Purge).ids == (1,), "acknowledged: purge, nothing more sent"
     assert d.purged() and d.sent() == [2], "the purge committed: the key's next record goes"
 
 
@@ -138,7 +144,7 @@ def test_several_records_of_a_key_in_flight_are_purged_in_their_order():
     d.deliver(2)
     assert d.of(cmd.Purge) == [], "2 waits for 1: a crash must never leave 1 to be re-sent after 2"
     d.deliver(1)
-    assert d.one(cmd.Purge).items == ((1, lid), (2, lid))
+    assert d.one(cmd.Purge).ids == (1, 2)
     d.purged()
     assert d.sent() == [4, 5]
 
@@ -148,7 +154,7 @@ def test_a_failed_delivery_resets_stops_sending_and_remarks_under_a_new_leader_i
     first = d.lead()
     d.marked([rec(1, "a", first), rec(2, "b", first), rec(3, "a", first)])
     d.deliver(1, error=TIMEOUT)
-    assert d.one(cmd.Reset).items == ((1, first),) and d.core.phase is Phase.DRAINING
+    assert d.one(cmd.Reset).ids == (1,) and d.core.phase is Phase.DRAINING
     d.core.on_reset()
     d.take()
     assert d.sent() == [] and not d.of(cmd.TakeFence), "record 2 is still in flight: no new term yet"
@@ -163,7 +169,7 @@ def test_a_failed_delivery_resets_stops_sending_and_remarks_under_a_new_leader_i
     assert d.sent() == [1], "the failed record goes again before the one marked after it"
 
 
-def test_a_mark_error_remarks_under_a_new_leader_id_because_the_update_may_have_committed():
+def test_a_mark_error_remarks_under_a_new_leader_id_because_what_it_read_is_unknown():
     d = Driver()
     first = d.lead()
     d.core.on_mark_failed(d.one(cmd.Mark), "connection lost")
@@ -264,7 +270,7 @@ def test_a_record_that_fails_among_others_is_sent_again_alone_before_it_is_held(
 def test_a_record_that_fails_alone_is_held_its_key_waits_and_other_keys_go_on():
     d = Driver()
     lid = d.lead()
-    d.core.on_marked(d.one(cmd.Mark), [rec(1, "bad", lid)], SETTLED)
+    d.core.on_marked(d.one(cmd.Mark), [rec(1, "bad", lid)], NO_WRITERS)
     d.take()
     d.core.on_delivered(1, TOO_LARGE)  # alone in flight: guilty
     d.take()
@@ -272,7 +278,7 @@ def test_a_record_that_fails_alone_is_held_its_key_waits_and_other_keys_go_on():
     [held] = d.core.snapshot().held
     assert (held.id, held.key, held.reason, held.attempts) == (1, "bad", str(TOO_LARGE), 1)
     d.core.on_held(1, 500)
-    d.core._next_mark_at = 0
+    d.core.marking.next_mark_at = 0
     d.take()
     d.marked([rec(2, "bad", lid), rec(3, "good", lid)])
     assert d.sent() == [3], "the held key waits; the other goes"
@@ -320,9 +326,9 @@ def test_a_held_record_is_retried_alone_when_its_row_changes_and_the_key_moves_o
 
 def test_a_held_record_that_fails_again_stays_held_and_is_parked_after_park_after_failures():
     d = Driver(held_check_interval=1.0)
-    d.core._park_after = 2
+    d.core.poison.park_after = 2
     lid = d.lead()
-    d.core.on_marked(d.one(cmd.Mark), [rec(1, "bad", lid)], SETTLED)
+    d.core.on_marked(d.one(cmd.Mark), [rec(1, "bad", lid)], NO_WRITERS)
     d.take()
     d.core.on_delivered(1, TOO_LARGE)
     d.take()
@@ -334,8 +340,11 @@ def test_a_held_record_that_fails_again_stays_held_and_is_parked_after_park_afte
     d.take()
     assert d.sent() == [1]
     d.deliver(1, error=TOO_LARGE)
+    assert d.one(cmd.Hold) and not d.of(cmd.Park), "parked once the Hold has answered, as the version it left"
+    d.core.on_held(1, 502)
+    d.take()
     park = d.one(cmd.Park)
-    assert park.record.id == 1 and park.attempts == 2
+    assert park.record.id == 1 and park.attempts == 2 and park.record.version == 502
     d.core.on_parked(1, True)
     d.take()
     assert d.events() == ["RecordParked", "RecordReleased"]
@@ -377,21 +386,58 @@ def test_a_purge_that_finds_the_fence_lost_stops_sending_at_once():
     assert d.sent() == [] and d.of(cmd.AbortSends) and d.core.phase is Phase.DRAINING
 
 
-def test_the_watermark_waits_for_every_transaction_that_could_own_a_skipped_id():
+def test_marks_read_on_from_the_highest_id_read_and_look_up_the_ids_not_yet_visible():
     d = Driver(mark_query_records=10)
     lid = d.lead()
-    # Rows 1 and 3 are visible; 2 belongs to a transaction still running (xid 7).
-    d.marked([rec(1, "a", lid), rec(3, "b", lid)], snapshot=(7, 9))
-    d.core._next_mark_at = 0
-    d.advance(2.0)
-    assert d.one(cmd.Mark).after == 0, "row 2 may still commit: marks start at the head"
-    d.marked([], snapshot=(7, 12))
-    d.core._next_mark_at = 0
-    d.advance(0.1)
-    d.marked([], snapshot=(12, 12))  # xid 7 (and everything older than 12) has finished
-    d.core._next_mark_at = 0
-    d.advance(0.1)
-    assert d.one(cmd.Mark).after == 3, "nothing at or below 3 can appear any more"
+    assert d.one(cmd.Mark).after == 0 and d.one(cmd.Mark).gaps == (), "a term starts at the head"
+    # Rows 1 and 4 are visible; 2 and 3 belong to transactions still running.
+    d.marked([rec(1, "a", lid), rec(4, "b", lid)], writers=frozenset({"3/7"}))
+    mark = d.mark_again()
+    assert (mark.after, mark.gaps) == (4, ((2, 3),)), "on from 4, and 2-3 looked up again"
+    d.marked([rec(3, "c", lid)], writers=frozenset({"3/7"}))  # 3 committed; 2 still may
+    mark = d.mark_again()
+    assert mark.gaps == ((2, 2),)
+    d.marked([], writers=frozenset({"3/7"}))
+    assert d.mark_again().gaps == ((2, 2),), "the writer seen after the gap was recorded is still running"
+    d.marked([], writers=frozenset({"4/1"}))  # 3/7 ended (rolled back): this lookup came after
+    assert d.mark_again().gaps == (), "2 can never appear: forgotten"
+
+
+def test_a_gap_is_watched_by_the_writers_seen_after_it_was_recorded():
+    d = Driver(mark_query_records=10)
+    lid = d.lead()
+    # The writer of id 2 may have begun after the writers were read for this very mark.
+    d.marked([rec(1, "a", lid), rec(3, "b", lid)], writers=NO_WRITERS)
+    assert d.mark_again().gaps == ((2, 2),)
+    d.marked([], writers=frozenset({"5/2"}))  # read after the gap was recorded: 5/2 may own id 2
+    assert d.mark_again().gaps == ((2, 2),)
+    d.marked([], writers=frozenset({"5/2"}))
+    assert d.mark_again().gaps == ((2, 2),), "kept while 5/2 runs"
+    d.marked([rec(2, "c", lid)], writers=NO_WRITERS)
+    assert 2 in d.sent() or 2 in d.core.lanes.entries, "found when it committed, and taken"
+    assert d.mark_again().gaps == ()
+
+
+def test_a_full_mark_reads_on_at_once_from_the_highest_id_read():
+    d = Driver(mark_query_records=2)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid)])
+    assert d.one(cmd.Mark).after == 2, "full: the next rows at once, above the highest id read"
+    d.marked([rec(3, "c", lid), rec(4, "d", lid)])
+    assert d.one(cmd.Mark).after == 4
+
+
+def test_rows_found_in_gaps_come_before_newer_rows_and_fill_the_mark_first():
+    d = Driver(mark_query_records=3, max_in_flight_per_key=10)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(5, "a", lid)], writers=frozenset({"1/1"}))
+    mark = d.mark_again()
+    assert mark.gaps == ((2, 4),)
+    # The gap alone fills the mark: the rows above the high water wait for the next one.
+    d.marked([rec(2, "a", lid), rec(3, "a", lid), rec(4, "a", lid), rec(6, "a", lid)], writers=NO_WRITERS)
+    assert [e.record.id for e in d.core.lanes.lanes["a"].queued] + d.sent() == [1, 5, 2, 3, 4] or \
+        sorted(d.core.lanes.entries) == [1, 2, 3, 4, 5]
+    assert d.core.marking.high_water == 5, "row 6 was not taken"
 
 
 @pytest.mark.parametrize("how", ["revoked", "lost", "stopped"])

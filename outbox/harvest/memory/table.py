@@ -44,7 +44,8 @@ class Row:
     create_time: datetime = EPOCH
     reset_count: int = 0
     last_error: str | None = None
-    xid: int | None = None  # given when the row is written, a moment after its id was taken
+    #: The writing transaction (its virtual id), from before the id was taken until it ends.
+    writer: str = ""
 
     def record(self) -> Record:
         return Record(self.id, self.create_time, self.topic, self.key, self.value, list(self.header_keys),
@@ -80,7 +81,6 @@ class MemoryTable:
     world: World
     published: Callable[[int], bool] = lambda _record_id: True  # is this record id in Kafka?
     faults: TableFaults = field(default_factory=TableFaults)
-    guard_purges: bool = True  # False only in the mutation "purging without the leader-id guard"
     #: False: advisory locks do not fence (PgBouncer in transaction mode): every replica "takes" it.
     db_fence: bool = True
     rows: dict[int, Row] = field(default_factory=dict)
@@ -91,47 +91,49 @@ class MemoryTable:
     poison: set[int] = field(default_factory=set)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _versions: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _transactions: itertools.count = field(default_factory=lambda: itertools.count(1))
     committed: list[int] = field(default_factory=list)
-    next_xid: int = 3
-    running: dict[int, str] = field(default_factory=dict)  # xid -> what
+    rolled_back: list[int] = field(default_factory=list)
+    #: Transactions holding a row-exclusive lock on the table (writing to it), by virtual id.
+    writers: set[str] = field(default_factory=set)
+    #: Other transactions running (they hold the database's horizon back; they write nothing here).
+    running: dict[str, str] = field(default_factory=dict)
 
     # -- writers --------------------------------------------------------------------------------
 
     def insert(self, key: str, value: str | None, *, topic: str = "orders", headers: Sequence[tuple[str, str]] = (),
                create_time: datetime = EPOCH) -> Row:
-        """A writer's INSERT: the id is taken now (nextval); the row is written (and its transaction
-        gets an xid) a moment later; it is visible once commit() runs."""
+        """A writer's INSERT: its transaction locks the table (a writer from now on), then takes the
+        id (nextval); the row is visible once commit() runs, and never if rollback() does."""
+        writer = f"w{next(self._transactions)}"
+        self.writers.add(writer)
         row = Row(next(self._ids), key, value, topic, tuple(k for k, _ in headers), tuple(v for _, v in headers),
-                  version=next(self._versions), created=self.world.now, create_time=create_time)
+                  version=next(self._versions), created=self.world.now, create_time=create_time, writer=writer)
         self.rows[row.id] = row
         if value in POISONS:
             self.poison.add(row.id)
-
-        def write() -> None:
-            if row.xid is None and not row.committed:
-                row.xid = self.begin(f"insert {row.id}")
-        self.world.after(self.world.latency(0.0, 0.001), write)
         return row
 
     def commit(self, row: Row) -> None:
-        if row.xid is None:
-            row.xid = self.begin(f"insert {row.id}")
-        self.end(row.xid)
+        self.writers.discard(row.writer)
         row.committed = True
         self.committed.append(row.id)
 
-    def begin(self, what: str) -> int:
-        xid = self.next_xid
-        self.next_xid += 1
-        self.running[xid] = what
-        return xid
+    def rollback(self, row: Row) -> None:
+        self.writers.discard(row.writer)
+        if self.rows.get(row.id) is row and not row.committed:
+            del self.rows[row.id]
+            self.poison.discard(row.id)
+            self.rolled_back.append(row.id)
 
-    def end(self, xid: int) -> None:
-        self.running.pop(xid, None)
+    def begin(self, what: str) -> str:
+        """A transaction that writes nothing to the outbox (a report, an idle session)."""
+        name = f"t{next(self._transactions)}"
+        self.running[name] = what
+        return name
 
-    def snapshot(self) -> tuple[int, int]:
-        """pg_current_snapshot(): (xmin, xmax): the oldest running xid, and the next one."""
-        return (min(self.running) if self.running else self.next_xid), self.next_xid
+    def end(self, name: str) -> None:
+        self.running.pop(name, None)
 
     # -- operators ------------------------------------------------------------------------------
 
@@ -200,41 +202,32 @@ class MemoryTable:
 
     # -- the engine's statements ----------------------------------------------------------------
 
-    def mark(self, session: Session, leader_id: uuid.UUID, limit: int, after: int,
-             upto: int | None) -> tuple[list[Record], tuple[int, int]]:
+    def mark(self, session: Session, limit: int, after: int,
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
+        """contract.WRITERS, MARK and GAPS in one round trip: the writers first, then the rows."""
         if not session.believes_fence:
             raise StatementFailed("the database fence was lost with its session")
 
-        def apply() -> tuple[list[Record], tuple[int, int]]:
+        def apply() -> tuple[list[Record], frozenset[str]]:
             if self.db_fence and self.fence_holder is not session:
                 raise Violation(f"{session.owner} marked without holding the table's fence")
-            snapshot = self.snapshot()  # read just before the mark, in the same round trip
-            top = upto if upto is not None else float("inf")
-            chosen = sorted((r for r in self.rows.values()
-                             if r.committed and r.leader_id != leader_id and after < r.id <= top),
-                            key=lambda r: r.id)[:limit]
-            for row in chosen:
-                row.leader_id = leader_id
-                row.version = next(self._versions)
-            return [row.record() for row in chosen], snapshot
+            writers = frozenset(self.writers)
+            visible = sorted((r for r in self.rows.values() if r.committed), key=lambda r: r.id)
+            above = [r for r in visible if r.id > after][:limit]
+            within = [r for r in visible if any(lo <= r.id <= hi for lo, hi in gaps)][:limit] if gaps else []
+            return sorted((row.record() for row in above + within), key=lambda r: r.id), writers
         return self._run(session, apply)  # type: ignore[return-value]
 
     def _fence_held(self, fence: Session | None) -> bool:
         return fence is None or not self.db_fence or self.fence_holder is fence
 
-    def purge(self, session: Session, items: Sequence[tuple[int, uuid.UUID]],
-              fence: Session | None = None) -> tuple[int, bool]:
+    def purge(self, session: Session, ids: Sequence[int], fence: Session | None = None) -> tuple[int, bool]:
         def apply() -> tuple[int, bool]:
             removed = 0
-            for row_id, leader_id in items:
+            for row_id in ids:
                 row = self.rows.get(row_id)
                 if row is None:
                     continue
-                if row.leader_id != leader_id:
-                    if self.guard_purges:
-                        continue
-                    raise Violation(f"purge by leader {_short(leader_id)} deleted row {row_id}, which leader "
-                                    f"{_short(row.leader_id)} had marked")
                 if not self.published(row_id):
                     raise Violation(f"row {row_id} was purged before Kafka had it")
                 del self.rows[row_id]
@@ -242,15 +235,14 @@ class MemoryTable:
             return removed, self._fence_held(fence)
         return self._run(session, apply)  # type: ignore[return-value]
 
-    def reset(self, session: Session, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str] = (),
+    def reset(self, session: Session, ids: Sequence[int], errors: Sequence[str] = (),
               fence: Session | None = None) -> tuple[int, bool]:
         def apply() -> tuple[int, bool]:
             count = 0
-            for index, (row_id, leader_id) in enumerate(items):
+            for index, row_id in enumerate(ids):
                 row = self.rows.get(row_id)
-                if row is None or row.leader_id != leader_id:
+                if row is None:
                     continue
-                row.leader_id = None
                 row.reset_count += 1
                 row.last_error = errors[index] if index < len(errors) else None
                 row.version = next(self._versions)
@@ -258,10 +250,10 @@ class MemoryTable:
             return count, self._fence_held(fence)
         return self._run(session, apply)  # type: ignore[return-value]
 
-    def hold(self, session: Session, row_id: int, leader_id: uuid.UUID, reason: str = "") -> int | None:
+    def hold(self, session: Session, row_id: int, reason: str = "") -> int | None:
         def apply() -> int | None:
             row = self.rows.get(row_id)
-            if row is None or row.leader_id != leader_id:
+            if row is None:
                 return None
             row.reset_count += 1
             row.last_error = reason
@@ -277,8 +269,8 @@ class MemoryTable:
     def park(self, session: Session, record: Record, reason: str = "") -> bool:
         def apply() -> bool:
             row = self.rows.get(record.id)
-            if row is None or row.leader_id != record.leader_id:
-                return False
+            if row is None or row.version != record.version:
+                return False  # gone, or changed since it failed (an operator's fix): not parked
             del self.rows[record.id]
             self.parked.add(record.id)
             self.dead_letters.append((row, reason))
@@ -306,6 +298,7 @@ class MemoryStore:
     a new one (holding no lock) when it ended, as the real store reconnects."""
 
     table_oid = 1
+    partitioned = False
 
     def __init__(self, table: MemoryTable, owner: str, group: str, *,
                  reachable: Callable[[], bool] = lambda: True) -> None:
@@ -340,9 +333,9 @@ class MemoryStore:
     def release_fence(self) -> None:
         self._run(True, self.table.release_fence)
 
-    def mark(self, leader_id: uuid.UUID, limit: int, after: int,
-             upto: int | None = None) -> tuple[list[Record], tuple[int, int]]:
-        return self._run(True, lambda s: self.table.mark(s, leader_id, limit, after, upto))  # type: ignore[return-value]
+    def mark(self, limit: int, after: int,
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
+        return self._run(True, lambda s: self.table.mark(s, limit, after, gaps))  # type: ignore[return-value]
 
     def check_held(self, ids: Sequence[int]) -> dict[int, Record]:
         return self._run(True, lambda s: self.table.check_held(s, ids))  # type: ignore[return-value]
@@ -350,14 +343,14 @@ class MemoryStore:
     def park(self, record: Record, reason: str, attempts: int, parked_by: str, dead_letter_topic: str | None) -> bool:
         return bool(self._run(True, lambda s: self.table.park(s, record, reason)))
 
-    def purge(self, items: Sequence[tuple[int, uuid.UUID]]) -> tuple[int, bool]:
-        return self._run(False, lambda s: self.table.purge(s, items, self.fence))  # type: ignore[return-value]
+    def purge(self, ids: Sequence[int]) -> tuple[int, bool]:
+        return self._run(False, lambda s: self.table.purge(s, ids, self.fence))  # type: ignore[return-value]
 
-    def reset(self, items: Sequence[tuple[int, uuid.UUID]], errors: Sequence[str]) -> tuple[int, bool]:
-        return self._run(False, lambda s: self.table.reset(s, items, errors, self.fence))  # type: ignore[return-value]
+    def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
+        return self._run(False, lambda s: self.table.reset(s, ids, errors, self.fence))  # type: ignore[return-value]
 
-    def hold(self, record_id: int, leader_id: uuid.UUID, reason: str) -> int | None:
-        return self._run(False, lambda s: self.table.hold(s, record_id, leader_id, reason))  # type: ignore[return-value]
+    def hold(self, record_id: int, reason: str) -> int | None:
+        return self._run(False, lambda s: self.table.hold(s, record_id, reason))  # type: ignore[return-value]
 
     def has_notify_trigger(self) -> bool:
         return False
@@ -366,7 +359,3 @@ class MemoryStore:
         """The connections close: the fence, if held, goes with its session."""
         self.table.drop(self.fence)
         self.table.drop(self.purger)
-
-
-def _short(leader_id: uuid.UUID | None) -> str:
-    return "none" if leader_id is None else str(leader_id)[:8]

@@ -30,6 +30,6 @@ class Command(BaseCommand):
             jars = ",".join(jars)
         code = bench.run(options["messages"], options["keys"], options["partitions"], bootstrap or "localhost:9092",
                          options["master"], options["value_bytes"], options["conf"], options["keep_topic"], jars,
-                         self.stdout, topic=options["topic"])
+                         self.stdout, topic=options["topic"], sink_format=options["sink_format"])
         if code:
             sys.exit(code)

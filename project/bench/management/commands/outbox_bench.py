@@ -3,6 +3,8 @@
     manage.py outbox_bench stash   --rows 100000
     manage.py outbox_bench drain   --records 1000000 --keys 10000 --keys 10
     manage.py outbox_bench latency --rate 2000 --duration 30
+    manage.py outbox_bench dbcost  --records 200000 --rate 2000 --duration 30
+    manage.py outbox_bench soak    --minutes 60 --rate 2000 --hold-transaction 20:10
 
 `drain` and `latency` run the real `manage.py harvest` in a subprocess against the outbox of
 database `default` and the project's Kafka, and sample its memory with psutil. They need an
@@ -11,6 +13,7 @@ empty outbox and no other harvester running on it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -38,6 +42,7 @@ from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.models import HarvesterSample, HarvesterStatus, OutboxRecord
 from outbox.stasher import stash, stash_many
+from project.bench import dbcost, soak
 from project.bench.management.commands.outbox_pump import pump
 
 BENCH_TOPIC = "outbox-bench"
@@ -71,6 +76,29 @@ class Command(BaseCommand):
         latency.add_argument("--writer", choices=["stash", "sql"], default="stash",
                              help="stash_many(), or plain INSERT statements woken only by the table's trigger")
         latency.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+
+        dbcost = sub.add_parser("dbcost", help="what harvesting costs Postgres (CPU, WAL, statements) beside what "
+                                               "writing the same records cost, in a drain and at a steady rate")
+        dbcost.add_argument("--records", type=int, default=200_000, help="backlog of the drain (0: no drain)")
+        dbcost.add_argument("--keys", type=int, default=1000)
+        dbcost.add_argument("--rate", type=float, action="append", help="records/s of a steady phase (repeatable; "
+                                                                        "default 2000 and 10000; 0: none)")
+        dbcost.add_argument("--duration", type=float, default=30.0, help="seconds of each steady phase")
+        dbcost.add_argument("--batch", type=int, default=None, help="records per writer transaction (default: "
+                                                                    "rate / 100, at least 1)")
+        dbcost.add_argument("--partitions", type=int, default=8)
+        dbcost.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+
+        soak_parser = sub.add_parser("soak", help="writers at a steady rate for a long while; a line of figures "
+                                                  "every minute and a verdict (project/bench/soak.py)")
+        soak_parser.add_argument("--minutes", type=float, default=60.0)
+        soak_parser.add_argument("--rate", type=float, default=2000.0, help="records/s, half plain SQL, half stash")
+        soak_parser.add_argument("--keys", type=int, default=200)
+        soak_parser.add_argument("--harvesters", type=int, default=1, help="harvester processes (default 1)")
+        soak_parser.add_argument("--partitions", type=int, default=8)
+        soak_parser.add_argument("--hold-transaction", metavar="START:MINUTES",
+                                 help="hold a REPEATABLE READ transaction open from minute START for MINUTES")
+        soak_parser.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
 
         compare = sub.add_parser("compare", help="drain the same backlogs with this harvester and goharvest's "
                                                  "reaper, one after the other; print both and the ratio")
@@ -186,6 +214,123 @@ class Command(BaseCommand):
                           f"max {latencies[-1]:.1f} ms, mean {statistics.fmean(latencies):.1f} ms")
         self.stdout.write(f"  harvester peak RSS {harvester.peak_rss / 2**20:.0f} MiB; "
                           f"read back {len(reader.appended):,} of {records:,}")
+        self._delete_topic(topic)
+
+    # -- what it costs the database --------------------------------------------------------------
+
+    def bench_dbcost(self, records: int, keys: int, rate: list[float] | None, duration: float, batch: int | None,
+                     partitions: int, harvest_args: list[str], **_: Any) -> None:
+        """The writer's own cost and the harvester's, measured on the server in the same run."""
+        self._require_empty_outbox()
+        meter = dbcost.ServerMeter(psycopg.connect(conf.harvest_config().dsn, autocommit=True))
+        statements = "per statement kind" if meter.has_statements else "(no pg_stat_statements: kinds not shown)"
+        self.stdout.write(f"database cost: Postgres CPU (all server processes) and WAL, {statements}; "
+                          f"harvest flags {harvest_args or 'default'}")
+        if records:
+            self._vacuum()
+            topic = self._create_topic("bench-dbcost", partitions)
+            before = meter.read()
+            pump(records=records, keys=keys, topic=topic)  # stash_many(), 1,000 rows a statement
+            written = meter.read()
+            with HarvesterProcess(harvest_args) as harvester:
+                harvester.wait_for_leadership()
+                self._wait_drained()
+                drained = meter.read()
+            self._report(f"drain of {records:,} rows over {keys:,} keys", records, written - before,
+                         drained - written)
+            self._delete_topic(topic)
+        for offered in rate if rate is not None else [2000.0, 10000.0]:
+            if offered <= 0:
+                continue
+            count = int(offered * duration)
+            size = batch or max(1, int(offered / 100))
+            topic = self._create_topic("bench-dbcost", partitions)
+            self._vacuum()
+            with HarvesterProcess(harvest_args) as harvester:
+                harvester.wait_for_leadership()
+                time.sleep(1.0)  # past start-up
+                before = meter.read()
+                pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer="sql")
+                self._wait_drained()
+                both = meter.read() - before
+            self._vacuum()
+            before = meter.read()
+            pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer="sql")
+            alone = meter.read() - before
+            with HarvesterProcess(harvest_args):  # clean up, unmeasured
+                self._wait_drained()
+            self._report(f"steady {offered:,.0f} records/s for {duration:.0f}s, {size} a transaction", count, alone,
+                         both - alone, both)
+            self._delete_topic(topic)
+
+    @staticmethod
+    def _wait_drained() -> None:
+        """Poll for an empty outbox, rarely and tagged, so the poll costs the server little and is not
+        counted among the harvester's statements."""
+        with connections["default"].cursor() as cursor:
+            while True:
+                cursor.execute(f'/* bench */ SELECT EXISTS (SELECT 1 FROM "{OutboxRecord._meta.db_table}")')
+                if not cursor.fetchone()[0]:
+                    return
+                time.sleep(0.25)
+
+    def _report(self, title: str, records: int, writer: dbcost.Cost, harvest: dbcost.Cost,
+                together: dbcost.Cost | None = None) -> None:
+        self.stdout.write(f"  {title}:")
+        self.stdout.write(f"    writer    CPU {writer.cpu:6.2f} s  WAL {writer.wal_bytes / 2**20:7.1f} MiB "
+                          f"({writer.wal_bytes / records:6.0f} B/record)")
+        self.stdout.write(f"    harvest   CPU {harvest.cpu:6.2f} s  WAL {harvest.wal_bytes / 2**20:7.1f} MiB "
+                          f"({harvest.wal_bytes / records:6.0f} B/record)  "
+                          f"= {harvest.cpu / max(writer.cpu, 1e-9):.2f}x the writer's CPU, "
+                          f"{harvest.wal_bytes / max(writer.wal_bytes, 1):.2f}x its WAL")
+        statements = (together or harvest).statements - (writer.statements if together is not None
+                                                          else dbcost.Statements())
+        self.stdout.write("    harvester's statements:")
+        for line in dbcost.Cost(0, 0, statements).lines(records, indent="      "):
+            self.stdout.write(line)
+
+    # -- hours under load --------------------------------------------------------------------------
+
+    def bench_soak(self, minutes: float, rate: float, keys: int, harvesters: int, partitions: int,
+                   hold_transaction: str | None, harvest_args: list[str], **_: Any) -> None:
+        self._require_empty_outbox()
+        hold = None
+        if hold_transaction:
+            try:
+                start, length = (float(part) for part in hold_transaction.split(":"))
+            except ValueError:
+                raise CommandError(f"--hold-transaction: START:MINUTES, got {hold_transaction!r}") from None
+            hold = (start, length)
+        topic = self._create_topic("bench-soak", partitions)
+        self._vacuum()
+        ports = [free_port() for _ in range(harvesters)]
+        held = f"an old transaction from minute {hold[0]:g} for {hold[1]:g}" if hold else "no old transaction"
+        self.stdout.write(f"soak: {minutes:g} min at {rate:,.0f} records/s (half plain SQL, half stash_many) over "
+                          f"{keys} keys, {harvesters} harvester(s); {held}; harvest flags {harvest_args or 'default'}")
+
+        def write(kind: str, share: float, seconds: float, committed: soak.Committed, stop: Any) -> None:
+            pump(records=int(share * seconds), keys=keys, topic=topic, rate=share, batch=20, on_commit=committed.add,
+                 writer=kind)
+
+        def queries(harvester: HarvesterProcess) -> tuple[float, float, float, float]:
+            port = harvester.metrics_port
+            return (scrape(port, "outbox_mark_seconds_count"), scrape(port, "outbox_mark_seconds_sum"),
+                    scrape(port, "outbox_purge_seconds_count"), scrape(port, "outbox_purge_seconds_sum"))
+
+        with contextlib.ExitStack() as stack:
+            running = []
+            for port in ports:
+                harvester = stack.enter_context(HarvesterProcess(
+                    [*harvest_args, "--metrics-port", str(port), "--metrics-address", "127.0.0.1"]))
+                harvester.metrics_port = port
+                running.append(harvester)
+            running[0].wait_for_leadership()
+            time.sleep(1.0)  # the metrics endpoints are up
+            result = soak.soak(dsn=conf.harvest_config().dsn, bootstrap=conf.kafka_config()["bootstrap.servers"],
+                               topic=topic, table=OutboxRecord._meta.db_table, minutes=minutes, rate=rate,
+                               write=write, harvesters=running, scrape=queries, hold=hold, say=self.stdout.write)
+            self._wait_drained()
+        self.stdout.write(result.line())
         self._delete_topic(topic)
 
     # -- side by side with goharvest ------------------------------------------------------------
@@ -506,6 +651,12 @@ class AppendTimeReader(threading.Thread):
                     if name == "outbox-id":
                         self.appended.setdefault(int(value), message.timestamp()[1] / 1000)
         consumer.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def scrape(port: int, name: str) -> float:

@@ -1,0 +1,470 @@
+"""The core's records: per-key lanes, sending within the throttle, and settling (purge, reset).
+
+A marked record waits in its key's lane, in id order. At most `max_in_flight_per_key` records of a
+key are in flight (1 is goharvest's barrier) and `max_in_flight_records` in all (the throttle). A
+key's slot is freed only when the purge of its acknowledged record has committed: freeing it on
+the ack alone lets a crash replay R0 R1 after R1. A key's acknowledged records are purged in its
+order, never one while an earlier one of its key is unsettled. A failed delivery resets the row
+and forces a re-mark under a new leader id (Leadership.remark), so the failed record goes out again
+before anything marked after it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from outbox.harvest import commands as cmd
+from outbox.harvest.commands import DeliveryError
+from outbox.harvest.contract import Record
+
+if TYPE_CHECKING:
+    from outbox.harvest.core import Core
+
+log = logging.getLogger("outbox.harvest")
+
+#: Records of a held key kept in memory behind the held one; beyond it they stay marked in the
+#: table, and releasing the key re-marks them under a new leader id.
+HELD_BACKLOG = 1000
+
+
+class EntryState(enum.Enum):
+    QUEUED = "queued"  # marked, waiting in its lane
+    SENT = "sent"  # handed to the producer
+    ACKED = "acked"  # acknowledged by Kafka; purge pending or under way
+    FAILED = "failed"  # delivery failed; reset pending or under way
+    HELD = "held"  # poison: stays marked, its key waits
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """A record the core tracks, from mark to purge (or reset, hold, park)."""
+
+    record: Record
+    marked_at: float
+    state: EntryState = EntryState.QUEUED
+    sent_at: float = 0.0
+    error: DeliveryError | None = None
+    #: Must be sent with nothing else in flight (it failed among others with a permanent error).
+    solo: bool = False
+    #: In a Purge (to come, or under way).
+    purging: bool = False
+    #: Went out with nothing else in flight (so a permanent failure can only be its own).
+    sent_alone: bool = False
+    #: Known poison, re-marked behind earlier records of its key: held again, unsent, once it is first.
+    rehold: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Lane:
+    """One key's records: queued (unsent, id order) and unsettled (sent, acked or failed, send order)."""
+
+    key: str
+    queued: deque[Entry] = field(default_factory=deque)
+    unsettled: list[Entry] = field(default_factory=list)
+    #: The key's held (poison) record; its later records wait in `queued`.
+    held: Entry | None = None
+    #: The held record is being sent again (it changed, or its retry time came).
+    retrying: bool = False
+    #: The held record's version is known (its Hold committed): checks compare against it.
+    version_known: bool = False
+    #: Holds of its record so far: a check asked before the latest one cannot judge its version.
+    holds: int = 0
+    #: Records of this key were dropped from memory while it was held (they stay marked).
+    overflowed: bool = False
+    #: One record at a time until one goes through (after a failure of this key).
+    single: bool = False
+    #: Listed in the ready queue.
+    ready: bool = False
+    #: How many of `unsettled`, from the front, are acknowledged and queued for purging.
+    purge_queued: int = 0
+
+    @property
+    def waiting(self) -> bool:
+        """Its queued records are behind a held record (not counted as queued, never timed out)."""
+        return self.held is not None
+
+
+class Lanes:
+    """Every record the core tracks, by key; what is sent, and what is settled."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.limits = core.limits
+        now = core.now
+        self.entries: dict[int, Entry] = {}
+        self.lanes: dict[str, Lane] = {}
+        self.busy: dict[str, None] = {}  # keys with records in flight, oldest first (for snapshots)
+        self.ready: deque[Lane] = deque()
+        self.queued = 0  # queued records not waiting behind a held one
+        self.in_flight = 0  # sent and not yet settled (purged or reset)
+        self._sent: deque[Entry] = deque()  # in send order, for the delivery timeout
+        self.solo: Entry | None = None
+        self._paused_until = now  # the producer's queue was full
+        self._next_queue_check = now
+        self.aborted = False  # AbortSends issued; nothing more is sent until all in flight settled
+        self.restarting = False  # RestartProducer issued, not yet answered
+        # settling
+        self._to_purge: list[Entry] = []
+        self._purging: list[Entry] | None = None
+        self._purge_retry_at = now
+        self._next_purge_at = now  # purges are coalesced: one at most every purge_interval
+        self._to_reset: list[Entry] = []
+        self._resetting: list[Entry] | None = None
+        self._reset_retry_at = now
+
+    # -- time -----------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        sent = self._sent
+        while sent and sent[0].state is not EntryState.SENT:
+            sent.popleft()
+        if sent and not self.aborted and now >= sent[0].sent_at + self.limits.delivery_timeout:
+            self.abort(f"a record was not acknowledged within {self.limits.delivery_timeout:g}s")
+
+    def queue_timed_out(self, now: float) -> bool:
+        """A marked record waited more than queue_timeout to be sent (checked a few times per timeout)."""
+        if not self.queued or now < self._next_queue_check:
+            return False
+        # Scanning the lanes costs O(keys): look a few times per timeout, not every tick.
+        self._next_queue_check = now + min(1.0, self.limits.queue_timeout / 4)
+        oldest = now
+        for lane in self.lanes.values():
+            if lane.queued and not lane.waiting:
+                oldest = min(oldest, lane.queued[0].marked_at)
+        return now - oldest > self.limits.queue_timeout
+
+    def deadline(self, deadline: float, active: bool) -> float:
+        if active and self.ready and self._paused_until > self.core.now:
+            deadline = min(deadline, self._paused_until)
+        if self._to_purge and self._purging is None:
+            deadline = min(deadline, max(self._purge_retry_at, self._next_purge_at))
+        if self._to_reset and self._resetting is None:
+            deadline = min(deadline, self._reset_retry_at)
+        if self._sent and not self.aborted:
+            deadline = min(deadline, self._sent[0].sent_at + self.limits.delivery_timeout)
+        return deadline
+
+    def check_invariants(self) -> None:
+        limit = self.limits.max_in_flight_per_key
+        unsettled = queued = 0
+        for key, lane in self.lanes.items():
+            assert len(lane.unsettled) <= limit, f"key {key!r}: {len(lane.unsettled)} in flight, limit {limit}"
+            assert (key in self.busy) == bool(lane.unsettled), f"key {key!r}: busy list out of step"
+            assert 0 <= lane.purge_queued <= len(lane.unsettled)
+            ids = [entry.record.id for entry in lane.queued]
+            assert ids == sorted(ids), f"key {key!r}: queued out of id order {ids[:5]}"
+            unsettled += len(lane.unsettled)
+            if not lane.waiting:
+                queued += len(lane.queued)
+        assert unsettled == self.in_flight, f"{unsettled} unsettled, in_flight says {self.in_flight}"
+        tracked = {entry.record.id for lane in self.lanes.values()
+                   for entry in (*lane.queued, *lane.unsettled, *([lane.held] if lane.held is not None else []))}
+        stray = sorted(set(self.entries) ^ tracked)
+        assert not stray, f"entries out of step with the lanes: {stray[:5]}"
+        assert queued == self.queued, f"{queued} queued, queued says {self.queued}"
+        assert len(self.busy) <= len(self.lanes)
+
+    # -- the producer -----------------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Give up every record in flight: the shell drops them from the producer and reports each failed."""
+        if not self.aborted and self.in_flight:
+            self.aborted = True
+            log.warning("Giving up %d record(s) in flight: %s", self.in_flight, reason)
+            self.core.command(cmd.AbortSends(reason))
+
+    def restart_producer(self) -> None:
+        if not self.restarting:
+            self.restarting = True
+            self.core.command(cmd.RestartProducer())
+
+    def delivered(self, record_id: int, error: DeliveryError | None) -> None:
+        entry = self.entries.get(record_id)
+        if entry is None or entry.state is not EntryState.SENT:
+            return
+        self._paused_until = self.core.now
+        if error is not None:
+            self._failed(entry, error)
+            return
+        entry.state = EntryState.ACKED
+        lane = self.lanes[entry.record.key]
+        lane.single = False
+        if entry is self.solo:
+            self.solo = None
+            self.core.poison.published(lane, entry)
+        self._purge_prefix(lane)
+
+    def refused(self, record_id: int, error: DeliveryError) -> None:
+        entry = self.entries.get(record_id)
+        if entry is None or entry.state is not EntryState.SENT:
+            return
+        if not error.permanent:
+            self._failed(entry, error)
+            return
+        # It never left: it is guilty on its own, and nothing needs resetting.
+        self.unsend(entry)
+        if entry is self.solo:
+            self.solo = None
+        self.core.poison.hold(entry, str(error))
+
+    def backpressure(self, record_ids: Iterable[int]) -> None:
+        for record_id in reversed(list(record_ids)):
+            entry = self.entries.get(record_id)
+            if entry is None or entry.state is not EntryState.SENT:
+                continue
+            self.unsend(entry)
+            lane = self.lanes[entry.record.key]
+            lane.queued.appendleft(entry)
+            if not lane.waiting:
+                self.queued += 1
+            self.make_ready(lane, first=True)
+        self._paused_until = self.core.now + min(self.limits.io_error_backoff, 0.05)
+
+    # -- taking marked records in ---------------------------------------------------------------
+
+    def take(self, record: Record) -> None:
+        """A marked record joins its key's lane."""
+        known = self.entries.get(record.id)
+        if known is not None:
+            if known.state is EntryState.QUEUED:
+                known.record = record  # marked again before it was sent (requeued): send it as it is now
+            return
+        poison = self.core.poison
+        entry = Entry(record, self.core.now, solo=poison.suspected(record.id))
+        self.entries[record.id] = entry
+        lane = self.lanes.get(record.key)
+        if lane is None:
+            lane = self.lanes[record.key] = Lane(record.key)
+        if poison.taken(lane, entry):
+            return
+        if lane.waiting:
+            if len(lane.queued) >= HELD_BACKLOG:
+                del self.entries[record.id]
+                lane.overflowed = True  # stays marked; releasing the key re-marks it under a new leader id
+            else:
+                lane.queued.append(entry)
+            return
+        lane.queued.append(entry)
+        self.queued += 1
+        self.make_ready(lane)
+
+    def abandon_queued(self) -> None:
+        """Forget records not sent: they stay marked, and the next term re-marks them (and re-holds
+        the poison among them: what is known of poison outlives the term)."""
+        for lane in list(self.lanes.values()):
+            for entry in lane.queued:
+                self.entries.pop(entry.record.id, None)
+            lane.queued.clear()
+            if lane.held is not None:
+                if lane.held.state is EntryState.HELD:
+                    self.entries.pop(lane.held.record.id, None)
+                lane.held = None
+            lane.retrying = lane.overflowed = lane.ready = False
+            if not lane.unsettled:
+                del self.lanes[lane.key]
+        self.ready.clear()
+        self.queued = 0
+        if self.solo is not None and self.solo.state is not EntryState.SENT:
+            self.solo = None
+
+    # -- sending --------------------------------------------------------------------------------
+
+    def make_ready(self, lane: Lane, *, first: bool = False) -> None:
+        if lane.ready or not lane.queued or (lane.waiting and not lane.retrying):
+            return
+        lane.ready = True
+        if first:
+            self.ready.appendleft(lane)
+        else:
+            self.ready.append(lane)
+
+    def slots(self, lane: Lane) -> int:
+        limit = 1 if lane.single or lane.retrying else self.limits.max_in_flight_per_key
+        return limit - len(lane.unsettled)
+
+    def dispatch(self) -> None:
+        """Send ready records while the throttle and each key's slots allow."""
+        if self.core.leadership.force_remark or self.aborted or self.core.now < self._paused_until:
+            return
+        if self.solo is not None:
+            self._send_solo()
+            return
+        limit = self.limits.max_in_flight_records
+        ready = self.ready
+        batch: list[Record] = []
+        while ready and self.in_flight < limit:
+            lane = ready.popleft()
+            lane.ready = False
+            if not lane.queued or self.slots(lane) <= 0 or self.lanes.get(lane.key) is not lane \
+                    or (lane.waiting and not lane.retrying):
+                continue
+            entry = lane.queued[0]
+            if entry.rehold:
+                lane.queued.popleft()
+                self.queued -= 1
+                entry.rehold = False
+                self.core.poison.hold_again(lane, entry)
+                continue
+            if entry.solo:
+                self.solo = entry  # it goes alone, once everything in flight has settled
+                self.make_ready(lane, first=True)
+                break
+            lane.queued.popleft()
+            self._send(lane, entry, batch)
+            if lane.queued and self.slots(lane) > 0:
+                lane.ready = True
+                ready.append(lane)
+        if batch:
+            self.core.command(cmd.Send(tuple(batch)))
+        if self.solo is not None and not batch:
+            self._send_solo()
+
+    def _send_solo(self) -> None:
+        entry = self.solo
+        if entry.state is not EntryState.QUEUED or self.in_flight:
+            return
+        lane = self.lanes.get(entry.record.key)
+        if lane is None or not lane.queued or lane.queued[0] is not entry:
+            self.solo = None
+            return
+        lane.queued.popleft()
+        lane.ready = False
+        batch: list[Record] = []
+        self._send(lane, entry, batch)
+        self.core.command(cmd.Send(tuple(batch)))
+
+    def _send(self, lane: Lane, entry: Entry, batch: list[Record]) -> None:
+        if lane.held is not entry:
+            self.queued -= 1
+        entry.state = EntryState.SENT
+        entry.sent_at = self.core.now
+        entry.sent_alone = not self.in_flight and not batch
+        if not lane.unsettled:
+            self.busy[lane.key] = None
+        lane.unsettled.append(entry)
+        self.in_flight += 1
+        self._sent.append(entry)
+        batch.append(entry.record)
+
+    def unsend(self, entry: Entry) -> None:
+        """Undo a send that never left the process."""
+        lane = self.lanes[entry.record.key]
+        self.forget_unsettled(lane, entry)
+        self.in_flight -= 1
+        entry.state = EntryState.QUEUED
+
+    # -- settling -------------------------------------------------------------------------------
+
+    def _purge_prefix(self, lane: Lane) -> None:
+        """Queue a key's acknowledged records for purging in its order, up to its first unsettled one."""
+        unsettled = lane.unsettled
+        index = lane.purge_queued
+        while index < len(unsettled) and unsettled[index].state is EntryState.ACKED:
+            entry = unsettled[index]
+            entry.purging = True
+            self._to_purge.append(entry)
+            index += 1
+        lane.purge_queued = index
+
+    def _failed(self, entry: Entry, error: DeliveryError) -> None:
+        entry.state = EntryState.FAILED
+        entry.error = error
+        lane = self.lanes[entry.record.key]
+        lane.single = True
+        alone = entry is self.solo or (entry.sent_alone and self.in_flight == 1)
+        if entry is self.solo:
+            self.solo = None
+        poison = self.core.poison
+        if alone:
+            if error.permanent:
+                # It failed alone, so it is guilty: hold it (it stays marked; nothing to reset).
+                poison.unsuspect(entry.record.id)
+                self.forget_unsettled(lane, entry)
+                self.in_flight -= 1
+                poison.hold(entry, str(error))
+                self._purge_prefix(lane)
+                return
+        elif error.permanent:
+            poison.suspect(entry.record.id, str(error))
+        self._to_reset.append(entry)
+        leadership = self.core.leadership
+        if not leadership.force_remark:
+            log.warning("Delivery of record %d (topic %s, key %r) failed: %s; re-marking", entry.record.id,
+                        entry.record.topic, entry.record.key, error)
+            leadership.remark()
+        if error.fatal:
+            self.restart_producer()
+            self.abort(f"the producer failed: {error}")
+
+    def settle(self, entry: Entry) -> None:
+        """A purge or reset committed: the record leaves its lane, and its key's slot is free."""
+        if self.entries.get(entry.record.id) is entry:
+            del self.entries[entry.record.id]
+        self.in_flight -= 1
+        lane = self.lanes.get(entry.record.key)
+        if lane is None:
+            return
+        unsettled = lane.unsettled
+        self.forget_unsettled(lane, entry)
+        if entry.purging:
+            lane.purge_queued -= 1
+        if unsettled:
+            self._purge_prefix(lane)
+        if lane.queued:
+            self.make_ready(lane)
+        elif not lane.unsettled and lane.held is None:
+            del self.lanes[lane.key]
+
+    def forget_unsettled(self, lane: Lane, entry: Entry) -> None:
+        unsettled = lane.unsettled
+        if unsettled[0] is entry:
+            del unsettled[0]
+        else:
+            unsettled.remove(entry)
+        if not unsettled:
+            self.busy.pop(lane.key, None)
+
+    def flush_settling(self, fenced: bool) -> None:
+        """Purge and reset what is due; `fenced`: each also checks that the fence is still held."""
+        now = self.core.now
+        if self._to_purge and self._purging is None and now >= self._purge_retry_at and now >= self._next_purge_at:
+            self._next_purge_at = now + self.limits.purge_interval
+            self._purging, self._to_purge = self._to_purge, []
+            self.core.command(cmd.Purge(tuple(e.record.id for e in self._purging), fenced))
+        if self._to_reset and self._resetting is None and now >= self._reset_retry_at:
+            self._resetting, self._to_reset = self._to_reset, []
+            self.core.command(cmd.Reset(tuple(e.record.id for e in self._resetting),
+                                        tuple(str(e.error) for e in self._resetting), fenced))
+
+    def purged(self) -> int:
+        """The last Purge committed; returns how many records it settled."""
+        purging, self._purging = self._purging or [], None
+        for entry in purging:
+            self.settle(entry)
+        return len(purging)
+
+    def purge_failed(self, error: str) -> None:
+        log.warning("Purge of %d record(s) failed, retrying in %.1fs: %s", len(self._purging or ()),
+                    self.limits.io_error_backoff, error)
+        self._to_purge[:0] = self._purging or []
+        self._purging = None
+        self._purge_retry_at = self.core.now + self.limits.io_error_backoff
+
+    def reset_done(self) -> int:
+        """The last Reset committed; returns how many records it settled."""
+        resetting, self._resetting = self._resetting or [], None
+        for entry in resetting:
+            self.settle(entry)
+        return len(resetting)
+
+    def reset_failed(self, error: str) -> None:
+        log.warning("Reset of %d record(s) failed, retrying in %.1fs: %s", len(self._resetting or ()),
+                    self.limits.io_error_backoff, error)
+        self._to_reset[:0] = self._resetting or []
+        self._resetting = None
+        self._reset_retry_at = self.core.now + self.limits.io_error_backoff

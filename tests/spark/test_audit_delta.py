@@ -1,0 +1,259 @@
+"""`outbox_audit --format delta`: the sink and the latest table as Delta Lake tables.
+
+Checked against plain-Python references of what was produced: in batch mode, in follow mode
+(one MERGE per micro-batch, one commit per micro-batch in the history), across a replayed
+micro-batch, and across a SIGKILL of the whole follow job in the middle of a micro-batch. The
+tables are read both with Spark (`format("delta")`) and without a JVM (the `deltalake` package).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable as RustDeltaTable
+from deltalake import QueryBuilder
+
+from tests.spark.test_audit import ROOT, Ledgered, audit, newest_by_reference
+from tests.spark_session import shared_session
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+#: (partition, key, outbox id, value): repeats, a reversal, tombstones, no ids, a key in two partitions.
+FIRST = (
+    (0, "a", 1, "a1"), (0, "a", 2, "a2"), (0, "a", 2, "a2"),
+    (0, "b", 3, "b3"), (0, "b", 4, None),
+    (1, "c", 5, "c5"), (1, "c", 7, "c7"), (1, "c", 6, "c6"),
+    (1, "d", None, "d-plain"), (1, "d", 8, "d8"),
+    (2, "e", 9, "e9"), (2, "e", None, "e-plain"),
+    (3, "f", 10, "f10"), (2, "f", 12, "f12"),
+)
+SECOND = (
+    (0, "a", 1, "a1"), (0, "b", 3, "b3"),           # late repeats: never newest, never bring b back
+    (1, "c", 11, "c11"), (1, "d", None, "d-plain-2"), (2, "e", 13, "e13"),
+    (3, "g", 14, "g14"), (3, "g", 15, None),        # created and deleted in one micro-batch
+    (0, "h", 16, None),                             # a tombstone for a key never seen
+    (0, "b", 17, "b17"),                            # a new record after the tombstone
+    (3, "f", 18, "f18"),                            # f moves back to partition 3
+    (2, "f", 12, "f12"),                            # a repeat in the old one
+)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    return shared_session()
+
+
+def delta(*args: str) -> list[str]:
+    return [*args, "--format", "delta"]
+
+
+def spark_latest(spark, path: Path) -> dict[str, tuple[str | None, int | None]]:
+    rows = spark.read.format("delta").load(str(path)).collect()
+    assert len(rows) == len({row["key"] for row in rows}), "one row per key"
+    return {row["key"]: (row["value"], row["outbox_id"]) for row in rows}
+
+
+def rust_rows(path: Path, columns: str) -> list[dict]:
+    """The table as the `deltalake` package reads it (no JVM): through its SQL engine, which applies the
+    deletion vectors a MERGE leaves (its to_pyarrow_table() refuses tables that have them)."""
+    found = QueryBuilder().register("t", RustDeltaTable(str(path))).execute(f"SELECT {columns} FROM t").read_all()
+    return pa.table(found).to_pylist()
+
+
+def rust_latest(path: Path) -> dict[str, tuple[str | None, int | None]]:
+    return {row["key"]: (row["value"], row["outbox_id"]) for row in rust_rows(path, "key, value, outbox_id")}
+
+
+def first_ids(sent: list[dict]) -> dict[int, tuple[str, str | None]]:
+    """Every outbox id once, with the key and value it was published with (a repeat carries the same)."""
+    found: dict[int, tuple[str, str | None]] = {}
+    for message in sent:
+        if message["outbox_id"] is not None:
+            found.setdefault(message["outbox_id"], (message["key"], message["value"]))
+    return found
+
+
+def spark_sink(spark, path: Path) -> dict[int, tuple[str, str | None]]:
+    rows = spark.read.format("delta").load(str(path)).collect()
+    assert len(rows) == len({row["outbox_id"] for row in rows}), "each id once"
+    return {row["outbox_id"]: (row["key"], row["value"]) for row in rows}
+
+
+def history(spark, path: Path) -> list[tuple[str, str]]:
+    """(operation, userMetadata) of every commit, oldest first."""
+    rows = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").orderBy("version").collect()
+    return [(row["operation"], row["userMetadata"]) for row in rows]
+
+
+def micro_batches(*ids: int) -> list[str]:
+    return [f"outbox-audit micro-batch {batch}" for batch in ids]
+
+
+def test_batch_tables_open_in_spark_and_without_a_jvm(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-delta-batch")
+    messages = Ledgered(bootstrap_servers, topic)
+    messages.send(*FIRST)
+    sink, latest = tmp_path / "sink", tmp_path / "latest"
+    code, report, _, stderr = audit(spark, bootstrap_servers, tmp_path / "out", "--topics", topic,
+                                    *delta("--sink", str(sink), "--latest", str(latest)))
+    assert (code, report["reversals"], report["run"]["format"]) == (1, 1, "delta"), stderr
+
+    expected = newest_by_reference(messages.sent)
+    assert set(expected) == {"a", "c", "d", "e", "f"}
+    assert spark_latest(spark, latest) == rust_latest(latest) == expected
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+    plain = RustDeltaTable(str(sink)).to_pyarrow_table()  # the sink has no deletion vectors: any reader will do
+    assert sorted(plain.column("outbox_id").to_pylist()) == sorted(first_ids(messages.sent))
+    assert set(plain.column_names) >= {"topic", "partition", "offset", "timestamp", "key", "value", "headers",
+                                       "outbox_id", "create_time"}
+    assert history(spark, sink) == history(spark, latest) == [("WRITE", "outbox-audit batch run")]
+
+
+def test_follow_merges_each_micro_batch_once_as_the_reference_says(spark, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("audit-delta-follow")
+    messages = Ledgered(bootstrap_servers, topic)
+    messages.send(*FIRST)
+    sink, latest = tmp_path / "sink", tmp_path / "latest"
+    follow = ["--topics", topic, "--follow", "--once", "--max-offsets-per-trigger", "8"]
+    tables = delta("--sink", str(sink), "--latest", str(latest))
+    code, first, _, stderr = audit(spark, bootstrap_servers, tmp_path / "out", *follow, *tables)
+    assert (code, first["run"]["batches_folded"]) == (1, [0, 1]), stderr
+    assert spark_latest(spark, latest) == newest_by_reference(messages.sent)
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+
+    messages.send(*SECOND)
+    follow[-1] = str(len(SECOND))  # one micro-batch
+    code, second, _, stderr = audit(spark, bootstrap_servers, tmp_path / "out", *follow, *tables)
+    assert (code, second["run"]["batches_folded"]) == (1, [2]), stderr
+    expected = newest_by_reference(messages.sent)
+    assert expected == {"a": ("a2", 2), "b": ("b17", 17), "c": ("c11", 11), "d": ("d-plain-2", None),
+                        "e": ("e13", 13), "f": ("f18", 18)}
+    assert spark_latest(spark, latest) == rust_latest(latest) == expected
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+    assert (second["messages"], second["distinct_ids"]) == (len(messages.sent), len(first_ids(messages.sent)))
+    assert history(spark, latest) == list(zip(["WRITE", "MERGE", "MERGE"], micro_batches(0, 1, 2), strict=True))
+    assert history(spark, sink) == [("WRITE", label) for label in micro_batches(0, 1, 2)]
+
+    # A crash after the tables' commits and before the state counted micro-batch 2: Spark runs it again,
+    # the audit folds it again, and Delta finds both commits of micro-batch 2 already in the log.
+    checkpoint = tmp_path / "out" / "checkpoint"
+    (checkpoint / "state" / f"batch-{2:012d}" / "_FOLDED").unlink()
+    for name in ("2", ".2.crc"):
+        (checkpoint / "spark" / "commits" / name).unlink(missing_ok=True)
+    code, replayed, _, stderr = audit(spark, bootstrap_servers, tmp_path / "out", *follow, *tables)
+    assert (code, replayed["run"]["batches_folded"]) == (1, [2]), stderr
+    assert len(history(spark, latest)) == len(history(spark, sink)) == 3
+    assert spark_latest(spark, latest) == expected
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+    assert {k: replayed[k] for k in ("messages", "distinct_ids", "duplicates", "reversals")} == {
+        k: second[k] for k in ("messages", "distinct_ids", "duplicates", "reversals")}
+
+    # The maintenance docs/audit.md recommends between runs leaves the same tables.
+    spark.sql(f"OPTIMIZE delta.`{latest}`").collect()
+    spark.sql(f"REORG TABLE delta.`{latest}` APPLY (PURGE)").collect()
+    spark.sql(f"OPTIMIZE delta.`{sink}`").collect()
+    assert spark_latest(spark, latest) == rust_latest(latest) == expected
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+    operations = [operation for operation, _ in history(spark, latest)]
+    assert operations[3] == "OPTIMIZE" and set(operations[4:]) <= {"REORG"}  # REORG: only what OPTIMIZE left
+
+    # The checkpoint's tables stay where they are and as they are.
+    for changed, says in ((delta("--latest", str(tmp_path / "elsewhere")), "keeps its Delta table in"),
+                          (["--latest", str(latest)], "keeps --latest as --format delta, not parquet"),
+                          (delta("--latest", str(latest), "--tombstones", "mark"), "with --tombstones delete")):
+        code, _, _, stderr = audit(spark, bootstrap_servers, tmp_path / "out", *follow, *changed)
+        lines = stderr.strip().splitlines()
+        assert code == 2 and says in lines[-1] and lines[-1].startswith("python -m outbox.pipeline: error: "), stderr
+
+
+def _produce_keys(messages: Ledgered, start: int, count: int, keys: int = 12) -> None:
+    """`count` messages from id `start` on over `keys` keys in 4 partitions, every 7th a tombstone, every 5th
+    id published twice (a repeat after a failure)."""
+    batch = []
+    for n in range(start, start + count):
+        key = f"k{n % keys}"
+        message = (n % 4, key, n, None if n % 7 == 0 else f"{key}@{n}")
+        batch.append(message)
+        if n % 5 == 0:
+            batch.append(message)
+    messages.send(*batch)
+
+
+def _folded(checkpoint: Path) -> set[int]:
+    state = checkpoint / "state"
+    return {int(path.parent.name.removeprefix("batch-")) for path in state.glob("batch-*/_FOLDED")}
+
+
+def _committed(table: Path) -> set[int]:
+    """Micro-batches with a commit in the Delta table's log (read as files: no Spark needed)."""
+    found = set()
+    for entry in (table / "_delta_log").glob("*.json"):
+        for line in entry.read_text().splitlines():
+            info = json.loads(line).get("commitInfo")
+            if info and str(info.get("userMetadata", "")).startswith("outbox-audit micro-batch "):
+                found.add(int(info["userMetadata"].rsplit(" ", 1)[1]))
+    return found
+
+
+def test_a_sigkill_mid_batch_then_a_restart_leaves_exact_tables(spark, bootstrap_servers, new_topic, tmp_path):
+    """The whole follow job (Python and its JVM) killed right after a micro-batch's sink commit, before its
+    MERGE and before its state counted; restarted on the same checkpoint, it ends with the reference's tables."""
+    topic = new_topic("audit-delta-kill")
+    messages = Ledgered(bootstrap_servers, topic)
+    _produce_keys(messages, 1, 30)
+    sink, latest, out = tmp_path / "sink", tmp_path / "latest", tmp_path / "out"
+    command = [sys.executable, "-m", "outbox.pipeline", "--bootstrap-servers", bootstrap_servers, "--out", str(out),
+               "--topics", topic, "--follow", "--trigger-interval", "1 second",
+               "--master", "local[2]", "--conf", "spark.ui.enabled=false", "--conf",
+               "spark.ui.showConsoleProgress=false", *delta("--sink", str(sink), "--latest", str(latest))]
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+    job = subprocess.Popen([*command, "--max-offsets-per-trigger", "12", "--idle-timeout", "60"], cwd=ROOT, env=env,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen: list[str] = []
+    killed = threading.Event()
+
+    def watch() -> None:
+        assert job.stderr is not None
+        for line in job.stderr:
+            seen.append(line)
+            if "batch 1: --sink appended" in line and not killed.is_set():
+                os.killpg(job.pid, signal.SIGKILL)  # Python and the JVM it started, at once
+                killed.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert killed.wait(300), "the follow job did not append micro-batch 1 within 300 s:\n" + "".join(seen[-30:])
+        job.wait(30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+    watcher.join(10)
+    assert job.stderr is not None
+    job.stderr.close()
+    checkpoint = out / "checkpoint"
+    # mid-batch indeed: micro-batch 1's sink commit is there, its MERGE and its state are not
+    assert (_folded(checkpoint), _committed(sink), _committed(latest)) == ({0}, {0, 1}, {0}), "".join(seen[-30:])
+
+    _produce_keys(messages, 31, 20)  # more while it was down
+    # micro-batch 1 again (its offsets are in Spark's log), then the rest in one
+    result = subprocess.run([*command, "--once"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    report = json.loads((out / "report.json").read_text())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["run"]["batches_folded"][0] == 1  # micro-batch 1 again, from the state of micro-batch 0
+    assert spark_latest(spark, latest) == rust_latest(latest) == newest_by_reference(messages.sent)
+    assert spark_sink(spark, sink) == first_ids(messages.sent)
+    assert (report["messages"], report["distinct_ids"], report["reversals"]) == (
+        len(messages.sent), len(first_ids(messages.sent)), 0)
+    folded = sorted(_folded(checkpoint) | {0, 1})
+    for table in (sink, latest):  # one commit per micro-batch, none twice
+        assert [label for _, label in history(spark, table)] == micro_batches(*range(folded[-1] + 1))
