@@ -12,10 +12,10 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox.harvest.config import default_name
-from outbox.queue import cli, conf, metrics, store
+from outbox.queue import app_settings, cli, metrics, store
 from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
-from outbox.queue.status import StatusReporter, tracker_status
+from outbox.queue.status import QueueStatusReporter, tracker_status
 from outbox.queue.tracker import RedeliveryTracker
 
 
@@ -28,10 +28,10 @@ class Command(BaseCommand):
                             help="print the effective queue configuration (secrets redacted) as JSON and exit")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        problems = conf.problems()
+        problems = app_settings.problems()
         if problems:
             raise CommandError("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems)))
-        config = conf.queue_config()
+        config = app_settings.queue_config()
         if options["print_config"]:
             self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
             return
@@ -48,11 +48,11 @@ class Command(BaseCommand):
             tracker.start()
         except QueueError as error:
             raise CommandError(str(error)) from None
-        reporter = StatusReporter(name, "tracker", interval=conf.setting("status_interval"),
-                                  snapshot=lambda: tracker_status(tracker),
-                                  totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered),
-                                  history_interval=conf.setting("history_interval"),
-                                  history_retention=conf.setting("history_retention"))
+        reporter = QueueStatusReporter(name, "tracker", interval=app_settings.setting("status_interval"),
+                                       snapshot=lambda: tracker_status(tracker),
+                                       totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered),
+                                       history_interval=app_settings.setting("history_interval"),
+                                       history_retention=app_settings.setting("history_retention"))
         reporter.start()
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
