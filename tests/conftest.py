@@ -39,7 +39,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("simulation")
-    group.addoption("--sim-seeds", type=int, default=2000, help="simulated runs to check (default 2000)")
+    group.addoption("--sim-seeds", type=int, default=2000,
+                    help="simulated runs of the harvester to check (default 2000); the queue's: half as many")
     group.addoption("--sim-seed", type=int, default=None, help="check this one seed, printing its trace")
 
 
@@ -54,6 +55,20 @@ def sim_seeds(request: pytest.FixtureRequest) -> list[int]:
         print(result.summary, result.violation or "ok", *result.trace, sep="\n")
         return [seed]
     return list(range(1, request.config.getoption("--sim-seeds") + 1))
+
+
+@pytest.fixture
+def queue_sim_seeds(request: pytest.FixtureRequest) -> list[int]:
+    """The queue's simulator: half of --sim-seeds (1,000 by default), or --sim-seed's one, with its trace."""
+    seed = request.config.getoption("--sim-seed")
+    if seed is not None:
+        from tests.sim import queue_scenario
+
+        queue_scenario.quiet()
+        result = queue_scenario.run(seed, trace=True)
+        print(result.summary, result.violation or "ok", *result.trace, sep="\n")
+        return [seed]
+    return list(range(1, max(1, request.config.getoption("--sim-seeds") // 2) + 1))
 
 
 @pytest.fixture(scope="session")

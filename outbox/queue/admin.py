@@ -14,7 +14,7 @@ from django.urls import path
 from django.utils.html import format_html_join
 
 from outbox import console
-from outbox.queue import api, conf, history, overview
+from outbox.queue import api, app_settings, history, overview
 from outbox.queue.config import QUEUE_NAME_PATTERN
 from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, Queue
@@ -62,7 +62,7 @@ class QueueAdmin(admin.ModelAdmin):
             raise PermissionDenied
         if not QUEUE_NAME_PATTERN.fullmatch(name):
             raise Http404("not a queue name")
-        config = conf.queue_config()
+        config = app_settings.queue_config()
         context = self._context(request, f"Queue {name}")
         context.update({
             "queue": overview.queue(name),
@@ -75,8 +75,8 @@ class QueueAdmin(admin.ModelAdmin):
 
     def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
         return {**self.admin_site.each_context(request), **console.toolbar(request), "title": title,
-                "opts": self.model._meta, "gone_after": conf.setting("status_gone_after"),
-                "history_interval": conf.setting("history_interval")}
+                "opts": self.model._meta, "gone_after": app_settings.setting("status_gone_after"),
+                "history_interval": app_settings.setting("history_interval")}
 
 
 @admin.register(DeadLetter)

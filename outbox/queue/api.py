@@ -18,7 +18,7 @@ from typing import Any
 
 from outbox import conf as outbox_conf
 from outbox.errors import InvalidRecord
-from outbox.queue import conf, markers, metrics
+from outbox.queue import app_settings, markers, metrics
 from outbox.queue.config import QUEUE_NAME_PATTERN, QueueConfig, QueueLimits, queue_name_problem
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
@@ -46,7 +46,7 @@ def send_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None) -
     All are validated before any is sent; QueueError if Kafka did not acknowledge every one (some
     may have been published: at-least-once, so retrying may duplicate them).
     """
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     rows = [_clean(config, payload, headers, _where(index, payloads)) for index, payload in enumerate(payloads)]
@@ -68,7 +68,7 @@ def stash(queue: str, payload: Any, *, headers: Headers = None, using: str | Non
 def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None,
                using: str | None = None) -> list[str]:
     """Write many messages for `queue` into the outbox in one statement per 1,000; returns their ids."""
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     records = []
@@ -97,7 +97,7 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
     Limits default to OUTBOX["queues"] (and its per_queue entry for `queue`); arguments win.
     QueueError with a one-line reason when Kafka cannot be reached or the settings are invalid.
     """
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     validate_queue(queue)
     limits = limits_for(config, queue, redelivery_timeout=redelivery_timeout,
                         keep_alive_interval=keep_alive_interval, max_in_progress=max_in_progress,
@@ -108,7 +108,7 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
 
 def requeue(letter: Any) -> None:
     """Send a dead letter (outbox.queue.models.DeadLetter) back to its queue: same id and key, deliveries from 1."""
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     headers = [(str(name), str(value).encode()) for name, value in letter.headers]
     try:
         _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],

@@ -9,15 +9,15 @@ from django.core import checks
 from outbox import conf as outbox_conf
 from outbox.harvest.config import Problem
 from outbox.harvest.redaction import scrub
-from outbox.queue import conf
+from outbox.queue import app_settings
 
 HINT = "See docs/queues.md for OUTBOX['queues']."
 
 
 @checks.register("outbox_queue")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    errors = [checks.Error(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.problems()]
-    return errors + [checks.Warning(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.warnings()]
+    errors = [checks.Error(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in app_settings.problems()]
+    return errors + [checks.Warning(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in app_settings.warnings()]
 
 
 def _text(problem: Problem) -> str:

@@ -75,7 +75,7 @@ def marker_producer_config(config: QueueConfig, name: str, batch_limit: int | No
 
 def markers_consumer_config(config: QueueConfig, name: str) -> dict[str, Any]:
     # The end-of-partition event tells the tracker it is caught up, so its deadline clock may run
-    # on the local monotonic clock (tracking.py).
+    # on the local monotonic clock (tracker_state.py).
     return _merge(config, {"client.id": f"{name}-tracker", "auto.offset.reset": "earliest",
                            "partition.assignment.strategy": "cooperative-sticky", **GROUP_TIMEOUTS},
                   {"group.id": config.tracker_group, "enable.auto.commit": False, "enable.auto.offset.store": False,

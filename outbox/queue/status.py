@@ -25,7 +25,7 @@ Snapshot = Callable[[], tuple[int, dict[str, Any]]]
 Totals = Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
 
 
-class StatusReporter(threading.Thread):
+class QueueStatusReporter(threading.Thread):
     """Upserts the row every `interval` seconds until stopped, then deletes it; a tracker's counts ride along."""
 
     def __init__(self, name: str, kind: str, *, interval: float, snapshot: Snapshot, queue: str = "",

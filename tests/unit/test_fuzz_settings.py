@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from outbox import conf
 from outbox.harvest.redaction import REDACTED
-from outbox.queue import conf as queue_conf
+from outbox.queue import app_settings as queue_settings
 
 SCALARS = (st.none() | st.booleans() | st.integers(-10, 10**7) | st.floats(allow_nan=True) | st.text(max_size=20)
            | st.floats(0.001, 100).map(lambda s: timedelta(seconds=s)))
@@ -23,7 +23,7 @@ KAFKA_NAMES = st.sampled_from(["bootstrap.servers", "compression.type", "linger.
                                "delivery.timeout.ms", "message.max.bytes"])
 KAFKA_CONFIG = st.dictionaries(KAFKA_NAMES, st.text("abc0123456789:.,", max_size=12) | st.integers(-1, 10**6)
                                | st.booleans(), max_size=4) | ANYTHING
-QUEUE_SETTINGS = st.dictionaries(st.sampled_from(sorted(queue_conf.KNOWN_KEYS)) | st.text(max_size=8),
+QUEUE_SETTINGS = st.dictionaries(st.sampled_from(sorted(queue_settings.KNOWN_KEYS)) | st.text(max_size=8),
                                  ANYTHING | st.dictionaries(st.sampled_from(["emails", "bad name"]),
                                                             st.dictionaries(st.sampled_from(
                                                                 ["redelivery_timeout", "max_deliveries", "typo"]),
@@ -54,4 +54,4 @@ def test_any_outbox_setting_gives_coded_errors_or_a_working_configuration(outbox
         shown = f"{config!r} {config.redacted()}"
         assert "sasl.password': '" not in shown or f"sasl.password': '{REDACTED}'" in shown
         if not any(m.level >= checks.ERROR for m in messages):
-            queue_conf.queue_config().redacted()
+            queue_settings.queue_config().redacted()

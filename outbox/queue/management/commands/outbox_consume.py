@@ -17,12 +17,12 @@ from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
 from outbox.errors import InvalidRecord
-from outbox.queue import api, cli, conf, metrics, store
+from outbox.queue import api, app_settings, cli, metrics, store
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.models import InboxEntry
 from outbox.queue.runner import Handler, HandlerRunner
-from outbox.queue.status import StatusReporter, consumer_status
+from outbox.queue.status import QueueStatusReporter, consumer_status
 
 log = logging.getLogger("outbox.queue")
 #: How often the inbox is pruned of rows older than inbox_retention.
@@ -55,12 +55,12 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         name = cli.replica_name(options["name"])
-        problems = conf.problems()
+        problems = app_settings.problems()
         if problems:
             raise CommandError(cli.masked("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems))))
         queue, workers = options["queue"], options["workers"]
         handler = self._handler(options["handler"])
-        config = conf.queue_config()
+        config = app_settings.queue_config()
         try:
             api.validate_queue(queue)
         except InvalidRecord as error:
@@ -91,8 +91,9 @@ class Command(BaseCommand):
         except QueueError as error:
             raise CommandError(str(error)) from None
         runner = HandlerRunner(consumer, handler, workers=workers, inbox=options["inbox"], using=options["database"])
-        reporter = StatusReporter(name, "consumer", queue=queue, interval=conf.setting("status_interval"),
-                                  snapshot=lambda: consumer_status(consumer, runner, options["handler"]))
+        reporter = QueueStatusReporter(name, "consumer", queue=queue,
+                                       interval=app_settings.setting("status_interval"),
+                                       snapshot=lambda: consumer_status(consumer, runner, options["handler"]))
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
                               lambda: metrics.consumer_gauges(queue, name, lambda: consumer.in_progress))
@@ -125,7 +126,7 @@ class Command(BaseCommand):
     @staticmethod
     def _prune(using: str) -> None:
         try:
-            deleted = store.prune_inbox(conf.setting("inbox_retention"), using)
+            deleted = store.prune_inbox(app_settings.setting("inbox_retention"), using)
         except DatabaseError as error:
             log.warning("Could not prune the inbox: %s", str(error).strip().splitlines()[0])
             return

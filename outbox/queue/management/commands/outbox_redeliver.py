@@ -12,10 +12,10 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox.harvest.redaction import redact_mapping
-from outbox.queue import cli, conf, metrics, store
+from outbox.queue import app_settings, cli, metrics, store
 from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
-from outbox.queue.status import StatusReporter, tracker_status
+from outbox.queue.status import QueueStatusReporter, tracker_status
 from outbox.queue.tracker import RedeliveryTracker
 
 
@@ -29,19 +29,19 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         name = cli.replica_name(options["name"])
-        problems = conf.problems()
+        problems = app_settings.problems()
         if options["print_config"]:
             # Printed even when invalid (that is when it is wanted), then the problems, and a failure.
             try:
-                printed = conf.queue_config().redacted()
+                printed = app_settings.queue_config().redacted()
             except (TypeError, ValueError):  # too malformed to build: the settings as given
-                printed = redact_mapping(conf.raw_settings())
+                printed = redact_mapping(app_settings.raw_settings())
             self.stdout.write(json.dumps(printed, indent=2, default=str))
         if problems:
             raise CommandError(cli.masked("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems))))
         if options["print_config"]:
             return
-        config = conf.queue_config()
+        config = app_settings.queue_config()
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
         try:
@@ -54,11 +54,11 @@ class Command(BaseCommand):
             tracker.start()
         except QueueError as error:
             raise CommandError(str(error)) from None
-        reporter = StatusReporter(name, "tracker", interval=conf.setting("status_interval"),
-                                  snapshot=lambda: tracker_status(tracker),
-                                  totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered),
-                                  history_interval=conf.setting("history_interval"),
-                                  history_retention=conf.setting("history_retention"))
+        reporter = QueueStatusReporter(name, "tracker", interval=app_settings.setting("status_interval"),
+                                       snapshot=lambda: tracker_status(tracker),
+                                       totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered),
+                                       history_interval=app_settings.setting("history_interval"),
+                                       history_retention=app_settings.setting("history_retention"))
         reporter.start()
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
