@@ -10,9 +10,20 @@ from collections.abc import Callable, Iterator
 
 import environ
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.services import Services, resolve
 from tests.support.kafka_cluster import Cluster
+
+# Property-based tests (test_fuzz_*.py). "ci", the default: the same examples every run (derandomized),
+# few enough to keep the suite fast. "long" (OUTBOX_FUZZ_PROFILE=long): thousands of random examples, for
+# a nightly run; `--hypothesis-show-statistics` prints how many ran.
+settings.register_profile("ci", derandomize=True, max_examples=100, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.register_profile("long", max_examples=int(os.environ.get("OUTBOX_FUZZ_EXAMPLES", "5000")), deadline=None,
+                          print_blob=True,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.load_profile(os.environ.get("OUTBOX_FUZZ_PROFILE", "ci"))
 
 #: Each folder's tests carry its marker, so `-m` selects by what a test needs (README, "Tests").
 FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "spark": "spark",

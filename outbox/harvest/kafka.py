@@ -15,6 +15,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.harvest.config import HarvestConfig, Problem
+from outbox.harvest.topics import UNLIMITED, batch_size_for
 
 log = logging.getLogger(__name__)
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
@@ -60,10 +61,15 @@ class KafkaUnavailable(Exception):
 #: enforces `delivery_timeout` itself (by purging the producer), so librdkafka never times out a
 #: queued record on its own, which could let a later record of its key through (a gap).
 PIPELINED_LIBRDKAFKA_TIMEOUT_MS = 2_147_483_647
+#: librdkafka's largest socket.timeout.ms.
+MAX_SOCKET_TIMEOUT_MS = 300_000
+#: librdkafka's default batch.size.
+LIBRDKAFKA_BATCH_SIZE = 1_000_000
 
 
-def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
-    """Config of the producer that publishes outbox records.
+def record_producer_config(config: HarvestConfig, batch_limit: int | None = None) -> dict[str, Any]:
+    """Config of the producer that publishes outbox records, its batches at most `batch_limit` bytes
+    (the smallest max.message.bytes of the topics it sends to, topics.py).
 
     Idempotence is on: librdkafka's retries never duplicate or reorder a message within the
     producer's session. With one record per key in flight (goharvest's barrier),
@@ -90,9 +96,18 @@ def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
         merged["enable.gapless.guarantee"] = True
     merged.update(config.base_kafka_config)
     merged.update(config.producer_kafka_config)
+    if batch_limit is not None and batch_limit < UNLIMITED:
+        merged["batch.size"] = min(_int(merged.get("batch.size"), LIBRDKAFKA_BATCH_SIZE), batch_size_for(batch_limit))
     merged.setdefault("error_cb", _log_client_error)
     merged.setdefault("logger", client_log)
     return merged
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def dead_letter_producer_config(config: HarvestConfig) -> dict[str, Any]:
@@ -114,7 +129,9 @@ def election_socket_timeout_ms(config: HarvestConfig) -> int:
     (measured: docs/operations.md, "Production Kafka"); at two heartbeat timeouts it resumes within
     about three.
     """
-    return max(1000, int(2 * config.limits.heartbeat_timeout * 1000))
+    # librdkafka takes at most 300 s: a heartbeat_timeout over 150 s would otherwise be refused as a
+    # socket.timeout.ms nobody set.
+    return min(MAX_SOCKET_TIMEOUT_MS, max(1000, int(2 * config.limits.heartbeat_timeout * 1000)))
 
 
 def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
@@ -153,6 +170,10 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
         "error_cb": _log_client_error,
         "logger": client_log,
     })
+    # librdkafka refuses a session timeout above max.poll.interval.ms (5 minutes by default), which a
+    # heartbeat_timeout over 100 s makes.
+    merged["max.poll.interval.ms"] = max(_int(merged.get("max.poll.interval.ms"), 300_000),
+                                         merged["session.timeout.ms"])
     return merged
 
 
@@ -166,7 +187,8 @@ def client_config_problems(config: HarvestConfig) -> list[Problem]:
         try:
             client = build({**settings, **quiet, "bootstrap.servers": "127.0.0.1:1"})
         except (KafkaException, ValueError, TypeError) as error:
-            message = kafka_reason(error)
+            text = kafka_reason(error).strip()
+            message = text.splitlines()[0] if text else type(error).__name__
             field = "producer_kafka_config" if any(f'"{key}"' in message or f"'{key}'" in message
                                                    for key in config.producer_kafka_config) else "base_kafka_config"
             problem = Problem("E013", field, f"is refused by librdkafka: {message}")

@@ -23,8 +23,8 @@ from outbox.queue.config import QUEUE_NAME_PATTERN, QueueConfig, QueueLimits, qu
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
-from outbox.queue.producer import QueueProducer
-from outbox.queue.topics import ensure_topics
+from outbox.queue.producer import MessageTooLarge, QueueProducer
+from outbox.queue.topics import ensure_topics, topic_limit
 from outbox.stasher import stash as outbox_stash
 from outbox.stasher import stash_many as outbox_stash_many
 from outbox.validation import clean
@@ -110,8 +110,11 @@ def requeue(letter: Any) -> None:
     """Send a dead letter (outbox.queue.models.DeadLetter) back to its queue: same id and key, deliveries from 1."""
     config = app_settings.queue_config()
     headers = [(str(name), str(value).encode()) for name, value in letter.headers]
-    _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],
-                           key=bytes(letter.key) if letter.key else None, ids=[letter.message_id])
+    try:
+        _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],
+                               key=bytes(letter.key) if letter.key else None, ids=[letter.message_id])
+    except MessageTooLarge as error:  # its topics' limit was lowered since it was first sent
+        raise QueueError(f"dead letter {letter.message_id}: {error}") from None
 
 
 def limits_for(config: QueueConfig, queue: str, **overrides: Any) -> QueueLimits:
@@ -171,8 +174,9 @@ def _producer(config: QueueConfig) -> QueueProducer:
         producer = _producers.get(key)
         if producer is None:
             try:
-                ensure_topics(config, 10.0)
+                limit = ensure_topics(config, 10.0)
             except Exception as error:
                 raise QueueError(str(error)) from None
-            producer = _producers[key] = QueueProducer(config, instruments=metrics.default_instruments())
+            producer = _producers[key] = QueueProducer(config, instruments=metrics.default_instruments(), limit=limit,
+                                                       read_limit=lambda: topic_limit(config, 5.0))
     return producer

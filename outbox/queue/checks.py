@@ -6,7 +6,9 @@ from typing import Any
 
 from django.core import checks
 
+from outbox import conf as outbox_conf
 from outbox.harvest.config import Problem
+from outbox.harvest.redaction import scrub
 from outbox.queue import app_settings
 
 HINT = "See docs/queues.md for OUTBOX['queues']."
@@ -19,4 +21,5 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 
 
 def _text(problem: Problem) -> str:
-    return str(problem) if problem.field.startswith("OUTBOX") else f"OUTBOX['queues'] {problem}"
+    text = str(problem) if problem.field.startswith("OUTBOX") else f"OUTBOX['queues'] {problem}"
+    return scrub(text, outbox_conf.secret_values())

@@ -129,7 +129,7 @@ class QueueConsumer:
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                  clock: Callable[[], float] = time.monotonic,
-                 create_topics: Callable[[QueueConfig, float], None] = ensure_topics) -> None:
+                 create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics) -> None:
         try:
             self.queue = check_queue_name(queue)
         except ValueError as error:
@@ -177,9 +177,11 @@ class QueueConsumer:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            self._create_topics(self.config, KAFKA_START_TIMEOUT)
-            self._markers = self._producer_factory(clients.marker_producer_config(self.config, self.name))
-            self._starts = self._producer_factory(clients.start_producer_config(self.config, self.queue, self.name))
+            # Batches fit the topics' max.message.bytes (None: no limit known).
+            limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
+            self._markers = self._producer_factory(clients.marker_producer_config(self.config, self.name, limit))
+            self._starts = self._producer_factory(clients.start_producer_config(self.config, self.queue, self.name,
+                                                                                limit))
             clients.init_transactions(self._starts, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.queue_consumer_config(self.config, self.queue, self.name))
             self._consumer.subscribe([self.config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,

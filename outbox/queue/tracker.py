@@ -107,7 +107,7 @@ class RedeliveryTracker:
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                  clock: Callable[[], float] = time.monotonic,
-                 create_topics: Callable[[QueueConfig, float], None] = ensure_topics) -> None:
+                 create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics) -> None:
         self.config = config
         self.name = name or default_name()
         self._dead_letters = dead_letters
@@ -148,8 +148,9 @@ class RedeliveryTracker:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            self._create_topics(self.config, KAFKA_START_TIMEOUT)
-            self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name))
+            # Batches fit the topics' max.message.bytes (None: no limit known).
+            limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
+            self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name, limit))
             clients.init_transactions(self._producer, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.markers_consumer_config(self.config, self.name))
             self._consumer.subscribe([self.config.markers_topic], on_assign=self._on_assign,

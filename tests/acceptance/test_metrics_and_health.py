@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import signal
 import socket
 import urllib.request
@@ -81,8 +82,11 @@ def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_u
         replica.signal(signal.SIGTERM)
         assert replica.wait() == 0
     gone = manage("harvest_health", "--name", name, env=env)
-    assert gone.returncode == 1 and gone.stdout.startswith(f"unhealthy: no live harvester for replica '{name}'")
+    assert gone.returncode == 1 and gone.stdout.startswith(f"unhealthy: no live harvester for replica '{name}' "
+                                                           f"({name} stopped cleanly at 20"), gone.stdout
     assert len(gone.stdout.strip().splitlines()) == 1
+    never = manage("harvest_health", "--name", "never-ran", env=env)
+    assert never.returncode == 1 and "(never seen;" in never.stdout, never.stdout
 
 
 def test_health_fails_for_a_replica_not_seen_recently(services):
@@ -92,9 +96,11 @@ def test_health_fails_for_a_replica_not_seen_recently(services):
                                    leader_group="g")
     from django.core.management import call_command
 
+    out = io.StringIO()
     with pytest.raises(SystemExit) as exit_info:
-        call_command("harvest_health", "--name", "stale")
+        call_command("harvest_health", "--name", "stale", stdout=out)
     assert exit_info.value.code == 1
+    assert "(stale last seen 3" in out.getvalue() and "s ago; gone after 20s)" in out.getvalue(), out.getvalue()
 
 
 def test_health_fails_for_a_replica_blocked_by_the_fence_naming_the_holder(database_url):

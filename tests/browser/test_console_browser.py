@@ -119,6 +119,23 @@ def test_the_dashboard_charts_refresh_without_losing_the_operators_selection(liv
     connections.close_all()
 
 
+def test_the_replicas_table_tells_a_clean_stop_from_a_replica_gone(live_server, browser, monkeypatch):
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs an event loop
+    User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
+    status_row("replica-b", ReplicaState.LEADER, leader_id=uuid.uuid4(), throughput=1400.0)
+    status_row("replica-crashed", ReplicaState.STANDBY, seen=600)
+    status_row("replica-stopped", ReplicaState.STOPPED, seen=120, host="host-c")
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    login(page, f"{live_server.url}/admin/outbox/dashboard/")
+    rows = {row.locator("td").first.inner_text(): row.locator("td").nth(1).inner_text()
+            for row in page.locator("#replicas tbody tr").all()}
+    assert rows == {"replica-b": "leader", "replica-crashed": "gone (was standby)",
+                    "replica-stopped": "stopped cleanly"}
+    page.locator("#replicas").screenshot(path=SCREENSHOTS / f"dashboard-replicas-stopped-{VERSION}.png")
+    page.close()
+    connections.close_all()
+
+
 def test_the_queue_pages_have_the_admins_layout_and_charts(live_server, browser, monkeypatch):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")

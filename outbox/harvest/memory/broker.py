@@ -6,7 +6,8 @@ What the harvester relies on, and what goes wrong with it, is modelled; the wire
 - it writes each partition in sequence: the broker appends a batch only if it is the next one
   expected from that producer session (so a partition's log holds a prefix of what was sent),
   refuses a whole batch that holds a poison record (the producer itself refuses a huge one at
-  produce()), may lose a batch's acknowledgement (the batch is
+  produce()) or that is larger than its topic's `max_message_bytes` (a producer's batches are at most
+  its `batch_bytes`, as librdkafka's batch.size), may lose a batch's acknowledgement (the batch is
   written; librdkafka retries it and the broker answers "duplicate"), or fails it for a while;
 - with `gapless` (several records of a key in flight) a refused batch is a fatal error: nothing
   after it is written, and every record in the producer fails; without it (one in flight per key),
@@ -39,6 +40,7 @@ from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, Ka
 from outbox.harvest import contract
 from outbox.harvest.memory.table import HUGE, POISON
 from outbox.harvest.memory.world import World
+from outbox.harvest.topics import RECORD_BATCH_OVERHEAD, record_size
 
 PERMANENT = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large")
 TIMED_OUT = KafkaError(KafkaError._MSG_TIMED_OUT, "Local: Message timed out", retriable=True)
@@ -47,6 +49,12 @@ FATAL = KafkaError(KafkaError._FATAL, "Local: Fatal error", fatal=True)
 FENCED = KafkaError(KafkaError.PRODUCER_FENCED, "Broker: producer fenced", fatal=True)
 #: The brokers' wall clock at the world's time 0 (2026-01-01 UTC), for message timestamps.
 BROKER_EPOCH = 1_767_225_600.0
+
+
+def batch_size(messages: list[Pending]) -> int:
+    """A batch's size as the broker measures it (record format v2, uncompressed)."""
+    return RECORD_BATCH_OVERHEAD + sum(record_size(m.key, m.value, m.headers or ()) - RECORD_BATCH_OVERHEAD
+                                       for m in messages)
 
 
 def _encode(value: Any) -> bytes | None:
@@ -164,6 +172,10 @@ class MemoryBroker:
         self._expected: dict[tuple[int, int, str, int], int] = {}
         self._fenced_epochs: dict[int, int] = {}
         self.groups: dict[str, Group] = {}
+        #: Topics' max.message.bytes (a topic not named here takes any batch).
+        self.max_message_bytes: dict[str, int] = {}
+        #: When a batch was refused for its size, and its topic.
+        self.size_refusals: list[tuple[float, str]] = []
         #: Consumer groups over whole topics (groups.py), by group id.
         self.consumer_groups: dict[str, Any] = {}
         #: Topics whose timestamps are the broker's append time (message.timestamp.type=LogAppendTime).
@@ -227,6 +239,10 @@ class MemoryBroker:
             return "fenced"
         if any(m.value == POISON for m in batch.messages):
             return "refused"
+        limit = self.max_message_bytes.get(batch.topic)
+        if limit is not None and batch_size(batch.messages) > limit:
+            self.size_refusals.append((self.world.now, batch.topic))
+            return "refused"
         key = (producer.id, batch.epoch, batch.topic, batch.partition)
         expected = self._expected.get(key, 0)
         if batch.first_seq > expected:
@@ -257,6 +273,8 @@ class MemoryProducer:
         self.can_reach = can_reach
         #: While True, nothing is transmitted until release() (a test's control over acknowledgements).
         self.hold = False
+        #: librdkafka's batch.size: a batch holds its first message and more only while they fit.
+        self.batch_bytes: int | None = None
         self.epoch = 0
         self.queues: dict[tuple[str, int], deque[Pending]] = {}
         self.inflight: dict[tuple[str, int], deque[Batch]] = {}
@@ -350,7 +368,10 @@ class MemoryProducer:
             if len(inflight) >= 5 or not self.can_reach():
                 continue
             count = min(len(queue), self.world.rng.randint(1, 8))
-            messages = [queue.popleft() for _ in range(count)]
+            messages = [queue.popleft()]
+            while len(messages) < count and (self.batch_bytes is None
+                                             or batch_size([*messages, queue[0]]) <= self.batch_bytes):
+                messages.append(queue.popleft())
             seq = self._next_seq.get(where, 0)
             for i, message in enumerate(messages):
                 if message.seq < 0:

@@ -17,7 +17,6 @@ from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
 from outbox.errors import InvalidRecord
-from outbox.harvest.config import default_name
 from outbox.queue import api, app_settings, cli, metrics, store
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
@@ -55,9 +54,10 @@ class Command(BaseCommand):
         cli.add_common_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
+        name = cli.replica_name(options["name"])
         problems = app_settings.problems()
         if problems:
-            raise CommandError("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems)))
+            raise CommandError(cli.masked("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems))))
         queue, workers = options["queue"], options["workers"]
         handler = self._handler(options["handler"])
         config = app_settings.queue_config()
@@ -75,7 +75,9 @@ class Command(BaseCommand):
             raise CommandError(f"--workers: must be from 1 to max_in_progress ({limits.max_in_progress}), got "
                                f"{workers}; raise --max-in-progress to run more")
         if options["inbox"] and options["database"] not in connections:
-            raise CommandError(f"--database: {options['database']!r} is not in DATABASES")
+            there = ", ".join(repr(alias) for alias in connections.settings) or "none"
+            raise CommandError(f"--database: must name an entry of DATABASES, got {options['database']!r} "
+                               f"(DATABASES has {there})")
         if options["inbox"]:
             try:
                 store.require_tables(InboxEntry, using=options["database"])
@@ -83,7 +85,6 @@ class Command(BaseCommand):
                 raise CommandError(str(error)) from None
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
-        name = options["name"] or default_name()
         consumer = QueueConsumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments())
         try:
             consumer.start()

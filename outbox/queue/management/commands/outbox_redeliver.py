@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from outbox.harvest.config import default_name
+from outbox.harvest.redaction import redact_mapping
 from outbox.queue import app_settings, cli, metrics, store
 from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
@@ -28,20 +28,26 @@ class Command(BaseCommand):
                             help="print the effective queue configuration (secrets redacted) as JSON and exit")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        name = cli.replica_name(options["name"])
         problems = app_settings.problems()
-        if problems:
-            raise CommandError("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems)))
-        config = app_settings.queue_config()
         if options["print_config"]:
-            self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
+            # Printed even when invalid (that is when it is wanted), then the problems, and a failure.
+            try:
+                printed = app_settings.queue_config().redacted()
+            except (TypeError, ValueError):  # too malformed to build: the settings as given
+                printed = redact_mapping(app_settings.raw_settings())
+            self.stdout.write(json.dumps(printed, indent=2, default=str))
+        if problems:
+            raise CommandError(cli.masked("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems))))
+        if options["print_config"]:
             return
+        config = app_settings.queue_config()
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
         try:
             store.require_tables(DeadLetter, QueueProcess, QueueCounter)
         except store.DatabaseUnavailable as error:
             raise CommandError(str(error)) from None
-        name = options["name"] or default_name()
         instruments = metrics.default_instruments()
         tracker = RedeliveryTracker(config, dead_letters=store.store_dead_letters, name=name, instruments=instruments)
         try:
