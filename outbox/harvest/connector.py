@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, Producer
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import Record
 from outbox.harvest.kafka import (
+    KAFKA_START_TIMEOUT,
     ProducerLike,
     dead_letter_producer_config,
     ensure_topic,
@@ -26,12 +27,11 @@ from outbox.harvest.kafka import (
 )
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.status import StatusReporter, StatusSnapshot, status_table_exists
-from outbox.harvest.store import FenceHolder, Listener, PostgresStore, close_quietly, connect, first_line
+from outbox.harvest.store import FenceHolder, Listener, PostgresStore, close_quietly, connect
 from outbox.harvest.topics import TopicLimits, admin_describe
+from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
-#: How long start() waits for Kafka to answer before reporting it unreachable.
-KAFKA_START_TIMEOUT = 10.0
 
 
 class Store(Protocol):

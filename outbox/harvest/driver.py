@@ -29,9 +29,10 @@ from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record, iso_utc
 from outbox.harvest.core import Core
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.kafka import ProducerLike, kafka_error
-from outbox.harvest.store import StoreError, first_line
+from outbox.harvest.kafka import ProducerLike
+from outbox.harvest.store import StoreError
 from outbox.harvest.topics import UNLIMITED, fits, record_size, too_large
+from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger(__name__)
 

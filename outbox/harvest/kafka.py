@@ -16,6 +16,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.harvest.config import HarvestConfig, Problem
 from outbox.harvest.topics import UNLIMITED, batch_size_for
+from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
@@ -65,6 +66,9 @@ PIPELINED_LIBRDKAFKA_TIMEOUT_MS = 2_147_483_647
 MAX_SOCKET_TIMEOUT_MS = 300_000
 #: librdkafka's default batch.size.
 LIBRDKAFKA_BATCH_SIZE = 1_000_000
+#: How long a client's start (metadata, topic creation, init_transactions) waits for Kafka before it is
+#: reported unreachable: the harvester's, the queue consumer's and the tracker's.
+KAFKA_START_TIMEOUT = 10.0
 
 
 def record_producer_config(config: HarvestConfig, batch_limit: int | None = None) -> dict[str, Any]:
@@ -98,7 +102,7 @@ def record_producer_config(config: HarvestConfig, batch_limit: int | None = None
     merged.update(config.producer_kafka_config)
     if batch_limit is not None and batch_limit < UNLIMITED:
         merged["batch.size"] = min(_int(merged.get("batch.size"), LIBRDKAFKA_BATCH_SIZE), batch_size_for(batch_limit))
-    merged.setdefault("error_cb", _log_client_error)
+    merged.setdefault("error_cb", log_client_error)
     merged.setdefault("logger", client_log)
     return merged
 
@@ -142,7 +146,7 @@ def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
         "linger.ms": 0,
         "delivery.timeout.ms": int(config.limits.heartbeat_timeout * 1000),
         "client.id": f"{config.name}-heartbeat",
-        "error_cb": _log_client_error,
+        "error_cb": log_client_error,
         "logger": client_log,
     })
     return merged
@@ -167,7 +171,7 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
         # Cooperative rebalancing moves only the partitions that change owner: a standby joining or
         # leaving does not revoke partition 0 from the leader (eager rebalancing would, every time).
         "partition.assignment.strategy": "cooperative-sticky",
-        "error_cb": _log_client_error,
+        "error_cb": log_client_error,
         "logger": client_log,
     })
     # librdkafka refuses a session timeout above max.poll.interval.ms (5 minutes by default), which a
@@ -187,8 +191,7 @@ def client_config_problems(config: HarvestConfig) -> list[Problem]:
         try:
             client = build({**settings, **quiet, "bootstrap.servers": "127.0.0.1:1"})
         except (KafkaException, ValueError, TypeError) as error:
-            text = kafka_reason(error).strip()
-            message = text.splitlines()[0] if text else type(error).__name__
+            message = kafka_reason(error)
             field = "producer_kafka_config" if any(f'"{key}"' in message or f"'{key}'" in message
                                                    for key in config.producer_kafka_config) else "base_kafka_config"
             problem = Problem("E013", field, f"is refused by librdkafka: {message}")
@@ -284,21 +287,9 @@ def ensure_topic(base: dict[str, Any], topic: str, timeout: float) -> None:
         raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
 
 
-def kafka_error(error: BaseException) -> KafkaError | None:
-    """The KafkaError a KafkaException carries, if it carries one."""
-    args = getattr(error, "args", ())
-    return args[0] if args and isinstance(args[0], KafkaError) else None
 
-
-def kafka_reason(error: BaseException) -> str:
-    """One line for the operator: Kafka's own words when there are some."""
-    found = kafka_error(error) if isinstance(error, KafkaException) else None
-    if found is not None:
-        return found.str()
-    return str(error) or type(error).__name__
-
-
-def _log_client_error(error: KafkaError) -> None:
+def log_client_error(error: KafkaError) -> None:
+    """librdkafka's error_cb for every client of ours: fatal errors logged as errors, the rest as warnings."""
     # librdkafka reports transient broker trouble here and retries by itself; only fatal errors need us.
     level = logging.ERROR if error.fatal() else logging.WARNING
     log.log(level, "Kafka client: %s", error.str())

@@ -30,6 +30,8 @@ from typing import Any
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from outbox.reasons import first_line
+
 REDACTED = "***"
 
 #: librdkafka's sensitive properties (`_RK_SENSITIVE`), from src/rdkafka_conf.c of the version
@@ -106,9 +108,8 @@ def dsn_problem(dsn: str) -> str | None:
     try:
         conninfo_to_dict(dsn)
     except Exception as error:
-        text = str(error).strip()
         reason = re.sub(r'"([^"]*)"', lambda m: m[0] if m[1] in _libpq_keywords() or m[1] == "=" else '"..."',
-                        text.splitlines()[0] if text else type(error).__name__)
+                        first_line(error))
         return f"is not a libpq connection string or URL ({reason})"
     return None
 

@@ -27,7 +27,8 @@ from psycopg import sql
 
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
-from outbox.harvest.store import close_quietly, connect, first_line, table_identifier, table_name
+from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
+from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
 

@@ -23,6 +23,7 @@ from psycopg import sql
 from outbox.harvest import contract
 from outbox.harvest.contract import Record
 from outbox.harvest.redaction import dsn_problem
+from outbox.reasons import first_line
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,6 @@ def describe_dsn(dsn: str) -> str:
         return "the configured database"
     return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
 
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def requeue(conn: psycopg.Connection, table: str, ids: Sequence[int]) -> int:

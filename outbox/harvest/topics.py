@@ -26,6 +26,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
+from outbox.reasons import kafka_code, kafka_reason
+
 log = logging.getLogger("outbox.harvest")
 
 #: A topic whose limit could not be learned: the broker judges each batch, as without this module.
@@ -180,14 +182,14 @@ class TopicLimits:
             elif previous is None:
                 log.debug("Topic %s: max.message.bytes is %s bytes", topic, _bytes(answer))
             return
-        code = _error_code(answer)
+        code = kafka_code(answer)
         if code == KafkaError.UNKNOWN_TOPIC_OR_PART:
             # Not created yet: its first record may create it (with the brokers' default limit).
             self._settle(topic, previous or UNLIMITED, now + UNKNOWN_TOPIC_RETRY)
             return
         if code in _NOT_ALLOWED:
             self._settle(topic, UNLIMITED, now + self.refresh_interval)
-            self._warn(topic, f"cannot read topic {topic}'s max.message.bytes ({_reason(answer)}): a record over "
+            self._warn(topic, f"cannot read topic {topic}'s max.message.bytes ({kafka_reason(answer)}): a record over "
                               f"it will be refused by the broker rather than held before it is produced (grant "
                               f"DescribeConfigs on the topic)")
             return
@@ -198,7 +200,7 @@ class TopicLimits:
             self._settle(topic, previous, now + min(self.refresh_interval, UNKNOWN_TOPIC_RETRY))
         elif now - asked >= GIVE_UP_AFTER:
             self._settle(topic, UNLIMITED, now + UNKNOWN_TOPIC_RETRY)
-            self._warn(topic, f"cannot read topic {topic}'s max.message.bytes ({_reason(answer)}): its records "
+            self._warn(topic, f"cannot read topic {topic}'s max.message.bytes ({kafka_reason(answer)}): its records "
                               f"go out unchecked until it can be read")
         else:
             with self._lock:
@@ -261,17 +263,6 @@ def admin_describe(base: Mapping[str, Any], timeout: float = 5.0) -> Describe:
 
     return describe
 
-
-def _error_code(error: BaseException) -> int | None:
-    args = getattr(error, "args", ())
-    return args[0].code() if args and isinstance(args[0], KafkaError) else None
-
-
-def _reason(error: BaseException) -> str:
-    args = getattr(error, "args", ())
-    if args and isinstance(args[0], KafkaError):
-        return args[0].str()
-    return str(error) or type(error).__name__
 
 
 def _bytes(value: int) -> str:

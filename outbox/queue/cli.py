@@ -1,11 +1,9 @@
-"""What the queue's management commands share: logging, metrics, signals."""
+"""What the queue's management commands share: names, masked errors, logging, metrics."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
@@ -65,18 +63,3 @@ def serve_metrics(port: int | None, address: str, collector: Callable[[], Any]) 
         raise CommandError(f"cannot serve metrics on port {port}: {error}") from None
     log.info("Metrics on http://%s:%d/metrics", address, port)
 
-
-@contextlib.contextmanager
-def on_stop_signals(stop: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM and SIGINT call `stop` (once each is enough) while the block runs."""
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        log.info("%s received: stopping", signal.Signals(signum).name)
-        stop()
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -16,11 +16,12 @@ import logging
 import uuid
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
-from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE
+from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE, log_client_error
 from outbox.harvest.topics import UNLIMITED, batch_size_for
 from outbox.queue.config import QueueConfig
+from outbox.reasons import kafka_reason
 
 log = logging.getLogger("outbox.queue")
 #: A crashed consumer's or tracker's partitions wait this long for a new owner (librdkafka's default
@@ -88,14 +89,6 @@ def redelivery_producer_config(config: QueueConfig, name: str, batch_limit: int 
                   {"transactional.id": f"{config.tracker_group}-{name}-{uuid.uuid4().hex[:8]}"}, batch_limit)
 
 
-def log_client_error(error: KafkaError) -> None:
-    # librdkafka reports transient broker trouble here and retries by itself; only fatal errors need us.
-    log.log(logging.ERROR if error.fatal() else logging.WARNING, "Kafka client: %s", error.str())
-
-
-def kafka_error(error: BaseException) -> KafkaError | None:
-    args = getattr(error, "args", ())
-    return args[0] if args and isinstance(args[0], KafkaError) else None
 
 
 def init_transactions(producer: Any, config: QueueConfig, timeout: float) -> None:
@@ -104,7 +97,7 @@ def init_transactions(producer: Any, config: QueueConfig, timeout: float) -> Non
         producer.init_transactions(timeout)
     except KafkaException as error:
         bootstrap = config.base_kafka_config.get("bootstrap.servers", "?")
-        reason = error.args[0].str() if error.args and isinstance(error.args[0], KafkaError) else str(error)
+        reason = kafka_reason(error)
         raise TransactionsUnavailable(
             f"cannot start Kafka transactions at {bootstrap}: {reason} (a single-broker cluster needs "
             f"transaction.state.log.replication.factor=1 and transaction.state.log.min.isr=1)") from None

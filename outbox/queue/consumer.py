@@ -34,7 +34,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from outbox.harvest.config import default_name
-from outbox.harvest.kafka import KafkaUnavailable, kafka_reason
+from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
 from outbox.queue.consumer_state import ConsumerState, Delivery, Held, Plan, StartBatch
@@ -42,11 +42,10 @@ from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, Ref
 from outbox.queue.topics import ensure_topics
+from outbox.reasons import kafka_error, kafka_reason
 
 log = logging.getLogger(__name__)
 
-#: How long start() waits for Kafka to answer before reporting it unreachable.
-KAFKA_START_TIMEOUT = 10.0
 #: Records read from the queue topic at most per poll while paused (then handed back).
 FETCH_BATCH = 500
 #: Pause after a failed Start transaction before reading again.
@@ -445,12 +444,12 @@ class QueueConsumer:
                 self._starts.commit_transaction(KAFKA_START_TIMEOUT)
                 return
             except KafkaException as error:
-                kerror = clients.kafka_error(error)
+                kerror = kafka_error(error)
                 if kerror is None or not kerror.retriable() or attempt == 2:
                     raise
 
     def _abort(self, error: KafkaException) -> None:
-        kerror = clients.kafka_error(error)
+        kerror = kafka_error(error)
         if kerror is not None and kerror.fatal():
             raise error
         log.warning("Start markers for queue %s not written (%s); reading the batch again", self.queue,
@@ -458,7 +457,7 @@ class QueueConsumer:
         try:
             self._starts.abort_transaction(KAFKA_START_TIMEOUT)
         except KafkaException as abort_error:
-            aerror = clients.kafka_error(abort_error)
+            aerror = kafka_error(abort_error)
             if aerror is not None and aerror.fatal():
                 raise abort_error from error
             log.warning("Aborting the transaction: %s", kafka_reason(abort_error))

@@ -11,9 +11,10 @@ import logging
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox.harvest.kafka import KafkaUnavailable, admin_config, kafka_reason
+from outbox.harvest.kafka import KafkaUnavailable, admin_config
 from outbox.harvest.topics import UNLIMITED, admin_describe
 from outbox.queue.config import QueueConfig
+from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from outbox.harvest.config import default_name
-from outbox.harvest.kafka import KafkaUnavailable, kafka_reason
+from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig
 from outbox.queue.errors import QueueError
@@ -42,10 +42,10 @@ from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, MarkerError
 from outbox.queue.topics import ensure_topics
 from outbox.queue.tracker_state import Due, PartitionTracker, QueueStats
+from outbox.reasons import first_line, kafka_error, kafka_reason
 
 log = logging.getLogger(__name__)
 
-KAFKA_START_TIMEOUT = 10.0
 #: Markers read per poll.
 FETCH_BATCH = 1000
 #: The tracker's offsets are committed this often (and with every redelivery).
@@ -284,7 +284,7 @@ class RedeliveryTracker:
                 self._dead_letters([self._dead_letter(entry) for entry in dead])
             except Exception as error:
                 log.warning("Could not store %d dead letter(s): %s; trying again in %gs", len(dead),
-                            str(error).splitlines()[0] if str(error) else type(error).__name__, RETRY_BACKOFF)
+                            first_line(error), RETRY_BACKOFF)
                 self._postpone(dead, now)
                 due = [entry for entry in due if not entry.dead]
                 if not due:
@@ -308,7 +308,7 @@ class RedeliveryTracker:
                                                      KAFKA_START_TIMEOUT)
             producer.commit_transaction(KAFKA_START_TIMEOUT)
         except KafkaException as error:
-            kerror = clients.kafka_error(error)
+            kerror = kafka_error(error)
             if kerror is not None and kerror.fatal():
                 raise
             log.warning("Redelivery of %d message(s) failed (%s); trying again in %gs", len(due),
@@ -316,7 +316,7 @@ class RedeliveryTracker:
             try:
                 producer.abort_transaction(KAFKA_START_TIMEOUT)
             except KafkaException as abort_error:
-                aerror = clients.kafka_error(abort_error)
+                aerror = kafka_error(abort_error)
                 if aerror is not None and aerror.fatal():
                     raise
             self._postpone(due, now)

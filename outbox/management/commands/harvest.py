@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -19,6 +18,7 @@ from outbox.embedded import create_harvester
 from outbox.harvest.config import Limits, name_problem
 from outbox.harvest.harvester import HarvestError
 from outbox.harvest.redaction import scrub
+from outbox.stopping import on_stop_signals
 
 
 class Command(BaseCommand):
@@ -97,17 +97,10 @@ class Command(BaseCommand):
             logging.getLogger("outbox").info("Metrics on http://%s:%d/metrics", options["metrics_address"],
                                              options["metrics_port"])
 
-        def request_stop(signum: int, _frame: Any) -> None:
-            logging.getLogger("outbox").info("%s received: stopping", signal.Signals(signum).name)
-            harvester.stop()
-
-        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            while not harvester.wait(timeout=0.5):
-                pass
-        except HarvestError as error:
-            raise CommandError(str(error)) from None
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with on_stop_signals(harvester.stop):
+            try:
+                while not harvester.wait(timeout=0.5):
+                    pass
+            except HarvestError as error:
+                raise CommandError(str(error)) from None
 

@@ -17,6 +17,7 @@ from django.db import DatabaseError
 
 from outbox import conf, horizon
 from outbox.harvest.events import rate_text
+from outbox.reasons import first_line
 from outbox.states import Facts, parked_count
 
 
@@ -55,7 +56,7 @@ class Command(BaseCommand):
             facts = Facts.read(conf.database_alias())
             parked = parked_count(conf.database_alias())
         except DatabaseError as error:
-            return False, f"cannot read harvester status: {str(error).strip().splitlines()[0]}"
+            return False, f"cannot read harvester status: {first_line(error)}"
         found = facts.replicas
         if name:
             scope, matches = f"replica {name!r}", lambda r: r.name == name

@@ -23,6 +23,8 @@ from outbox.queue.errors import QueueError
 from outbox.queue.models import InboxEntry
 from outbox.queue.runner import Handler, HandlerRunner
 from outbox.queue.status import QueueStatusReporter, consumer_status
+from outbox.reasons import first_line
+from outbox.stopping import on_stop_signals
 
 log = logging.getLogger("outbox.queue")
 #: How often the inbox is pruned of rows older than inbox_retention.
@@ -99,7 +101,7 @@ class Command(BaseCommand):
                               lambda: metrics.consumer_gauges(queue, name, lambda: consumer.in_progress))
             runner.start()
             reporter.start()
-            with cli.on_stop_signals(runner.stop):
+            with on_stop_signals(runner.stop):
                 next_prune = time.monotonic()
                 while not runner.join(timeout=0.5):
                     if options["inbox"] and time.monotonic() >= next_prune:
@@ -128,7 +130,7 @@ class Command(BaseCommand):
         try:
             deleted = store.prune_inbox(app_settings.setting("inbox_retention"), using)
         except DatabaseError as error:
-            log.warning("Could not prune the inbox: %s", str(error).strip().splitlines()[0])
+            log.warning("Could not prune the inbox: %s", first_line(error))
             return
         if deleted:
             log.info("Pruned %d inbox row(s)", deleted)

@@ -17,6 +17,7 @@ from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
 from outbox.queue.status import QueueStatusReporter, tracker_status
 from outbox.queue.tracker import RedeliveryTracker
+from outbox.stopping import on_stop_signals
 
 
 class Command(BaseCommand):
@@ -63,7 +64,7 @@ class Command(BaseCommand):
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
                               lambda: metrics.tracker_gauges(lambda: tracker.snapshot))
-            with cli.on_stop_signals(tracker.stop):
+            with on_stop_signals(tracker.stop):
                 while not tracker.wait(timeout=0.5):
                     pass
         except QueueError as error:
