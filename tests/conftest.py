@@ -1,4 +1,4 @@
-"""Fixtures shared by every test: real services (see tests/services.py) and handles on them."""
+"""Fixtures shared by every test: real services (see tests/support/services.py) and handles on them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import environ
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.services import Services, resolve
 from tests.support.kafka_cluster import Cluster
+from tests.support.services import Services, resolve
 
 # Property-based tests (test_fuzz_*.py). "ci", the default: the same examples every run (derandomized),
 # few enough to keep the suite fast. "long" (OUTBOX_FUZZ_PROFILE=long): thousands of random examples, for

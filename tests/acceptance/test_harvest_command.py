@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "DJANGO_SETTINGS_MODULE": "project.settings", **(env or {})},
-                          timeout=timeout)
+from tests.support.commands import ROOT, manage
 
 
 def test_print_config_redacts_secrets():

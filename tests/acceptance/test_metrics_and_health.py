@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import signal
-import socket
-import urllib.request
 import uuid
 from datetime import timedelta
 
@@ -16,27 +14,15 @@ from django.utils import timezone
 from outbox import stash_many
 from outbox.harvest.contract import ReplicaState
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
-from tests.acceptance.test_harvest_command import manage
+from tests.support.commands import manage
 from tests.support.harness import Replica, outbox_count, replica_env, wait_until
+from tests.support.metrics import scrape
+from tests.support.services import free_port
 from tests.support.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("outbox_"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
 
 
 def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_url, bootstrap_servers, new_topic,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.acceptance.test_harvest_command import ROOT, manage
+from tests.support.commands import ROOT, manage
 
 CONSUME = ["outbox_consume", "--queue", "emails", "--handler", "project.shop.handlers.confirm_order"]
 
@@ -30,6 +30,8 @@ def test_a_handler_that_cannot_be_imported_is_one_line():
     (["--inbox", "--database", "other"],
      "CommandError: --database: must name an entry of DATABASES, got 'other' (DATABASES has 'default')"),
 ])
+
+
 def test_bad_flags_are_one_line_naming_the_flag_and_the_limit(flags, message):
     assert one_line(manage(*CONSUME, *flags)).startswith(message)
 

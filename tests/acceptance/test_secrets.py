@@ -16,9 +16,10 @@ from django.test import override_settings
 
 from outbox import stash
 from outbox.harvest.redaction import LIBRDKAFKA_SENSITIVE
-from tests.acceptance.test_harvest_command import manage
-from tests.acceptance.test_metrics_and_health import free_port, scrape
+from tests.support.commands import manage
 from tests.support.harness import Process, Replica, outbox_count, replica_env, wait_until
+from tests.support.metrics import scrape
+from tests.support.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

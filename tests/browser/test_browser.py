@@ -22,11 +22,10 @@ from outbox.harvest.harvester import Harvester
 from outbox.harvest.kafka import record_producer_config
 from outbox.harvest.store import PostgresStore
 from outbox.models import OutboxRecord
-from tests.browser.conftest import SCREENSHOTS
 from tests.support.harness import wait_until
+from tests.support.screenshots import SCREENSHOTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-
 
 
 class HeldProducer:

@@ -19,9 +19,9 @@ from django.utils import timezone
 from outbox.harvest.contract import ReplicaState
 from outbox.models import OutboxRecord
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess, QueueSample
-from tests.browser.conftest import SCREENSHOTS
 from tests.support.harness import wait_until
 from tests.support.history_rows import samples
+from tests.support.screenshots import SCREENSHOTS
 from tests.support.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]

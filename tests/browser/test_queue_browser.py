@@ -11,11 +11,12 @@ from outbox.queue import api, app_settings
 from outbox.queue.models import DeadLetter
 from outbox.queue.status import QueueStatusReporter, consumer_status, tracker_status
 from outbox.queue.topics import ensure_topics
-from tests.browser.conftest import SCREENSHOTS
 from tests.support.harness import wait_until
 from tests.support.queue_harness import new_prefix, queue_settings, running_tracker
+from tests.support.screenshots import SCREENSHOTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
 
 def test_an_operator_watches_a_queue_and_requeues_a_dead_letter(live_server, browser, settings, monkeypatch):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs an event loop
