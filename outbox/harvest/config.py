@@ -152,7 +152,9 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+        # A setting's name comes from the user's mapping: one with a newline must not make two lines.
+        field = self.field if self.field.isprintable() else repr(self.field)
+        return f"{field}: {self.message}"
 
 
 @dataclass(frozen=True)
