@@ -7,6 +7,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import environ
 import pytest
@@ -46,29 +47,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture
 def sim_seeds(request: pytest.FixtureRequest) -> list[int]:
-    seed = request.config.getoption("--sim-seed")
-    if seed is not None:
-        from tests.sim import scenario
+    from tests.sim import scenario
 
-        scenario.quiet()
-        result = scenario.run(seed, trace=True)
-        print(result.summary, result.violation or "ok", *result.trace, sep="\n")
-        return [seed]
-    return list(range(1, request.config.getoption("--sim-seeds") + 1))
+    return _seeds(request, scenario.run, request.config.getoption("--sim-seeds"))
 
 
 @pytest.fixture
 def queue_sim_seeds(request: pytest.FixtureRequest) -> list[int]:
     """The queue's simulator: half of --sim-seeds (1,000 by default), or --sim-seed's one, with its trace."""
-    seed = request.config.getoption("--sim-seed")
-    if seed is not None:
-        from tests.sim import queue_scenario
+    from tests.sim import queue_scenario
 
-        queue_scenario.quiet()
-        result = queue_scenario.run(seed, trace=True)
-        print(result.summary, result.violation or "ok", *result.trace, sep="\n")
-        return [seed]
-    return list(range(1, max(1, request.config.getoption("--sim-seeds") // 2) + 1))
+    return _seeds(request, queue_scenario.run, max(1, request.config.getoption("--sim-seeds") // 2))
+
+
+def _seeds(request: pytest.FixtureRequest, run: Any, count: int) -> list[int]:
+    """--sim-seed's one seed (its run printed with its trace first), else seeds 1 to `count`."""
+    seed = request.config.getoption("--sim-seed")
+    if seed is None:
+        return list(range(1, count + 1))
+    from tests.sim import replay
+
+    replay.quiet()
+    result = run(seed, trace=True)
+    print(result.summary, result.violation or "ok", *result.trace, sep="\n")
+    return [seed]
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,8 @@ from outbox.harvest.marking import Marking
 from outbox.harvest.topics import UNLIMITED
 from tests.sim import queue_scenario
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
-from tests.sim.scenario import Options, quiet, run
+from tests.sim.replay import quiet
+from tests.sim.scenario import Options, run
 
 # -- the core's parts -------------------------------------------------------------------------
 
@@ -251,7 +252,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--queue", action="store_true", help="only the queue's mutations")
     args = parser.parse_args(argv)
     quiet()
-    queue_scenario.quiet()
+
     missed = 0
     for name in [*([] if args.queue else MUTATIONS), *QUEUE_MUTATIONS]:
         if args.only not in name:

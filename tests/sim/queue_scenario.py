@@ -17,8 +17,6 @@ deadline passes). The invariants are tests/sim/queue_checks.py's.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 from dataclasses import dataclass, field
 
@@ -27,6 +25,7 @@ from outbox.harvest.memory.transactions import TransactionFaults
 from outbox.harvest.memory.world import SimWorld
 from outbox.queue import markers
 from outbox.queue.config import QueueConfig, QueueLimits
+from tests.sim import replay
 from tests.sim.queue_checks import Ledger
 from tests.sim.queue_process import App, AppFaults, ConsumerOptions, SimConsumer, SimTracker, TrackerOptions
 
@@ -244,34 +243,17 @@ def run(seed: int, options: QueueOptions | None = None, *, trace: bool = False) 
     return Result(seed, True, None, text, world.trace)
 
 
-def quiet() -> None:
-    """The queue logs what it does; a simulation of thousands of runs keeps it to itself."""
-    logging.getLogger("outbox").setLevel(logging.CRITICAL)
-
 
 def run_quietly(seed: int) -> tuple[int, str | None, str]:
     """run(), for a pool of processes: (seed, violation or None, summary)."""
-    quiet()
+    replay.quiet()
     result = run(seed)
     return seed, result.violation, result.summary
 
 
+
 def main(argv: list[str]) -> int:
-    quiet()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("seeds", type=int, nargs="+")
-    parser.add_argument("--trace", action="store_true")
-    args = parser.parse_args(argv)
-    failed = 0
-    for seed in args.seeds:
-        result = run(seed, trace=args.trace)
-        print(("ok   " if result.ok else "FAIL ") + result.summary)
-        if not result.ok:
-            failed += 1
-            print("     " + str(result.violation))
-        if args.trace:
-            print("\n".join(result.trace))
-    return 1 if failed else 0
+    return replay.main(argv, run, __doc__)
 
 
 if __name__ == "__main__":

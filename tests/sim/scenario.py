@@ -13,8 +13,6 @@ time; the run then continues until everything is published (or a deadline passes
 
 from __future__ import annotations
 
-import argparse
-import logging
 import random
 import sys
 from collections.abc import Callable
@@ -27,7 +25,7 @@ from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults
 from outbox.harvest.memory.table import HUGE, POISON, MemoryTable, TableFaults
 from outbox.harvest.memory.world import SimWorld, Violation
 from outbox.harvest.topics import record_size
-from tests.sim import checks
+from tests.sim import checks, replay
 from tests.sim.replica import Log, SimReplica
 
 FAULTS_END = 25.0
@@ -263,34 +261,17 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
     return Result(seed, True, None, text, world.trace)
 
 
-def quiet() -> None:
-    """The core logs what it does; a simulation of thousands of runs keeps it to itself."""
-    logging.getLogger("outbox").setLevel(logging.CRITICAL)
-
 
 def run_quietly(seed: int) -> tuple[int, str | None, str]:
     """run(), for a pool of processes: (seed, violation or None, summary)."""
-    quiet()
+    replay.quiet()
     result = run(seed)
     return seed, result.violation, result.summary
 
 
+
 def main(argv: list[str]) -> int:
-    quiet()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("seeds", type=int, nargs="+")
-    parser.add_argument("--trace", action="store_true")
-    args = parser.parse_args(argv)
-    failed = 0
-    for seed in args.seeds:
-        result = run(seed, trace=args.trace)
-        print(("ok   " if result.ok else "FAIL ") + result.summary)
-        if not result.ok:
-            failed += 1
-            print("     " + result.violation)
-        if args.trace:
-            print("\n".join(result.trace))
-    return 1 if failed else 0
+    return replay.main(argv, run, __doc__)
 
 
 if __name__ == "__main__":
