@@ -429,15 +429,27 @@ class Command(BaseCommand):
     @staticmethod
     def _hour_of_history(replicas: int) -> None:
         """An hour of samples, one every 10 s (the default history_interval), of `replicas` replicas taking
-        the lead in turn, as their status reporters write them."""
+        the lead in turn, as their status reporters write them: with what the database paid (round trips, and
+        the leader's read of pg_stat_statements) by kind."""
         with connections["default"].cursor() as cursor:
             cursor.execute(f"""
                 INSERT INTO "{HarvesterSample._meta.db_table}" (name, at, state, leader_id, since, harvested_table,
-                    leader_group, published, failed, in_flight, queued, held, backlog, oldest_age)
+                    leader_group, published, failed, in_flight, queued, held, backlog, oldest_age, db_round_trips,
+                    db_statements)
                 SELECT 'bench-history-' || r, now() - make_interval(secs => 10 * (359 - s)),
                        CASE WHEN s / (360 / %(replicas)s) = r THEN 'leader' ELSE 'standby' END, NULL,
                        now() - make_interval(secs => 10 * (359 - (r * (360 / %(replicas)s)))),
-                       'outbox', 'bench', s * 20000, s, 4000, 0, 1, 1000000 - s * 1000, 30 + s
+                       'outbox', 'bench', s * 20000, s, 4000, 0, 1, 1000000 - s * 1000, 30 + s,
+                       jsonb_build_object('mark', jsonb_build_array(s * 100, s * 0.15, s * 20000),
+                                          'purge', jsonb_build_array(s * 1000, s * 1.2, s * 20000),
+                                          'fence', jsonb_build_array(1, 0.001, 0)),
+                       CASE WHEN s / (360 / %(replicas)s) = r THEN jsonb_build_object(
+                           'mark', jsonb_build_array(s * 100, s * 0.04, s * 20000),
+                           'writers', jsonb_build_array(s * 100, s * 0.02, 0),
+                           'gaps', jsonb_build_array(s * 3, s * 0.001, s),
+                           'purge', jsonb_build_array(s * 1000, s * 0.11, s * 1000),
+                           'fence', jsonb_build_array(2, 0.0001, 2),
+                           'status', jsonb_build_array(s * 12, s * 0.006, s * 12)) END
                 FROM generate_series(0, %(replicas)s - 1) AS r, generate_series(0, 359) AS s""",
                            {"replicas": replicas})
 
