@@ -41,6 +41,8 @@ DJANGO_DEFAULTS: dict[str, Any] = {
     # Records waiting longer than this (or failed this often) are shown as stuck.
     "stuck_after": 300.0,
     "stuck_reset_count": 3,
+    # The dashboard, harvest_health and the metrics say who holds the database's horizon back this long.
+    "horizon_warn_after": 60.0,
     "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
 }
 #: Settings that did something once and do nothing now: accepted, with a warning saying so.
@@ -108,7 +110,7 @@ def settings_problems() -> list[Problem]:
         value = raw.get(key, DJANGO_DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             found.append(Problem("E003", key, f"must be a positive integer, got {value!r}"))
-    for key in ("status_gone_after", "stuck_after"):
+    for key in ("status_gone_after", "stuck_after", "horizon_warn_after"):
         value = _seconds(raw.get(key, DJANGO_DEFAULTS[key]))
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))

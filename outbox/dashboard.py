@@ -14,7 +14,7 @@ from datetime import datetime
 
 from django.db import connections
 
-from outbox import conf
+from outbox import conf, horizon
 from outbox.models import OutboxRecord
 from outbox.states import Count, Facts, Held, RecordState, Replicas, Verdict, bounded_count, parked_count
 
@@ -87,7 +87,11 @@ def overview(using: str | None = None) -> Overview:
     using = using or conf.database_alias()
     facts = Facts.read(using)
     rows = backlog(facts.replicas, using)
-    return Overview(facts=facts, warnings=warnings(facts.replicas), backlog=rows,
+    alarms = warnings(facts.replicas)
+    held_back = horizon.read(using)
+    if held_back.held_back:
+        alarms.append(Alarm("horizon", held_back.message()))
+    return Overview(facts=facts, warnings=alarms, backlog=rows,
                     held=sorted(facts.held.values(), key=lambda h: h.id), parked=parked_count(using),
                     stuck=stuck_records(facts, using), topics=topics(rows.rows, using))
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from outbox.harvest.contract import ReplicaState
-from outbox.harvest.dbtime import KINDS, ROUND_TRIP_KINDS
+from outbox.harvest.dbtime import ROUND_TRIP_KINDS, SERVER_KINDS
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.store import first_line
@@ -69,10 +69,12 @@ class HarvesterCollector(Collector):
     """Reads the harvester's state at scrape time."""
 
     def __init__(self, harvester: Harvester, parked: Callable[[], int | None] | None = None,
-                 oldest_age: Callable[[], float | None] | None = None) -> None:
+                 oldest_age: Callable[[], float | None] | None = None,
+                 horizon: Callable[[], Any] | None = None) -> None:
         self._harvester = harvester
         self._parked = parked
         self._oldest_age = oldest_age
+        self._horizon = horizon
 
     def collect(self) -> Iterator[Any]:
         h = self._harvester
@@ -118,12 +120,23 @@ class HarvesterCollector(Collector):
             calls = CounterMetricFamily("outbox_database_server_calls", "Executions of the table's statements, by "
                                         "kind (pg_stat_statements; exported by the leader)",
                                         labels=["name", "statement"])
-            for kind in KINDS:
+            for kind in SERVER_KINDS:
                 found = statements.get(kind, (0, 0.0, 0))
                 seconds.add_metric([h.config.name, kind], found[1])
                 calls.add_metric([h.config.name, kind], found[0])
             yield seconds
             yield calls
+        held = self._horizon() if self._horizon is not None else None
+        if held is not None:
+            age = GaugeMetricFamily("outbox_horizon_age_seconds", "How long the oldest transaction (or prepared "
+                                    "transaction) has held the database's horizon back: vacuum cannot remove dead "
+                                    "rows meanwhile", labels=labels)
+            age.add_metric(name, held.age)
+            yield age
+            dead = GaugeMetricFamily("outbox_dead_rows", "Dead rows in the outbox table (Postgres's statistics)",
+                                     labels=labels)
+            dead.add_metric(name, held.dead_rows)
+            yield dead
         if h.backlog is not None:
             backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",
                                         labels=labels)
@@ -166,7 +179,23 @@ def read_oldest_age() -> float | None:
     return 0.0 if oldest is None else max(0.0, (timezone.now() - oldest).total_seconds())
 
 
+def read_horizon() -> Any:
+    """Who holds the database's horizon back (outbox.horizon), or None (logged) when it cannot be read."""
+    from django.db import DatabaseError, connections
+
+    from outbox import horizon
+
+    try:
+        return horizon.read()
+    except DatabaseError as error:
+        log.warning("Could not read the database's horizon: %s", first_line(error))
+        return None
+    finally:
+        connections.close_all()
+
+
 def serve(harvester: Harvester, registry: CollectorRegistry, port: int, address: str = "0.0.0.0") -> None:
     """Expose `registry` plus the harvester's gauges on http://address:port/metrics."""
-    registry.register(HarvesterCollector(harvester, parked=read_parked, oldest_age=read_oldest_age))
+    registry.register(HarvesterCollector(harvester, parked=read_parked, oldest_age=read_oldest_age,
+                                         horizon=read_horizon))
     start_http_server(port, addr=address, registry=registry)

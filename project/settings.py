@@ -94,6 +94,8 @@ OUTBOX = {
     "producer_kafka_config": env.dict("OUTBOX_PRODUCER_KAFKA_CONFIG", default={}),
     "leader_topic": env("OUTBOX_LEADER_TOPIC", default="example-outbox-leader"),
     "leader_group": env("OUTBOX_LEADER_GROUP", default="example-outbox-leader"),
+    # The dashboard and harvest_health say who holds the database's horizon back this long (seconds).
+    "horizon_warn_after": env.float("OUTBOX_HORIZON_WARN_AFTER", default=60.0),
     # outbox.queue: the topic pair and the consumer groups all start with this prefix.
     "queues": queue_names(env("OUTBOX_QUEUE_PREFIX", default="example-queue")),
 }

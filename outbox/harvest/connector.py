@@ -37,6 +37,7 @@ class Store(Protocol):
     """What the engine needs from the database (store.PostgresStore is the real one)."""
 
     table_oid: int
+    partitioned: bool
 
     def take_fence(self) -> FenceHolder | None: ...
     def release_fence(self) -> None: ...

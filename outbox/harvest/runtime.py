@@ -18,15 +18,17 @@ from collections import deque
 from collections.abc import Callable
 from operator import methodcaller
 
+import psycopg
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox.harvest import contract, events
+from outbox.harvest import contract, events, partitions
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import Connector, ListenerLike, Store
 from outbox.harvest.contract import Record
 from outbox.harvest.driver import FENCE_SESSION, PURGE_SESSION, Driver, delivery_error
 from outbox.harvest.kafka import ProducerLike, kafka_error
 from outbox.harvest.neli import LeaderElection
+from outbox.harvest.store import close_quietly, connect, first_line
 
 log = logging.getLogger("outbox.harvest.harvester")
 
@@ -176,6 +178,44 @@ class ElectionThread(threading.Thread):
                 return
 
 
+class PartitionKeeper(threading.Thread):
+    """While this replica leads a partitioned outbox: one pass of partitions.keep() every KEEP_INTERVAL,
+    on a connection of its own (its locks are tried briefly, so it never keeps the engine waiting)."""
+
+    def __init__(self, dsn: str, table: str, leading: Callable[[], bool]) -> None:
+        super().__init__(name="outbox-partitions", daemon=True)
+        self._dsn, self._table, self._leading = dsn, table, leading
+        self._stop_event = threading.Event()
+        self.failure: BaseException | None = None
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        conn: psycopg.Connection | None = None
+        try:
+            while not self._stop_event.wait(partitions.KEEP_INTERVAL):
+                if not self._leading():
+                    continue
+                try:
+                    conn = conn if conn is not None and not conn.closed else connect(self._dsn, "partitions")
+                    kept = partitions.keep(conn, self._table)
+                except psycopg.Error as error:
+                    log.warning("Partition upkeep of %s failed (tried again in %gs): %s", self._table,
+                                partitions.KEEP_INTERVAL, first_line(error))
+                    close_quietly(conn)
+                    conn = None
+                    continue
+                if kept.created or kept.truncated or kept.dropped:
+                    log.info("Partitions of %s: created %s, truncated %s, dropped %s", self._table,
+                             kept.created or "none", kept.truncated or "none", kept.dropped or "none")
+        except BaseException as error:  # the harvester notices and stops as a whole
+            self.failure = error
+            log.exception("Partition upkeep thread failed")
+        finally:
+            close_quietly(conn)
+
+
 class ThreadedIO:
     """EngineIO over real clients and threads; owns them from open() to close()."""
 
@@ -198,6 +238,7 @@ class ThreadedIO:
         self._workers: dict[str, Worker] = {}
         self._poller: DeliveryPoller | None = None
         self._election: ElectionThread | None = None
+        self._keeper: PartitionKeeper | None = None
 
     # -- life -----------------------------------------------------------------------------------
 
@@ -223,15 +264,17 @@ class ThreadedIO:
                      "SQL for other tables): polling it every %gs", self.config.table, self.config.limits.mark_backoff)
         self._workers = {FENCE_SESSION: Worker("outbox-fence", self.store),
                          PURGE_SESSION: Worker("outbox-purge", self.store)}
+        if self.store.partitioned:
+            self._keeper = PartitionKeeper(self.config.dsn, self.config.table, lambda: self._leading)
 
     def start(self) -> None:
-        for thread in (self._poller, *self._workers.values(), self._election):
+        for thread in (self._poller, *self._workers.values(), self._election, self._keeper):
             if thread is not None:
                 thread.start()
 
     def failure(self) -> BaseException | None:
         """Why a thread of this runtime died, if one did."""
-        for thread in (self._poller, *self._workers.values(), self._election):
+        for thread in (self._poller, *self._workers.values(), self._election, self._keeper):
             if thread is not None and thread.failure is not None:
                 return thread.failure
         return None
@@ -244,6 +287,9 @@ class ThreadedIO:
         if self._election is not None and self._election.is_alive():
             self._election.stop()
             self._election.join(timeout=10)
+        if self._keeper is not None and self._keeper.is_alive():
+            self._keeper.stop()
+            self._keeper.join(timeout=10)
         if self._poller is not None and self._poller.is_alive():
             self._poller.stop()
             self._poller.join(timeout=10)

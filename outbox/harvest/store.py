@@ -115,6 +115,8 @@ class PostgresStore:
         self._status_table = status_table
         self.counts_failures = counts_failures
         self.table_oid = table_oid
+        #: The table is partitioned by id range: the leader keeps its partitions (partitions.py).
+        self.partitioned = False
         self.dead_letter_table = dead_letter_table
         ident = table_identifier(table)
         self._mark_sql = sql.SQL(contract.MARK).format(table=ident)
@@ -159,9 +161,16 @@ class PostgresStore:
         if missing:
             close_quietly(conn)
             raise StoreError(f"table {table!r} lacks the outbox column(s) {', '.join(missing)}")
+        try:
+            partitioned = bool(conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = %s)", [oid]).fetchone()[0])
+        except psycopg.Error as error:
+            close_quietly(conn)
+            raise StoreError(f"cannot read table {table!r} at {where}: {first_line(error)}") from None
         store = cls(dsn, table, name=name, group=group,
                     counts_failures=all(c in columns for c in contract.FAILURE_COLUMNS), table_oid=int(oid),
                     dead_letter_table=dead_letters, status_table=status_table)
+        store.partitioned = partitioned
         store._fence_conn = conn
         return store
 

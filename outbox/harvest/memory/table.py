@@ -298,6 +298,7 @@ class MemoryStore:
     a new one (holding no lock) when it ended, as the real store reconnects."""
 
     table_oid = 1
+    partitioned = False
 
     def __init__(self, table: MemoryTable, owner: str, group: str, *,
                  reachable: Callable[[], bool] = lambda: True) -> None:

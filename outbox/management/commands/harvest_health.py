@@ -2,7 +2,8 @@
 
 It reads the replicas' status rows, so it runs beside the harvester (an exec probe in the same
 pod) or anywhere with database access. One line on stdout says why, and counts the held and
-parked records (outbox.states). A replica blocked by another's database fence is unhealthy.
+parked records (outbox.states). A replica blocked by another's database fence is unhealthy. A second
+line warns when something holds the database's horizon back (outbox.horizon).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import DatabaseError
 
-from outbox import conf
+from outbox import conf, horizon
 from outbox.states import Facts, parked_count
 
 
@@ -30,8 +31,20 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         healthy, reason = self.check_health(**options)
         self.stdout.write(f"{'ok' if healthy else 'unhealthy'}: {reason}")
+        held_back = self.horizon()
+        if held_back is not None:
+            # Harvesting does not wait for it, so it does not make a replica unhealthy: it is said, for the operator.
+            self.stdout.write(f"warning: {held_back}")
         if not healthy:
             raise SystemExit(1)
+
+    @staticmethod
+    def horizon() -> str | None:
+        try:
+            found = horizon.read(conf.database_alias())
+        except DatabaseError:
+            return None  # the status rows' reading says what is wrong with the database
+        return found.message() if found.held_back else None
 
     def check_health(self, name: str | None, host: str | None, any: bool, require_leader: bool,
                      **_: Any) -> tuple[bool, str]:

@@ -4,6 +4,7 @@
     manage.py outbox_bench drain   --records 1000000 --keys 10000 --keys 10
     manage.py outbox_bench latency --rate 2000 --duration 30
     manage.py outbox_bench dbcost  --records 200000 --rate 2000 --duration 30
+    manage.py outbox_bench soak    --minutes 60 --rate 2000 --hold-transaction 20:10
     manage.py outbox_bench compare --reaper PATH          # goharvest's reaper, drains
     manage.py outbox_bench compare --peer debezium        # Debezium: drain, steady, unrelated writes
 
@@ -14,6 +15,7 @@ empty outbox and no other harvester running on it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -42,7 +44,7 @@ from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.models import HarvesterSample, HarvesterStatus, OutboxRecord
 from outbox.stasher import stash, stash_many
-from project.bench import dbcost
+from project.bench import dbcost, soak
 from project.bench.management.commands.outbox_pump import pump
 
 BENCH_TOPIC = "outbox-bench"
@@ -88,6 +90,17 @@ class Command(BaseCommand):
                                                                     "rate / 100, at least 1)")
         dbcost.add_argument("--partitions", type=int, default=8)
         dbcost.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+
+        soak_parser = sub.add_parser("soak", help="writers at a steady rate for a long while; a line of figures "
+                                                  "every minute and a verdict (project/bench/soak.py)")
+        soak_parser.add_argument("--minutes", type=float, default=60.0)
+        soak_parser.add_argument("--rate", type=float, default=2000.0, help="records/s, half plain SQL, half stash")
+        soak_parser.add_argument("--keys", type=int, default=200)
+        soak_parser.add_argument("--harvesters", type=int, default=1, help="harvester processes (default 1)")
+        soak_parser.add_argument("--partitions", type=int, default=8)
+        soak_parser.add_argument("--hold-transaction", metavar="START:MINUTES",
+                                 help="hold a REPEATABLE READ transaction open from minute START for MINUTES")
+        soak_parser.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
 
         compare = sub.add_parser("compare", help="this harvester beside a peer on the same workloads: goharvest's "
                                                  "reaper (drains), or Debezium (drain, steady rates, unrelated "
@@ -294,6 +307,50 @@ class Command(BaseCommand):
         self.stdout.write("    harvester's statements:")
         for line in dbcost.Cost(0, 0, statements).lines(records, indent="      "):
             self.stdout.write(line)
+
+    # -- hours under load --------------------------------------------------------------------------
+
+    def bench_soak(self, minutes: float, rate: float, keys: int, harvesters: int, partitions: int,
+                   hold_transaction: str | None, harvest_args: list[str], **_: Any) -> None:
+        self._require_empty_outbox()
+        hold = None
+        if hold_transaction:
+            try:
+                start, length = (float(part) for part in hold_transaction.split(":"))
+            except ValueError:
+                raise CommandError(f"--hold-transaction: START:MINUTES, got {hold_transaction!r}") from None
+            hold = (start, length)
+        topic = self._create_topic("bench-soak", partitions)
+        self._vacuum()
+        ports = [free_port() for _ in range(harvesters)]
+        held = f"an old transaction from minute {hold[0]:g} for {hold[1]:g}" if hold else "no old transaction"
+        self.stdout.write(f"soak: {minutes:g} min at {rate:,.0f} records/s (half plain SQL, half stash_many) over "
+                          f"{keys} keys, {harvesters} harvester(s); {held}; harvest flags {harvest_args or 'default'}")
+
+        def write(kind: str, share: float, seconds: float, committed: soak.Committed, stop: Any) -> None:
+            pump(records=int(share * seconds), keys=keys, topic=topic, rate=share, batch=20, on_commit=committed.add,
+                 writer=kind)
+
+        def queries(harvester: HarvesterProcess) -> tuple[float, float, float, float]:
+            port = harvester.metrics_port
+            return (scrape(port, "outbox_mark_seconds_count"), scrape(port, "outbox_mark_seconds_sum"),
+                    scrape(port, "outbox_purge_seconds_count"), scrape(port, "outbox_purge_seconds_sum"))
+
+        with contextlib.ExitStack() as stack:
+            running = []
+            for port in ports:
+                harvester = stack.enter_context(HarvesterProcess(
+                    [*harvest_args, "--metrics-port", str(port), "--metrics-address", "127.0.0.1"]))
+                harvester.metrics_port = port
+                running.append(harvester)
+            running[0].wait_for_leadership()
+            time.sleep(1.0)  # the metrics endpoints are up
+            result = soak.soak(dsn=conf.harvest_config().dsn, bootstrap=conf.kafka_config()["bootstrap.servers"],
+                               topic=topic, table=OutboxRecord._meta.db_table, minutes=minutes, rate=rate,
+                               write=write, harvesters=running, scrape=queries, hold=hold, say=self.stdout.write)
+            self._wait_drained()
+        self.stdout.write(result.line())
+        self._delete_topic(topic)
 
     # -- side by side with goharvest ------------------------------------------------------------
 
@@ -664,6 +721,12 @@ class AppendTimeReader(threading.Thread):
                     if name == "outbox-id":
                         self.appended.setdefault(int(value), message.timestamp()[1] / 1000)
         consumer.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def scrape(port: int, name: str) -> float:

@@ -1,0 +1,36 @@
+"""A short soak, as an operator runs the long one: `manage.py outbox_bench soak` with an old transaction held.
+
+The figures are benchmarks (docs/benchmarks.md, "Hours under load"): this checks the command runs
+end to end, says what it measured every minute, loses nothing, and ends with its verdict line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_short_soak_with_an_old_transaction_says_every_minute_and_loses_nothing(database_url, bootstrap_servers):
+    env = {**os.environ, "DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers}
+    result = subprocess.run([sys.executable, str(ROOT / "manage.py"), "outbox_bench", "soak", "--minutes", "1",
+                             "--rate", "300", "--keys", "20", "--hold-transaction", "0:1"],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert "an old transaction from minute 0 for 1" in lines[0]
+    minute = next(line for line in lines if line.strip().startswith("min   1:"))
+    for figure in ("records/s", "p50", "p99", "backlog", "table", "dead", "harvester", "mark", "purge", "Postgres",
+                   "[old transaction open]"):
+        assert figure in minute, figure
+    written = re.search(r"written ([\d,]+), read back ([\d,]+)", result.stdout)
+    assert written and written.group(1) == written.group(2) == "18,000", result.stdout
+    assert re.fullmatch(r"verdict: (PASS|FAIL)( \(.*\))?", lines[-1]), lines[-1]

@@ -1,0 +1,108 @@
+"""The partitioned outbox against real Postgres and Kafka: converted, harvested, kept.
+
+A scratch copy of the outbox table is partitioned (1,000 ids a partition), written with plain SQL
+while an old REPEATABLE READ transaction holds the database's horizon back, and harvested: every
+record arrives in per-key order, and the leader truncates and drops the drained partitions, so their
+dead rows are gone although vacuum could remove none of them.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import uuid
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import override_settings
+
+from outbox.harvest import partitions
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.harvester import Harvester
+from tests.support.harness import assert_complete_and_ordered, read_topic, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+INSERT = ("INSERT INTO {table} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
+          "kafka_header_values) SELECT now(), %s, 'k' || (g %% 10), g::text, '{{}}', '{{}}' "
+          "FROM generate_series(1, %s) g RETURNING id")
+
+
+@pytest.fixture
+def scratch(database_url):
+    """A copy of the outbox table (same columns, constraints and trigger), dropped afterwards."""
+    table = f"outbox_parted_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (LIKE outbox INCLUDING ALL)")
+        conn.execute(f"CREATE TRIGGER outbox_notify AFTER INSERT ON {table} FOR EACH STATEMENT "
+                     f"EXECUTE FUNCTION outbox_notify()")
+    yield table
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_unpartitioned CASCADE")
+        conn.execute(f"DROP SEQUENCE IF EXISTS {table}_id_seq")
+
+
+def test_a_partitioned_outbox_is_harvested_and_its_drained_partitions_leave(database_url, bootstrap_servers,
+                                                                            new_topic, scratch, monkeypatch):
+    monkeypatch.setattr(partitions, "KEEP_INTERVAL", 0.3)
+    topic = new_topic("partitioned")
+    writer = psycopg.connect(database_url, autocommit=True)
+    before = [row[0] for row in writer.execute(INSERT.format(table=scratch), [topic, 150]).fetchall()]
+    made = partitions.convert(writer, scratch, 1000)
+    assert [p.default for p in made] == [False, False, False, True], "the old rows, two ahead, the default"
+    assert made[0].lo is None and made[1].lo == made[0].hi and made[2].lo == made[1].hi == made[0].hi + 1000
+    old = psycopg.connect(database_url, application_name="horizon-holder")
+    old.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    old.execute("SELECT count(*) FROM pg_class").fetchone()
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    harvester = Harvester(HarvestConfig(dsn=database_url, table=scratch, leader_topic=leader, leader_group=leader,
+                                        base_kafka_config={"bootstrap.servers": bootstrap_servers}, name="parted",
+                                        limits=Limits(heartbeat_timeout=2.0)))
+    harvester.start()
+    try:
+        wait_until(lambda: harvester.is_leader, 30, "the harvester to lead")
+        written = list(before)
+        for _ in range(10):  # 5,000 more ids: five partitions' worth, written while the horizon is held
+            written += [row[0] for row in writer.execute(INSERT.format(table=scratch), [topic, 500]).fetchall()]
+            time.sleep(2 * partitions.KEEP_INTERVAL)  # a steady writer: the leader keeps partitions ahead of it
+        wait_until(lambda: not writer.execute(f"SELECT EXISTS (SELECT 1 FROM {scratch})").fetchone()[0], 60,
+                   "the partitioned outbox to drain")
+        top = max(written)
+        wait_until(lambda: all(p.hi is None or p.hi > top
+                               for p in partitions.partitions(writer, scratch) if not p.default), 30,
+                   "the leader to drop every drained partition")
+        kept = partitions.partitions(writer, scratch)
+        assert kept[-1].default and kept[-2].hi > top + 1000, "partitions are kept ahead of the ids"
+        dead = writer.execute("SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relid IN "
+                              "(SELECT inhrelid FROM pg_inherits WHERE inhparent = %s::regclass)",
+                              [scratch]).fetchone()[0]
+        assert dead < 1500, f"{dead} dead rows left: the dropped partitions took the rest with them"
+        assert old.info.transaction_status is psycopg.pq.TransactionStatus.INTRANS, "held all along"
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+        old.close()
+        writer.close()
+    audit = read_topic(bootstrap_servers, topic, expected=len(written))
+    assert_complete_and_ordered(audit, written, strict=False)
+
+
+def test_the_command_converts_the_table_refuses_twice_and_lists_the_partitions(scratch, settings):
+    with override_settings(OUTBOX={**settings.OUTBOX, "table": scratch}):
+        out = io.StringIO()
+        call_command("outbox_partition", "--status", stdout=out)
+        assert "is not partitioned" in out.getvalue()
+        call_command("outbox_partition", "--size", "5000", stdout=out)
+        assert f"Partitioned {scratch!r} by id" in out.getvalue()
+        with pytest.raises(CommandError, match="partitioned already"):
+            call_command("outbox_partition", "--size", "5000")
+        with pytest.raises(CommandError, match="at least 1000 ids"):
+            call_command("outbox_partition", "--size", "10")
+        listing = io.StringIO()
+        call_command("outbox_partition", "--status", stdout=listing)
+    lines = listing.getvalue().splitlines()
+    assert lines[0].split()[:2] == ["partition", "ids"] and "(default)" in listing.getvalue()
+    assert sum(1 for line in lines if line.startswith(f"{scratch}_p")) == partitions.AHEAD
+    assert lines[-1].startswith("last id taken:")
