@@ -14,6 +14,9 @@ import pytest
 from tests.services import Services, resolve
 from tests.support.kafka_cluster import Cluster
 
+#: Fixtures kept beside the helpers they go with.
+pytest_plugins = ["tests.support.statement_stats"]
+
 #: Each folder's tests carry its marker, so `-m` selects by what a test needs (README, "Tests").
 FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "spark": "spark",
                   "browser": "browser", "docker": "docker"}

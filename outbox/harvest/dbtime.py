@@ -28,11 +28,15 @@ from outbox.harvest import contract
 
 #: Kinds of statement, in the order they are shown. Round trips have all of them but gaps and
 #: writers (sent in the mark's round trip) and status (not the driver's).
-KINDS = ("mark", "gaps", "writers", "purge", "reset", "hold", "check_held", "park", "fence", "status")
-ROUND_TRIP_KINDS = ("mark", "purge", "reset", "hold", "check_held", "park", "fence")
+KINDS = ("mark", "gaps", "writers", "purge", "reset", "hold", "check_held", "park", "fence", "partitions", "status")
+#: `partitions`: a pass of the partition keeper (a partitioned outbox only; partitions.py), timed as a whole.
+ROUND_TRIP_KINDS = ("mark", "purge", "reset", "hold", "check_held", "park", "fence", "partitions")
+#: Kinds told apart in pg_stat_statements (the partition keeper's DDL names each partition: not among them).
+SERVER_KINDS = tuple(kind for kind in KINDS if kind != "partitions")
 #: What each kind is, for people.
 LABELS = {"mark": "mark", "gaps": "gaps", "writers": "writers", "purge": "purge", "reset": "reset", "hold": "hold",
-          "check_held": "check held", "park": "park", "fence": "fence", "status": "status"}
+          "check_held": "check held", "park": "park", "fence": "fence", "partitions": "partition upkeep",
+          "status": "status"}
 
 #: Per kind: (statements or round trips, seconds, rows).
 Totals = dict[str, tuple[int, float, int]]

@@ -216,8 +216,9 @@ class Driver:
             self.post(lambda core: done(core, result))
         self.io.submit(session, job)
 
-    def _waited(self, kind: str, seconds: float, rows: int) -> None:
-        """One round trip of a job (any session's thread): tallied, and told to the instruments."""
+    def waited(self, kind: str, seconds: float, rows: int) -> None:
+        """One round trip of a job (any thread: the sessions', the partition keeper's): tallied, and told to the
+        instruments."""
         self.round_trips.add(kind, seconds, rows)
         self._instruments.database(kind, seconds, rows)
 
@@ -229,9 +230,9 @@ class Driver:
             try:
                 result = call(store)
             except BaseException:
-                self._waited(kind, time.perf_counter() - began, 0)
+                self.waited(kind, time.perf_counter() - began, 0)
                 raise
-            self._waited(kind, time.perf_counter() - began, rows(result))
+            self.waited(kind, time.perf_counter() - began, rows(result))
             return result
         return timed
 

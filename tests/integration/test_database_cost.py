@@ -8,7 +8,6 @@ import logging
 import re
 import uuid
 from datetime import timedelta
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -16,6 +15,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.test import Client
 from django.utils import timezone
+from prometheus_client import CollectorRegistry, generate_latest
 
 from outbox import stash_many
 from outbox.harvest import dbtime
@@ -24,39 +24,12 @@ from outbox.harvest.contract import Record, ReplicaState
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import PostgresStore
+from outbox.metrics import HarvesterCollector, PrometheusInstruments
 from outbox.models import HarvesterSample, OutboxRecord
 from tests.support.harness import wait_until
 from tests.support.history_rows import samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
-
-#: bin/services' cluster: its superuser and password (initdb --pwfile), which may create the extension.
-SUPERUSER = ("postgres", "postgres")
-
-
-@pytest.fixture
-def statement_stats(database_url: str) -> str:
-    """pg_stat_statements readable in the test database: the view made here (by the test's role where it may,
-    else by bin/services' superuser); skipped where the server does not load the module."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        if conn.execute("SELECT to_regclass('pg_stat_statements')").fetchone()[0] is None:
-            try:
-                conn.execute("CREATE EXTENSION pg_stat_statements")
-            except psycopg.errors.InsufficientPrivilege:
-                parts = urlsplit(database_url)
-                admin = urlunsplit(parts._replace(
-                    netloc=f"{SUPERUSER[0]}:{SUPERUSER[1]}@{parts.hostname}:{parts.port or 5432}"))
-                try:
-                    with psycopg.connect(admin, autocommit=True) as superuser:
-                        superuser.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-                except psycopg.Error as error:
-                    pytest.fail(f"cannot create pg_stat_statements in the test database as {SUPERUSER[0]}: {error}")
-        try:
-            conn.execute("SELECT 1 FROM pg_stat_statements LIMIT 1")
-        except psycopg.errors.ObjectNotInPrerequisiteState:
-            pytest.skip("this Postgres does not load pg_stat_statements (bin/services' cluster does)")
-    return database_url
-
 
 def config(database_url: str, bootstrap: str = "unused:9092", **limits: float) -> HarvestConfig:
     leader = f"test-leader-{uuid.uuid4().hex[:8]}"
@@ -112,7 +85,10 @@ def test_each_statement_of_the_engine_counts_as_its_kind_in_pg_stat_statements(s
 def test_a_leader_samples_its_round_trips_and_the_servers_time_and_the_dashboard_shows_them(
         statement_stats, bootstrap_servers, new_topic):
     topic = new_topic("cost")
-    harvester = Harvester(config(statement_stats, bootstrap_servers, status_interval=0.1, history_interval=0.2))
+    registry = CollectorRegistry()
+    harvester = Harvester(config(statement_stats, bootstrap_servers, status_interval=0.1, history_interval=0.2),
+                          instruments=PrometheusInstruments(registry))
+    registry.register(HarvesterCollector(harvester))
     harvester.start()
     name = harvester.config.name
 
@@ -131,6 +107,7 @@ def test_a_leader_samples_its_round_trips_and_the_servers_time_and_the_dashboard
 
         sample = wait_until(sampled, 15, "a sample with the 200 records and the server's time")
         assert harvester.database_statements is not None and harvester.round_trips["purge"][2] == 200
+        metrics = scraped(registry)
     finally:
         harvester.stop()
         harvester.wait(timeout=30)
@@ -140,6 +117,13 @@ def test_a_leader_samples_its_round_trips_and_the_servers_time_and_the_dashboard
     assert {"mark", "writers", "purge", "fence", "status"} <= set(server)
     assert server["purge"][0] >= trips["purge"][0] and server["mark"][0] >= trips["mark"][0]
     assert all(seconds >= 0 for _, seconds, _ in server.values())
+    # Prometheus: this replica's round trips, and the server's time as the leader last read it.
+    assert metrics['outbox_database_round_trips_total{statement="purge"}'] >= 1
+    assert metrics['outbox_database_seconds_total{statement="purge"}'] > 0
+    assert metrics['outbox_database_round_trips_total{statement="mark"}'] >= 1
+    served = f'outbox_database_server_seconds_total{{name="{name}",statement="mark"}}'
+    assert metrics[served] > 0
+    assert metrics[f'outbox_database_server_calls_total{{name="{name}",statement="purge"}}'] >= trips["purge"][0]
     # The dashboard reads 20-second buckets over an hour: the run's first and last samples, as if a minute apart.
     HarvesterSample.objects.filter(name=name).exclude(pk__in=[first.pk, sample.pk]).delete()
     HarvesterSample.objects.filter(pk=first.pk).update(at=timezone.now() - timedelta(seconds=60))
@@ -150,6 +134,16 @@ def test_a_leader_samples_its_round_trips_and_the_servers_time_and_the_dashboard
     assert 'data-title="Round trips by statement, time waited"' in section
     kinds = re.findall(r'<tr class="cost-kind" data-kind="([a-z_]+)">', section)
     assert {"mark", "writers", "purge", "status"} <= set(kinds), "the fence was taken before the span"
+
+
+def scraped(registry: CollectorRegistry) -> dict[str, float]:
+    """The registry's outbox_database_* samples, as Prometheus reads them."""
+    values = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith("outbox_database"):
+            series, _, value = line.rpartition(" ")
+            values[series] = float(value)
+    return values
 
 
 def dashboard() -> str:

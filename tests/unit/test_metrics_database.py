@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, generate_latest
 
 from outbox.harvest.contract import ReplicaState
-from outbox.harvest.dbtime import KINDS, ROUND_TRIP_KINDS
+from outbox.harvest.dbtime import ROUND_TRIP_KINDS, SERVER_KINDS
 from outbox.metrics import HarvesterCollector, PrometheusInstruments
 
 
@@ -45,7 +45,7 @@ def test_the_leader_exports_the_servers_time_and_a_standby_does_not():
     values = scraped(leader)
     assert values['outbox_database_server_seconds_total{name="r1",statement="mark"}'] == 0.25
     assert values['outbox_database_server_calls_total{name="r1",statement="writers"}'] == 10
-    assert len([v for v in values if v.startswith("outbox_database_server_calls_total")]) == len(KINDS)
+    assert len([v for v in values if v.startswith("outbox_database_server_calls_total")]) == len(SERVER_KINDS)
     assert scraped(standby) == {}
     without = CollectorRegistry()
     without.register(HarvesterCollector(replica(ReplicaState.LEADER, None)))
