@@ -136,7 +136,9 @@ class LogicalCluster:
         ours = dict(self.execute(query))
         with psycopg.connect(other_dsn, autocommit=True) as conn:
             theirs = dict(conn.execute(query).fetchall())
-        names = (set(ours) | set(theirs)) - EXPECTED_DIFFERENCES - {"application_name", "client_encoding",
+            # A role without pg_read_all_settings does not see some (shared_preload_libraries): not compared.
+            visible = {name for (name,) in conn.execute("SELECT name FROM pg_settings").fetchall()}
+        names = ((set(ours) | set(theirs)) & visible) - EXPECTED_DIFFERENCES - {"application_name", "client_encoding",
                                                                     "DateStyle", "TimeZone", "lc_messages",
                                                                     "lc_monetary", "lc_numeric", "lc_time",
                                                                     "default_text_search_config", "log_timezone"}

@@ -156,7 +156,12 @@ class Receiver(threading.Thread):
                              "enable.auto.commit": False, "auto.offset.reset": "earliest",
                              "fetch.wait.max.ms": 10, "enable.partition.eof": False})
         try:
-            partitions = consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+            try:
+                partitions = self._partitions(consumer)
+            except RuntimeError as error:
+                self.error = str(error)
+                self.assigned.set()
+                return
             consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
             self.assigned.set()
             header = self.id_header
@@ -176,6 +181,19 @@ class Receiver(threading.Thread):
                         break
         finally:
             consumer.close()
+
+    def _partitions(self, consumer: Consumer, timeout: float = 30) -> list[int]:
+        """The topic's partitions once each has a leader: just after its creation, the metadata may not list
+        them yet (assigning none would wait for nothing)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
+            if (found is not None and found.error is None and found.partitions
+                    and all(p.leader >= 0 and p.error is None for p in found.partitions.values())):
+                return sorted(found.partitions)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"topic {self.topic} has no partitions with leaders after {timeout:.0f} s")
+            time.sleep(0.1)
 
     def wait_for(self, count: int, timeout: float, relay: Relay | None = None) -> bool:
         """Until `count` distinct ids arrived (True), the timeout passed or the relay exited (False)."""

@@ -16,6 +16,7 @@ full-page writes to make.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,13 @@ class SideBySide:
                               env={**os.environ, "DATABASE_URL": dsn}, capture_output=True, text=True, cwd=ROOT)
         if done.returncode:
             raise RuntimeError(f"migrate failed: {(done.stdout + done.stderr).strip().splitlines()[-1:]}")
+
+    def close(self) -> None:
+        """Stop what the benchmark started: the relays, the private cluster (its data is kept for the next run)."""
+        self.harvester.stop()
+        self.debezium.stop()
+        self.cluster.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     # -- helpers -----------------------------------------------------------------------------------
 

@@ -125,10 +125,22 @@ class Report:
                       "| | harvester | Debezium | harvester / Debezium |", "|---|---|---|---|"]
             for label, value, form in drain if workload == "drain" else steady:
                 ours, theirs = self._values(workload, "harvester", value), self._values(workload, "debezium", value)
-                ratio = (f"{statistics.median(ours) / statistics.median(theirs):.2f}"
-                         if ours and theirs and statistics.median(theirs) else "")
+                ratio = _over(ours, theirs)
                 lines.append(f"| {label} | {_spread(ours, form)} | {_spread(theirs, form)} | {ratio} |")
         return lines
+
+
+def _over(ours: list[float], theirs: list[float]) -> str:
+    """The ratio of the medians; none where Debezium's is nothing to divide by (no WAL of its own) or either
+    side is negative (less than the writers alone: noise)."""
+    if not ours or not theirs:
+        return ""
+    mine, peer = statistics.median(ours), statistics.median(theirs)
+    if peer <= 0 or mine < 0:
+        return "n/a"
+    if mine > 20 * peer:
+        return f"> 20 (Debezium's {peer:.3g})"
+    return f"{mine / peer:.2f}"
 
 
 def _ratio(part: float, whole: float) -> str:

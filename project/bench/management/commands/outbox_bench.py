@@ -383,11 +383,15 @@ class Command(BaseCommand):
                           f"poll.interval.ms {poll}; harvest flags {harvest_args or 'default'}")
         side = SideBySide(self.stdout.write, bootstrap, pg_port=pg_port, poll_interval_ms=poll,
                           harvest_args=harvest_args, project_dsn=conf.harvest_config().dsn)
+        # A SIGTERM (timeout, CI) unwinds like Ctrl-C, so that what the benchmark started is stopped.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             side.setup()
             report = side.run(rounds, records, workloads, duration)
         except (RuntimeError, OSError, psycopg.Error) as error:
             raise CommandError(f"side by side with Debezium: {error}") from None
+        finally:
+            side.close()  # the private cluster stopped, the writers' commit logs removed
         for line in report.table():
             self.stdout.write(line)
 
