@@ -6,11 +6,11 @@ relay has a database of its own on it, with goharvest's table (this app's migrat
 table. Writers are processes of their own (writer.py), logging in as a role of their own; each relay logs in
 as its own role too, so its server processes (the harvester's sessions, Debezium's walsender) are told apart.
 
-A round: the writers alone (the baseline of each steady workload, no relay running), then each relay in
-turn: a drain of a backlog written while it was stopped (timed from its process's start), then the steady
-workloads. A relay's added cost is what the server spent with it running minus what the writers alone cost
-in the same round. Every measured stretch starts right after a CHECKPOINT, so each begins with the same
-full-page writes to make.
+A round runs each relay in turn: the writers alone in its database with it stopped (the baseline of each
+steady workload), a drain of a backlog written while it was stopped (timed from its process's start), then
+the steady workloads with it running. A relay's added cost is what the server spent with it running minus
+what the writers alone cost just before. Every measured stretch starts right after a CHECKPOINT, so each
+begins with the same full-page writes to make.
 """
 
 from __future__ import annotations
@@ -111,10 +111,10 @@ class SideBySide:
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _database(self, relay: Relay | None) -> str:
-        return DATABASES[relay.name if relay else "harvester"][0]
+    def _database(self, relay: Relay) -> str:
+        return DATABASES[relay.name][0]
 
-    def _writer_dsn(self, relay: Relay | None) -> str:
+    def _writer_dsn(self, relay: Relay) -> str:
         return self.cluster.dsn(WRITER, PASSWORD, self._database(relay))
 
     def _topic(self, prefix: str) -> str:
@@ -122,15 +122,15 @@ class SideBySide:
         self.admin.create_topics([NewTopic(name, num_partitions=PARTITIONS)])[name].result(timeout=30)
         return name
 
-    def _fresh_table(self, relay: Relay | None) -> None:
+    def _fresh_table(self, relay: Relay) -> None:
         database = self._database(relay)
         self.cluster.execute("TRUNCATE outbox", database)
         self.cluster.execute("VACUUM ANALYZE outbox", database)
 
-    def _meter(self, relay: Relay | None) -> dbcost.ServerMeter:
+    def _meter(self, relay: Relay) -> dbcost.ServerMeter:
         return dbcost.ServerMeter(psycopg.connect(self.cluster.superuser_dsn(self._database(relay)), autocommit=True))
 
-    def _writers(self, relay: Relay | None, topic: str, workload: Workload, duration: float) -> Path:
+    def _writers(self, relay: Relay, topic: str, workload: Workload, duration: float) -> Path:
         """The workload's writers, started together; returns the file of commit times once they are done."""
         times = self.tmp / f"{topic}.commits"
         records = int(workload.rate * duration)
@@ -191,19 +191,20 @@ class SideBySide:
 
     # -- the measured stretches --------------------------------------------------------------------
 
-    def steady(self, relay: Relay | None, workload: Workload, duration: float) -> Window:
-        """The workload for `duration` seconds, with `relay` running (ready) or none (the writers alone)."""
+    def steady(self, relay: Relay, workload: Workload, duration: float, *, alone: bool = False) -> Window:
+        """The workload for `duration` seconds in the relay's database, with the relay running (and ready), or,
+        `alone`, with it stopped: the writers' own cost, its baseline."""
         self._fresh_table(relay)
         topic = self._topic("bench-side")
         receiver = None
-        if relay is not None:
+        if not alone:
             receiver = Receiver(self.bootstrap, topic, relay.id_header)
             receiver.start()
             receiver.assigned.wait(30)
             relay.reset_peak()
-        meter, backends = self._meter(relay), RoleCpu(self.cluster.superuser_dsn(), relay.role if relay else WRITER)
+        meter, backends = self._meter(relay), RoleCpu(self.cluster.superuser_dsn(), WRITER if alone else relay.role)
         self.cluster.execute("CHECKPOINT")
-        before, cpu = meter.read(), relay.cpu() if relay else 0.0
+        before, cpu = meter.read(), 0.0 if alone else relay.cpu()
         backends.start()
         began = time.time()
         commits = self._writers(relay, topic, workload, duration)
@@ -214,8 +215,8 @@ class SideBySide:
         ended = time.time()
         after = meter.read()
         window = Window(records=len(committed), seconds=ended - began, server=after - before,
-                        backends_cpu=backends.stop(), relay_cpu=relay.cpu() - cpu if relay else 0.0,
-                        relay_rss=relay.peak_rss if relay else 0)
+                        backends_cpu=backends.stop(), relay_cpu=0.0 if alone else relay.cpu() - cpu,
+                        relay_rss=0 if alone else relay.peak_rss)
         meter.conn.close()
         if receiver is not None:
             receiver.stop()
@@ -273,11 +274,12 @@ class SideBySide:
             for number in range(1, rounds + 1):
                 order = [self.harvester, self.debezium] if number % 2 else [self.debezium, self.harvester]
                 self.say(f"round {number} of {rounds}: {' then '.join(r.name for r in order)}")
-                for workload in workloads:
-                    window = self.steady(None, workload, duration)
-                    report.add(number, workload.name, "writers", window)
-                    self.say(f"  writers alone, {workload.name}: {report.line(window)}")
                 for relay in order:
+                    # Its baselines just before it runs, in its database: the server drifts over a round.
+                    for workload in workloads:
+                        window = self.steady(relay, workload, duration, alone=True)
+                        report.add(number, workload.name, "writers", window, relay=relay.name)
+                        self.say(f"  writers alone before {relay.name}, {workload.name}: {report.line(window)}")
                     if records:
                         writer, window = self.drain(relay, records)
                         report.add(number, "drain", "writers", writer, relay=relay.name)
@@ -290,7 +292,7 @@ class SideBySide:
                         window = self.steady(relay, workload, duration)
                         report.add(number, workload.name, relay.name, window)
                         self.say(f"  {relay.name}, {workload.name}: "
-                                 f"{report.line(window, report.baseline(number, workload.name))}")
+                                 f"{report.line(window, report.baseline(number, workload.name, relay.name))}")
                     relay.stop()
         finally:
             self.harvester.stop()

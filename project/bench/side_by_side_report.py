@@ -43,15 +43,16 @@ class Window:
 class Report:
     workloads: list[str]
     records: int
-    #: (round, workload, who) -> window; who is "writers" (alone), "harvester" or "debezium", and for a
-    #: drain's backlog "writers for <relay>".
+    #: (round, workload, who) -> window; who is "harvester", "debezium", or "writers for <relay>": the writers
+    #: alone just before the relay ran the workload (a drain: the insert of its backlog).
     windows: dict[tuple[int, str, str], Window] = field(default_factory=dict)
 
     def add(self, number: int, workload: str, who: str, window: Window, relay: str | None = None) -> None:
         self.windows[(number, workload, f"{who} for {relay}" if relay else who)] = window
 
-    def baseline(self, number: int, workload: str) -> Window:
-        return self.windows[(number, workload, "writers")]
+    def baseline(self, number: int, workload: str, relay: str) -> Window:
+        """The writers alone, measured just before `relay` ran the workload (a drain: the insert it drained)."""
+        return self.windows[(number, workload, f"writers for {relay}")]
 
     @staticmethod
     def line(window: Window, baseline: Window | None = None) -> str:
@@ -80,8 +81,7 @@ class Report:
         found = []
         for number in self.rounds():
             window = self.windows.get((number, workload, who))
-            base_key = (number, workload, f"writers for {who}") if workload == "drain" else (number, workload,
-                                                                                            "writers")
+            base_key = (number, workload, f"writers for {who}")
             if window is not None and base_key in self.windows:
                 found.append(value(window, self.windows[base_key]))
         return found
@@ -97,10 +97,10 @@ class Report:
             ("relay CPU, s", lambda w, b: w.relay_cpu, "{:.2f}"),
             ("relay peak RSS, MiB", lambda w, b: w.relay_rss / MIB, "{:.0f}"),
             ("Postgres CPU, whole server, s", lambda w, b: w.server.cpu, "{:.2f}"),
-            ("... over the insert's", lambda w, b: w.server.cpu / b.server.cpu, "{:.2f}x"),
+            ("Postgres CPU over the insert's", lambda w, b: w.server.cpu / b.server.cpu, "{:.2f}x"),
             ("Postgres CPU, the relay's own processes, s", lambda w, b: w.backends_cpu, "{:.2f}"),
             ("WAL, bytes per record", lambda w, b: w.server.wal_bytes / w.records, "{:,.0f}"),
-            ("... over the insert's", lambda w, b: w.server.wal_bytes / max(b.server.wal_bytes, 1), "{:.2f}x"),
+            ("WAL over the insert's", lambda w, b: w.server.wal_bytes / max(b.server.wal_bytes, 1), "{:.2f}x"),
         ]
         steady: list[tuple[str, Callable[[Window, Window], float], str]] = [
             ("commit to receipt p50, ms", lambda w, b: w.pct(50), "{:.1f}"),
@@ -109,7 +109,8 @@ class Report:
             ("relay CPU, s", lambda w, b: w.relay_cpu, "{:.2f}"),
             ("relay peak RSS, MiB", lambda w, b: w.relay_rss / MIB, "{:.0f}"),
             ("Postgres CPU added, whole server, s", lambda w, b: w.server.cpu - b.server.cpu, "{:.2f}"),
-            ("... over the writers' own", lambda w, b: (w.server.cpu - b.server.cpu) / b.server.cpu, "{:.2f}x"),
+            ("Postgres CPU added over the writers' own", lambda w, b: (w.server.cpu - b.server.cpu) / b.server.cpu,
+             "{:.2f}x"),
             ("Postgres CPU, the relay's own processes, s", lambda w, b: w.backends_cpu, "{:.2f}"),
             ("WAL added, bytes per record", lambda w, b: (w.server.wal_bytes - b.server.wal_bytes) / w.records,
              "{:,.0f}"),
@@ -119,8 +120,9 @@ class Report:
             title = f"drain of {self.records:,} rows" if workload == "drain" else workload
             writers = ""
             if workload != "drain":
-                alone = self._values(workload, "harvester", lambda w, b: b.server.cpu)
-                writers = f" (the writers alone: Postgres CPU {_spread(alone, '{:.2f}')} s)" if alone else ""
+                alone = [f"{_spread(found, '{:.2f}')} s before {who}" for who in ("harvester", "debezium")
+                         if (found := self._values(workload, who, lambda w, b: b.server.cpu))]
+                writers = f" (the writers alone: Postgres CPU {', '.join(alone)})" if alone else ""
             lines += ["", f"**{title}**{writers}", "",
                       "| | harvester | Debezium | harvester / Debezium |", "|---|---|---|---|"]
             for label, value, form in drain if workload == "drain" else steady:
@@ -151,6 +153,5 @@ def _spread(values: list[float], form: str) -> str:
     if not values:
         return ""
     middle = form.format(statistics.median(values))
-    if len(values) == 1:
-        return middle
-    return f"{middle} ({form.format(min(values))}-{form.format(max(values))})"
+    low, high = form.format(min(values)), form.format(max(values))
+    return middle if low == high else f"{middle} ({low} to {high})"

@@ -372,6 +372,10 @@ class Command(BaseCommand):
                                    ("--pg-port", pg_port, 1), ("--poll-interval-ms", poll_interval_ms or 1, 1)):
             if value < least:
                 raise CommandError(f"{name}: must be at least {least}, got {value}")
+        own_port = int(psycopg.conninfo.conninfo_to_dict(conf.harvest_config().dsn).get("port") or 5432)
+        if pg_port == own_port:
+            raise CommandError(f"--pg-port: {pg_port} is the project's own Postgres; the benchmark runs a cluster of "
+                               "its own on another port")
         rates = rate or [2000.0, 10000.0]
         if any(r <= 0 for r in rates) or unrelated_rate < 0:
             raise CommandError(f"--rate and --unrelated-rate: must be positive, got {rates} and {unrelated_rate}")
