@@ -25,7 +25,7 @@ from outbox.harvest.contract import ReplicaState
 from outbox.harvest.dbtime import ROUND_TRIP_KINDS, SERVER_KINDS
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.store import first_line
+from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.metrics")
 

@@ -30,8 +30,10 @@ from outbox.harvest.contract import Record, iso_utc
 from outbox.harvest.core import Core
 from outbox.harvest.dbtime import RoundTrips
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.kafka import ProducerLike, kafka_error
-from outbox.harvest.store import StoreError, first_line
+from outbox.harvest.kafka import ProducerLike
+from outbox.harvest.store import StoreError
+from outbox.harvest.topics import UNLIMITED, fits, record_size, too_large
+from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ PERMANENT_ERRORS = frozenset({
     KafkaError.INVALID_REQUIRED_ACKS,
     KafkaError._INVALID_ARG,
 })
+
+#: Kafka refused a batch for its size: the topic's max.message.bytes is read again.
+SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 
 #: The database sessions jobs run on. The fence session holds the table's fence and marks (so a
 #: leader that lost the fence can mark nothing); the purge session settles, so settling never waits
@@ -69,6 +74,21 @@ class EngineIO(Protocol):
         """The record producer in use."""
 
     def now(self) -> float: ...
+
+    @property
+    def batch_limit(self) -> int:
+        """The record producer's batches fit this many bytes (topics.UNLIMITED: librdkafka's batch.size)."""
+
+    def topic_limit(self, topic: str) -> int | None:
+        """The topic's max.message.bytes (topics.UNLIMITED if it cannot be known), or None while it is
+        being read (the records wait)."""
+
+    def fit_batches(self, limit: int) -> bool:
+        """Make the record producer's batches fit `limit` bytes; False while that waits for the
+        producer to report what it holds (send nothing meanwhile)."""
+
+    def refused_for_size(self, topic: str | None) -> None:
+        """Kafka refused a batch of `topic` (None: of some topic) for its size: read its limit again."""
 
     def submit(self, session: str, job: Callable[[Store], None]) -> None:
         """Run `job` on a database session (FENCE_SESSION or PURGE_SESSION), after the jobs before it."""
@@ -141,17 +161,28 @@ class Driver:
     # -- Kafka ------------------------------------------------------------------------------------
 
     def _send(self, command: cmd.Send) -> None:
-        producer = self.io.producer
-        core = self.core
+        io, core = self.io, self.core
+        records = command.records
+        limits: dict[str, int | None] = {}
+        for record in records:
+            if record.topic not in limits:
+                limits[record.topic] = io.topic_limit(record.topic)
+        smallest = min((limit for limit in limits.values() if limit is not None), default=UNLIMITED)
+        if smallest < io.batch_limit and not io.fit_batches(smallest):
+            # The producer is rebuilt with smaller batches once it has reported what it holds.
+            core.on_backpressure([r.id for r in records])
+            return
+        producer = io.producer
         delivered = self._on_delivery
         created_last: Any = None
         created_text = ""
-        records = command.records
-        refused_keys: set[str] = set()
+        # Keys whose record was refused or waits for its topic's limit: later ones must not go out ahead.
+        stopped_keys: set[str] = set()
         held_back: list[int] = []
         for index, record in enumerate(records):
-            if record.key in refused_keys:
-                # A record of its key was refused just now: this one must not go out ahead of it.
+            limit = limits[record.topic]
+            if record.key in stopped_keys or limit is None:
+                stopped_keys.add(record.key)
                 held_back.append(record.id)
                 continue
             created = record.create_time
@@ -160,6 +191,13 @@ class Driver:
             headers = [(contract.HEADER_ID, str(record.id)), (contract.HEADER_CREATE_TIME, created_text)]
             if record.header_keys:
                 headers[:0] = zip(record.header_keys, record.header_values, strict=False)
+            if limit < UNLIMITED and not fits(record.key, record.value, headers, limit):
+                # Held before it is produced: a refused batch would fail every key's records with it.
+                stopped_keys.add(record.key)
+                size = record_size(record.key, record.value, headers)
+                core.on_refused(record.id, DeliveryError("MSG_SIZE_TOO_LARGE", too_large(size, limit, record.topic),
+                                                         permanent=True))
+                continue
             try:
                 producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
                                  on_delivery=functools.partial(delivered, record.id))
@@ -173,13 +211,15 @@ class Driver:
                     core.on_producer_failed(delivery_error(found))
                     core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                     return
-                refused_keys.add(record.key)
+                stopped_keys.add(record.key)
                 core.on_refused(record.id, delivery_error(found) if found is not None
                                 else DeliveryError("ERROR", str(error), permanent=True))
         if held_back:
             core.on_backpressure(held_back)
 
     def _on_delivery(self, record_id: int, error: KafkaError | None, _message: Any) -> None:
+        if error is not None and error.code() in SIZE_ERRORS:
+            self.io.refused_for_size(None)  # one request reads every topic's limit again
         self.delivered(record_id, error)
 
     def _abort_sends(self, command: cmd.AbortSends) -> None:

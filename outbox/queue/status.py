@@ -16,8 +16,11 @@ from outbox.queue import store
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.tracker import RedeliveryTracker
+from outbox.reasons import first_line
 
 log = logging.getLogger(__name__)
+#: How often a tracker deletes expired dead letters (seconds).
+DEAD_LETTER_PRUNE_INTERVAL = 60.0
 
 #: () -> (messages in progress, stats for the row)
 Snapshot = Callable[[], tuple[int, dict[str, Any]]]
@@ -25,18 +28,20 @@ Snapshot = Callable[[], tuple[int, dict[str, Any]]]
 Totals = Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
 
 
-class StatusReporter(threading.Thread):
+class QueueStatusReporter(threading.Thread):
     """Upserts the row every `interval` seconds until stopped, then deletes it; a tracker's counts ride along."""
 
     def __init__(self, name: str, kind: str, *, interval: float, snapshot: Snapshot, queue: str = "",
                  totals: Totals | None = None, history_interval: float = 0.0,
-                 history_retention: float = 24 * 3600.0) -> None:
+                 history_retention: float = 24 * 3600.0, dead_letter_retention: float | None = None) -> None:
         super().__init__(name="queue-status", daemon=True)
         self.process_name, self.kind, self.queue = name, kind, queue
         self._interval, self._snapshot, self._totals = interval, snapshot, totals
         # A tracker's stats carry each queue's figures: they are sampled into the history (the charts).
         self._history_interval, self._history_retention = history_interval, history_retention
         self._next_sample = 0.0
+        # A tracker also deletes dead letters older than dead_letter_retention (None: never), once a minute.
+        self._dead_letter_retention, self._next_prune = dead_letter_retention, 0.0
         self._since = datetime.now(UTC)
         self._halt = threading.Event()
         self._counted: tuple[dict[str, int], dict[str, int]] = ({}, {})
@@ -56,7 +61,7 @@ class StatusReporter(threading.Thread):
             self._count()
             store.remove_status(self.process_name)
         except DatabaseError as error:
-            log.warning("Could not remove the status row of %s: %s", self.process_name, _line(error))
+            log.warning("Could not remove the status row of %s: %s", self.process_name, first_line(error))
         finally:
             connections.close_all()
 
@@ -68,15 +73,25 @@ class StatusReporter(threading.Thread):
                                in_progress=in_progress, stats=stats)
             self._count()
             self._sample(stats)
+            self._prune_dead_letters()
         except DatabaseError as error:
             if not self._failing:
-                log.warning("Status row of %s not written: %s (retrying every %gs)", self.process_name, _line(error),
-                            self._interval)
+                log.warning("Status row of %s not written: %s (retrying every %gs)", self.process_name,
+                            first_line(error), self._interval)
             self._failing = True
             return
         if self._failing:
             log.info("Status row of %s written again", self.process_name)
         self._failing = False
+
+    def _prune_dead_letters(self) -> None:
+        if self.kind != "tracker" or self._dead_letter_retention is None or time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + DEAD_LETTER_PRUNE_INTERVAL
+        deleted = store.prune_dead_letters(self._dead_letter_retention)
+        if deleted:
+            log.info("Deleted %d dead letter(s) older than %gs (dead_letter_retention)", deleted,
+                     self._dead_letter_retention)
 
     def _sample(self, stats: dict[str, Any]) -> None:
         """Every history_interval: a tracker's in progress, redelivered and dead-lettered per queue."""
@@ -124,7 +139,3 @@ def consumer_status(consumer: QueueConsumer, runner: HandlerRunner | None = None
         "limits": dataclasses.asdict(consumer.limits),
         "oldest_in_progress_seconds": None if oldest is None else round(time.monotonic() - oldest, 3)}
 
-
-def _line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

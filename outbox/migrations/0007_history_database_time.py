@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('outbox', '0005_status_marked_upto'),
+        ('outbox', '0006_replica_stopped_state'),
     ]
 
     operations = [
