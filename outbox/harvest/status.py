@@ -29,7 +29,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox.harvest import dbtime
+from outbox.harvest import dbtime, retention
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.retention import DeadLetterRetention
@@ -176,13 +176,17 @@ class StatusReporter(threading.Thread):
         self._history_costs = False
         self._history_failing = False
         # The server's time per statement kind (pg_stat_statements), read by the leader with each sample.
-        own = [statement.as_string() for statement in (self._upsert, self._prune, self._remove, self._leaders,
+        # Its own statements count as `status`: the status rows, the history, the dead letters' retention.
+        own = [statement.as_string() for statement in (self._upsert, self._prune, self._stopped, self._leaders,
                                                        self._other_tables, self._sample, self._sample_costs,
                                                        self._prune_history)]
+        if config.dead_letter_table:
+            own.append(sql.SQL(retention.PRUNE).format(table=table_identifier(config.dead_letter_table)).as_string())
         statements = {**dbtime.engine_statements(config.table, config.dead_letter_table),
                       **{text: "status" for text in [*own, BACKLOG]}}
         self._server_time = dbtime.ServerTime(dbtime.StatementKinds(statements), dbtime.server_patterns(
-            [config.table, config.status_table, self._history_table or config.status_table]))
+            [config.table, config.status_table, self._history_table or config.status_table,
+             *([config.dead_letter_table] if config.dead_letter_table else [])]))
         self._statements_on: bool | None = None
         #: The last read of the server's time per statement kind (None: not read, or not the leader).
         self.statements: dbtime.Totals | None = None
