@@ -50,8 +50,8 @@ class Marker:
 @dataclass(frozen=True)
 class Chart:
     title: str
-    #: How values are written on the axis and in tooltips: "count", "rate" (per second), "per_minute" or
-    #: "seconds".
+    #: How values are written on the axis and in tooltips: "count", "rate" (per second), "per_minute",
+    #: "seconds" or "ms_per_s" (milliseconds per second: time spent, e.g. by the database).
     unit: str
     start: float
     end: float
@@ -91,6 +91,10 @@ def format_value(value: float, unit: str) -> str:
         if value >= 60:
             return f"{value / 60:.1f} min"
         return f"{value:.0f} s" if value >= 10 or value == 0 else f"{value:.1f} s"
+    if unit == "ms_per_s":
+        if value >= 1000:
+            return f"{value / 1000:.1f} s/s"
+        return f"{value:.0f} ms/s" if value >= 10 or value == 0 else f"{value:.1f} ms/s"
     suffix = {"rate": "/s", "per_minute": "/min"}.get(unit, "")
     if value >= 1_000_000:
         text = f"{value / 1_000_000:.1f}M"

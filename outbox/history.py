@@ -4,19 +4,23 @@ Each replica's status reporter adds a sample every `history_interval` seconds (o
 One grouped query reads a span into at most MAX_POINTS buckets per replica, so the cost of a page
 does not grow with the sampling rate or the span: rates are the differences of the replicas' totals
 between buckets; the backlog and the oldest row's age are the table's, whichever replica saw them;
-a replica's `since` while it led is the moment it took the lead.
+a replica's `since` while it led is the moment it took the lead. What harvesting cost the database
+(outbox.database_cost) is read from the same buckets.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from itertools import pairwise
+from typing import Any
 
 from django.db import connections
 from django.utils import timezone
 
+from outbox import conf, database_cost
 from outbox.charts import MAX_SERIES, Chart, Marker, Series
 from outbox.models import HarvesterSample
 
@@ -36,7 +40,10 @@ BUCKETS = """
 SELECT name, harvested_table, floor(extract(epoch FROM at) / %(bucket)s) AS bucket,
        max(extract(epoch FROM at)), max(published), max(failed), max(in_flight), max(backlog), max(oldest_age),
        extract(epoch FROM min(since) FILTER (WHERE state = 'leader')),
-       extract(epoch FROM max(since) FILTER (WHERE state = 'leader'))
+       extract(epoch FROM max(since) FILTER (WHERE state = 'leader')),
+       (array_agg(db_round_trips ORDER BY at DESC) FILTER (WHERE db_round_trips IS NOT NULL))[1],
+       (array_agg(jsonb_build_array(extract(epoch FROM at), db_statements) ORDER BY at DESC)
+          FILTER (WHERE db_statements IS NOT NULL))[1]
 FROM {table} WHERE at >= %(start)s
 GROUP BY name, harvested_table, bucket ORDER BY name, bucket
 """
@@ -50,6 +57,8 @@ class Point:
     in_flight: int
     backlog: int | None
     oldest_age: float | None
+    #: The replica's database round trips so far, by kind (dbtime.Totals as JSON), if the sample has them.
+    round_trips: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ class History:
     end: datetime
     charts: list[Chart]
     takeovers: list[Marker]
+    #: What harvesting cost the database in the span, by kind of statement.
+    cost: database_cost.Cost | None = None
 
     @property
     def span_label(self) -> str:
@@ -79,21 +90,28 @@ def read(span: str = DEFAULT_SPAN, using: str = "default", now: datetime | None 
     table = connections[using].ops.quote_name(HarvesterSample._meta.db_table)
     replicas: dict[str, list[Point]] = defaultdict(list)
     tables: dict[str, dict[float, Point]] = defaultdict(dict)
+    statements: dict[str, dict[float, tuple[float, dict]]] = defaultdict(dict)
     took_lead: set[tuple[float, str]] = set()
     begin, finish = start.timestamp(), end.timestamp()
     with connections[using].cursor() as cursor:
         cursor.execute(BUCKETS.format(table=table), {"bucket": bucket, "start": start})
         rows = cursor.fetchall()
-        for name, harvested, number, at, published, failed, in_flight, backlog, oldest, first, last in rows:
+        for (name, harvested, number, at, published, failed, in_flight, backlog, oldest, first, last, round_trips,
+             server) in rows:
             took_lead |= {(float(since), name) for since in (first, last) if since is not None and since >= begin}
             point = Point(float(at), int(published), int(failed), int(in_flight),
-                          None if backlog is None else int(backlog), oldest)
+                          None if backlog is None else int(backlog), oldest, _json(round_trips))
             replicas[name].append(point)
             slot = float(number) * bucket
             seen = tables[harvested].get(slot)
             # The table's figures: the latest any replica saw in the bucket.
             if seen is None or point.at > seen.at:
                 tables[harvested][slot] = point
+            if server is not None:  # the server's totals for the table, as its leader read them last
+                read_at, totals = _json(server)
+                kept = statements[harvested].get(slot)
+                if kept is None or read_at > kept[0]:
+                    statements[harvested][slot] = (float(read_at), totals)
     takeovers = [Marker(since, f"{name} took the lead") for since, name in sorted(took_lead)]
     shown = sorted(replicas, key=lambda n: replicas[n][-1].at, reverse=True)[:MAX_SERIES]
     left_out = len(replicas) - len(shown)
@@ -115,7 +133,18 @@ def read(span: str = DEFAULT_SPAN, using: str = "default", now: datetime | None 
         per_table("Age of the oldest row", "seconds", lambda p: p.oldest_age or (0.0 if p.backlog == 0 else None)),
         per_replica("Records in flight", "count", lambda points, b: _gapped(points, b, lambda p: p.in_flight)),
     ]
-    return History(span, start, end, charts, takeovers)
+    # The server's totals of one table (statements that do not name their table, the fence's and the
+    # writers', are counted alike by every table's leader): the dashboard's own, or the busiest.
+    own = conf.setting("table")
+    chosen = own if own in statements else max(statements, key=lambda t: len(statements[t]), default=None)
+    server = [value for _, value in sorted(statements[chosen].items())] if chosen else []
+    cost = database_cost.read(begin, finish, bucket, {n: replicas[n] for n in shown}, server, takeovers)
+    return History(span, start, end, charts, takeovers, cost)
+
+
+def _json(value: Any) -> Any:
+    """A jsonb value as Django's cursor gives it (text), decoded."""
+    return json.loads(value) if isinstance(value, str | bytes) else value
 
 
 def _gapped(points: list[Point], bucket: float, value) -> list[tuple[float, float | None]]:

@@ -1,7 +1,11 @@
 """Prometheus metrics for a running harvester: `manage.py harvest --metrics-port 9108`.
 
 Counters and histograms are fed by the engine's Instruments hooks; gauges are read from the
-Harvester when Prometheus scrapes, so the engine pays nothing between scrapes. The two gauges the
+Harvester when Prometheus scrapes, so the engine pays nothing between scrapes. What harvesting costs
+the database, by kind of statement (outbox.harvest.dbtime): every replica counts its own round trips
+(`outbox_database_seconds_total`); the leader also exports the server's own time for the table's
+statements, as its status reporter last read them from pg_stat_statements
+(`outbox_database_server_seconds_total`). The two gauges the
 harvester does not know, parked records (the dead-letter table's count, outbox.states) and the age of
 the oldest row (the primary key's head), are read at scrape time too. Alert rules and a Grafana
 dashboard over these metrics are in monitoring/.
@@ -18,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from outbox.harvest.contract import ReplicaState
+from outbox.harvest.dbtime import ROUND_TRIP_KINDS, SERVER_KINDS
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
 from outbox.reasons import first_line
@@ -37,6 +42,13 @@ class PrometheusInstruments(Instruments):
                                        buckets=LATENCY_BUCKETS, registry=registry)
         self.marked_records = Counter("outbox_records_marked", "Rows marked", registry=registry)
         self.reset_records = Counter("outbox_records_reset", "Rows reset after a failed delivery", registry=registry)
+        self.database_seconds = Counter("outbox_database_seconds", "Time this replica waited on the database, by kind "
+                                        "of statement (round trips)", ["statement"], registry=registry)
+        self.database_round_trips = Counter("outbox_database_round_trips", "Database round trips, by kind of "
+                                            "statement", ["statement"], registry=registry)
+        for kind in ROUND_TRIP_KINDS:  # every kind is there from the start, at 0
+            self.database_seconds.labels(kind)
+            self.database_round_trips.labels(kind)
 
     def marked(self, seconds: float, rows: int) -> None:
         self.mark_seconds.observe(seconds)
@@ -47,6 +59,10 @@ class PrometheusInstruments(Instruments):
 
     def reset(self, rows: int) -> None:
         self.reset_records.inc(rows)
+
+    def database(self, kind: str, seconds: float, rows: int) -> None:
+        self.database_seconds.labels(kind).inc(seconds)
+        self.database_round_trips.labels(kind).inc()
 
 
 class HarvesterCollector(Collector):
@@ -95,6 +111,21 @@ class HarvesterCollector(Collector):
                                                                            "when it is empty)", labels=labels)
             oldest.add_metric(name, age)
             yield oldest
+        statements = h.database_statements if state is ReplicaState.LEADER else None
+        if statements is not None:
+            seconds = CounterMetricFamily("outbox_database_server_seconds", "Postgres's execution time of the "
+                                          "table's statements, by kind, since its statistics were reset "
+                                          "(pg_stat_statements; all replicas; exported by the leader)",
+                                          labels=["name", "statement"])
+            calls = CounterMetricFamily("outbox_database_server_calls", "Executions of the table's statements, by "
+                                        "kind (pg_stat_statements; exported by the leader)",
+                                        labels=["name", "statement"])
+            for kind in SERVER_KINDS:
+                found = statements.get(kind, (0, 0.0, 0))
+                seconds.add_metric([h.config.name, kind], found[1])
+                calls.add_metric([h.config.name, kind], found[0])
+            yield seconds
+            yield calls
         held = self._horizon() if self._horizon is not None else None
         if held is not None:
             age = GaugeMetricFamily("outbox_horizon_age_seconds", "How long the oldest transaction (or prepared "

@@ -119,6 +119,12 @@ class HarvesterSample(models.Model):
     backlog = models.BigIntegerField(null=True, blank=True)
     #: Age of the table's oldest row, in seconds (NULL: the table was empty).
     oldest_age = models.FloatField(null=True, blank=True)
+    #: What harvesting cost the database so far, by kind of statement (outbox.harvest.dbtime), as
+    #: {kind: [count, seconds, rows]}: this replica's round trips since it started...
+    db_round_trips = models.JSONField(null=True, blank=True)
+    #: ...and the server's time for the table's statements, from pg_stat_statements since its last reset
+    #: (NULL: the replica did not lead, or the database has no pg_stat_statements).
+    db_statements = models.JSONField(null=True, blank=True)
 
     class Meta:
         db_table = "outbox_harvester_history"

@@ -26,6 +26,9 @@ settings.register_profile("long", max_examples=int(os.environ.get("OUTBOX_FUZZ_E
                           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 settings.load_profile(os.environ.get("OUTBOX_FUZZ_PROFILE", "ci"))
 
+#: Fixtures kept beside the helpers they go with.
+pytest_plugins = ["tests.support.statement_stats"]
+
 #: Each folder's tests carry its marker, so `-m` selects by what a test needs (README, "Tests").
 FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "spark": "spark",
                   "browser": "browser", "docker": "docker"}

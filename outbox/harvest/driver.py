@@ -28,6 +28,7 @@ from outbox.harvest.commands import DeliveryError
 from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record, iso_utc
 from outbox.harvest.core import Core
+from outbox.harvest.dbtime import RoundTrips
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import ProducerLike
 from outbox.harvest.store import StoreError
@@ -118,6 +119,8 @@ class Driver:
         self.core = core
         self.io = io
         self._instruments = instruments or Instruments()
+        #: Every database job's round trip, by kind (dbtime.py): what the harvester waits on the database for.
+        self.round_trips = RoundTrips()
         self._parked_by = parked_by
         # Appended by other threads, taken in by turn() (deque appends and pops are thread-safe).
         self._inbox: deque[Result] = deque()
@@ -253,17 +256,38 @@ class Driver:
             self.post(lambda core: done(core, result))
         self.io.submit(session, job)
 
+    def waited(self, kind: str, seconds: float, rows: int) -> None:
+        """One round trip of a job (any thread: the sessions', the partition keeper's): tallied, and told to the
+        instruments."""
+        self.round_trips.add(kind, seconds, rows)
+        self._instruments.database(kind, seconds, rows)
+
+    def _timed(self, kind: str, call: Callable[[Store], Any], rows: Callable[[Any], int]) -> Callable[[Store], Any]:
+        """`call`, with its round trip timed as `kind` (a failed one too: it cost the database as well)."""
+
+        def timed(store: Store) -> Any:
+            began = time.perf_counter()
+            try:
+                result = call(store)
+            except BaseException:
+                self.waited(kind, time.perf_counter() - began, 0)
+                raise
+            self.waited(kind, time.perf_counter() - began, rows(result))
+            return result
+        return timed
+
     def _take_fence(self, command: cmd.TakeFence) -> None:
         leader_id = command.leader_id
 
         def answered(core: Core, holder: object) -> None:
             core.on_fence(leader_id, holder is None, None if holder is None else str(holder))
 
-        self._run(FENCE_SESSION, lambda store: store.take_fence(), answered,
+        self._run(FENCE_SESSION, self._timed("fence", lambda store: store.take_fence(), _no_rows), answered,
                   lambda core, error: core.on_fence_failed(leader_id, error))
 
     def _release_fence(self, command: cmd.ReleaseFence) -> None:
-        self._run(FENCE_SESSION, lambda store: store.release_fence(), lambda core, _: None, None)
+        self._run(FENCE_SESSION, self._timed("fence", lambda store: store.release_fence(), _no_rows),
+                  lambda core, _: None, None)
 
     def _mark(self, command: cmd.Mark) -> None:
         instruments = self._instruments
@@ -274,11 +298,12 @@ class Driver:
             instruments.marked(time.perf_counter() - began, len(records))
             return records, writers
 
-        self._run(FENCE_SESSION, mark, lambda core, result: core.on_marked(command, *result),
+        self._run(FENCE_SESSION, self._timed("mark", mark, lambda answer: len(answer[0])),
+                  lambda core, result: core.on_marked(command, *result),
                   lambda core, error: core.on_mark_failed(command, error))
 
     def _check_held(self, command: cmd.CheckHeld) -> None:
-        self._run(FENCE_SESSION, lambda store: store.check_held(command.ids),
+        self._run(FENCE_SESSION, self._timed("check_held", lambda store: store.check_held(command.ids), len),
                   lambda core, rows: core.on_held_checked(command, rows),
                   lambda core, error: core.on_held_check_failed(error))
 
@@ -286,8 +311,10 @@ class Driver:
         record, io = command.record, self.io
 
         def park(store: Store) -> bool:
-            topic = io.publish_dead_letter(record, command.reason)
-            parked = store.park(record, command.reason, command.attempts, self._parked_by, topic)
+            topic = io.publish_dead_letter(record, command.reason)  # Kafka's time, not the database's
+            move = self._timed("park", lambda store: store.park(record, command.reason, command.attempts,
+                                                                self._parked_by, topic), int)
+            parked = move(store)
             if parked:
                 log.warning("Parked record %d (key %r) in the dead-letter table after %d attempt(s): %s",
                             record.id, record.key, command.attempts, command.reason)
@@ -298,10 +325,11 @@ class Driver:
 
     def _purge(self, command: cmd.Purge) -> None:
         instruments = self._instruments
+        delete = self._timed("purge", lambda store: store.purge(command.ids), lambda answer: answer[0])
 
         def purge(store: Store) -> bool:
             began = time.perf_counter()
-            _, held = store.purge(command.ids)
+            _, held = delete(store)
             instruments.purged(time.perf_counter() - began, len(command.ids))
             return held
 
@@ -310,9 +338,10 @@ class Driver:
 
     def _reset(self, command: cmd.Reset) -> None:
         instruments = self._instruments
+        update = self._timed("reset", lambda store: store.reset(command.ids, command.errors), lambda answer: answer[0])
 
         def reset(store: Store) -> bool:
-            _, held = store.reset(command.ids, command.errors)
+            _, held = update(store)
             instruments.reset(len(command.ids))
             return held
 
@@ -326,7 +355,8 @@ class Driver:
             log.warning("Could not note the error on record %d: %s", record_id, error)
             core.on_held(record_id, None)
 
-        self._run(PURGE_SESSION, lambda store: store.hold(record_id, command.reason),
+        self._run(PURGE_SESSION, self._timed("hold", lambda store: store.hold(record_id, command.reason),
+                                             lambda version: int(version is not None)),
                   lambda core, version: core.on_held(record_id, version), noted)
 
     #: Each command's handler, by name (so a subclass's override is the one called).
@@ -336,3 +366,7 @@ class Driver:
         cmd.ReleaseFence: "_release_fence", cmd.Mark: "_mark", cmd.CheckHeld: "_check_held", cmd.Park: "_park",
         cmd.Purge: "_purge", cmd.Reset: "_reset", cmd.Hold: "_hold",
     }
+
+
+def _no_rows(_result: Any) -> int:
+    return 0

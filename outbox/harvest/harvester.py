@@ -25,7 +25,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from outbox.harvest import events
+from outbox.harvest import dbtime, events
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import Connector, LiveConnector
 from outbox.harvest.contract import HeldRecord, ReplicaState
@@ -158,7 +158,19 @@ class Harvester:
                               in_flight_keys=snapshot.in_flight_keys, in_flight_key_count=snapshot.in_flight_key_count,
                               held=snapshot.held, blocked_by=snapshot.fence_holder,
                               throughput=meter.rate if meter else 0.0, published=snapshot.published,
-                              failed=snapshot.failed, marked_upto=snapshot.marked_upto)
+                              failed=snapshot.failed, marked_upto=snapshot.marked_upto,
+                              round_trips=self._driver.round_trips.totals())
+
+    @property
+    def round_trips(self) -> dbtime.Totals:
+        """This replica's database round trips since it started, by kind (dbtime.py)."""
+        return self._driver.round_trips.totals()
+
+    @property
+    def database_statements(self) -> dbtime.Totals | None:
+        """The server's time per statement kind on this table, as this replica's status reporter last read it
+        (pg_stat_statements; None unless it leads and the database has the view)."""
+        return self._status.statements if self._status is not None else None
 
     # -- lifecycle --------------------------------------------------------------------------------
 

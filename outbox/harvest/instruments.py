@@ -14,3 +14,7 @@ class Instruments:
 
     def reset(self, rows: int) -> None:
         """`rows` rows were reset after failed deliveries."""
+
+    def database(self, kind: str, seconds: float, rows: int) -> None:
+        """A database job of `kind` (dbtime.ROUND_TRIP_KINDS) answered `rows` rows after a round trip of `seconds`
+        (on the fence or the purge session's thread; a failed one answers 0 rows)."""

@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from operator import methodcaller
@@ -196,9 +197,12 @@ class PartitionKeeper(threading.Thread):
     """While this replica leads a partitioned outbox: one pass of partitions.keep() every KEEP_INTERVAL,
     on a connection of its own (its locks are tried briefly, so it never keeps the engine waiting)."""
 
-    def __init__(self, dsn: str, table: str, leading: Callable[[], bool]) -> None:
+    def __init__(self, dsn: str, table: str, leading: Callable[[], bool],
+                 waited: Callable[[str, float, int], None] | None = None) -> None:
         super().__init__(name="outbox-partitions", daemon=True)
         self._dsn, self._table, self._leading = dsn, table, leading
+        #: Told each pass's round trips to the database (kind "partitions", dbtime.py), a failed one too.
+        self._waited = waited or (lambda kind, seconds, rows: None)
         self._stop_event = threading.Event()
         self.failure: BaseException | None = None
 
@@ -211,15 +215,19 @@ class PartitionKeeper(threading.Thread):
             while not self._stop_event.wait(partitions.KEEP_INTERVAL):
                 if not self._leading():
                     continue
+                began = time.perf_counter()
                 try:
                     conn = conn if conn is not None and not conn.closed else connect(self._dsn, "partitions")
                     kept = partitions.keep(conn, self._table)
                 except psycopg.Error as error:
+                    self._waited("partitions", time.perf_counter() - began, 0)
                     log.warning("Partition upkeep of %s failed (tried again in %gs): %s", self._table,
                                 partitions.KEEP_INTERVAL, first_line(error))
                     close_quietly(conn)
                     conn = None
                     continue
+                self._waited("partitions", time.perf_counter() - began,
+                             len(kept.created) + len(kept.truncated) + len(kept.dropped))
                 if kept.created or kept.truncated or kept.dropped:
                     log.info("Partitions of %s: created %s, truncated %s, dropped %s", self._table,
                              kept.created or "none", kept.truncated or "none", kept.dropped or "none")
@@ -284,7 +292,7 @@ class ThreadedIO:
         self._workers = {FENCE_SESSION: Worker("outbox-fence", self.store),
                          PURGE_SESSION: Worker("outbox-purge", self.store)}
         if self.store.partitioned:
-            self._keeper = PartitionKeeper(self.config.dsn, self.config.table, lambda: self._leading)
+            self._keeper = PartitionKeeper(self.config.dsn, self.config.table, lambda: self._leading, driver.waited)
 
     def start(self) -> None:
         for thread in (self._poller, *self._workers.values(), self._election, self._keeper, self._topics):

@@ -7,7 +7,10 @@ A standby also says, once, who leads its group.
 
 Every `history_interval` seconds the same thread also adds a sample of the replica's figures to
 `<status_table>_history` (the dashboard's charts) and deletes samples older than `history_retention`:
-the engine's loop never waits on it, and it costs Postgres two index lookups and an insert.
+the engine's loop never waits on it, and it costs Postgres two index lookups and an insert. A sample
+carries what harvesting has cost the database (dbtime.py): this replica's round trips, and, from the
+leader where the database has pg_stat_statements, the server's time for each kind of statement
+(read by the harvester's query ids; their texts, which cost more to read, every ten minutes).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import psycopg
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
+from outbox.harvest import dbtime, retention
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.retention import DeadLetterRetention
@@ -54,6 +59,8 @@ class StatusSnapshot:
     failed: int
     #: The highest outbox id its term has read (None: no term with records).
     marked_upto: int | None = None
+    #: Its database round trips since it started, by kind (dbtime.RoundTrips).
+    round_trips: dbtime.Totals = field(default_factory=dict)
 
 
 UPSERT = """
@@ -102,14 +109,22 @@ SAMPLE = """
 WITH counted AS (SELECT count(*) AS n FROM (SELECT 1 FROM {table} ORDER BY id LIMIT %(count_limit)s + 1) head),
      oldest AS (SELECT create_time FROM {table} ORDER BY id LIMIT 1)
 INSERT INTO {history} (name, at, state, leader_id, since, harvested_table, leader_group, published, failed, in_flight,
-                       queued, held, backlog, oldest_age)
+                       queued, held, backlog, oldest_age{cost_columns})
 SELECT %(name)s, now(), %(state)s, %(leader_id)s, %(since)s, %(harvested_table)s, %(leader_group)s, %(published)s,
        %(failed)s, %(in_flight)s, %(queued)s, %(held)s,
        CASE WHEN n <= %(count_limit)s THEN n
             ELSE greatest(n, (SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(table_name)s)))
        END,
-       extract(epoch FROM now() - (SELECT create_time FROM oldest))
+       extract(epoch FROM now() - (SELECT create_time FROM oldest)){cost_values}
 FROM counted
+"""
+#: What the database paid, in a sample of a history table that has the columns (migration 0006).
+COST_COLUMNS = ", db_round_trips, db_statements"
+COST_VALUES = ", %(db_round_trips)s, %(db_statements)s"
+STATEMENTS_INSTALLED = "SELECT to_regclass('pg_stat_statements') IS NOT NULL"
+HAS_COST_COLUMNS = """
+SELECT count(*) = 2 FROM pg_attribute
+WHERE attrelid = to_regclass(%(table)s) AND attname IN ('db_round_trips', 'db_statements') AND NOT attisdropped
 """
 PRUNE_HISTORY = "DELETE FROM {history} WHERE at < now() - make_interval(secs => %(age)s)"
 
@@ -151,10 +166,30 @@ class StatusReporter(threading.Thread):
         self._history_interval = config.limits.history_interval
         self._history_retention = config.history_retention
         history = table_identifier(self._history_table or "unused")
-        self._sample = sql.SQL(SAMPLE).format(table=table_identifier(config.table), history=history)
+        harvested = table_identifier(config.table)
+        self._sample = sql.SQL(SAMPLE.format(table="{table}", history="{history}", cost_columns="", cost_values="")
+                               ).format(table=harvested, history=history)
+        self._sample_costs = sql.SQL(SAMPLE.format(table="{table}", history="{history}", cost_columns=COST_COLUMNS,
+                                                   cost_values=COST_VALUES)).format(table=harvested, history=history)
         self._prune_history = sql.SQL(PRUNE_HISTORY).format(history=history)
         self._history_on: bool | None = None if self._history_table and self._history_interval else False
+        self._history_costs = False
         self._history_failing = False
+        # The server's time per statement kind (pg_stat_statements), read by the leader with each sample.
+        # Its own statements count as `status`: the status rows, the history, the dead letters' retention.
+        own = [statement.as_string() for statement in (self._upsert, self._prune, self._stopped, self._leaders,
+                                                       self._other_tables, self._sample, self._sample_costs,
+                                                       self._prune_history)]
+        if config.dead_letter_table:
+            own.append(sql.SQL(retention.PRUNE).format(table=table_identifier(config.dead_letter_table)).as_string())
+        statements = {**dbtime.engine_statements(config.table, config.dead_letter_table),
+                      **{text: "status" for text in [*own, BACKLOG]}}
+        self._server_time = dbtime.ServerTime(dbtime.StatementKinds(statements), dbtime.server_patterns(
+            [config.table, config.status_table, self._history_table or config.status_table,
+             *([config.dead_letter_table] if config.dead_letter_table else [])]))
+        self._statements_on: bool | None = None
+        #: The last read of the server's time per statement kind (None: not read, or not the leader).
+        self.statements: dbtime.Totals | None = None
         self._next_sample = 0.0
         self.retention = DeadLetterRetention(config)
         self._stop_event = threading.Event()
@@ -197,7 +232,7 @@ class StatusReporter(threading.Thread):
             row = conn.execute(BACKLOG, {"table": self._harvested}).fetchone()
             if row is not None:
                 self._on_backlog(int(row[0]))
-            self._add_sample(conn, params, len(snapshot.held))
+            self._add_sample(conn, params, len(snapshot.held), snapshot.round_trips)
             self.retention.run(conn, snapshot.state is ReplicaState.LEADER)
             if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since:
                 self._say_who_leads(conn, snapshot)
@@ -212,7 +247,27 @@ class StatusReporter(threading.Thread):
             conn, self._conn = self._conn, None
             close_quietly(conn)
 
-    def _add_sample(self, conn: psycopg.Connection, params: dict[str, object], held: int) -> None:
+    def _read_statements(self, conn: psycopg.Connection) -> dbtime.Totals | None:
+        """The server's time per statement kind, or None where pg_stat_statements cannot be read (said once)."""
+        if self._statements_on is False:
+            return None
+        why = "the extension is not installed in this database"
+        try:
+            if self._statements_on or conn.execute(STATEMENTS_INSTALLED).fetchone()[0]:
+                found = self._server_time.read(conn)
+                self._statements_on = True
+                return found
+        except psycopg.Error as error:
+            if conn.broken:
+                raise  # the status row's own handler says so once and reconnects
+            why = first_line(error)
+        log.info("The database's time per statement is not recorded (the round trips are): pg_stat_statements: %s",
+                 why)
+        self._statements_on = False
+        return None
+
+    def _add_sample(self, conn: psycopg.Connection, params: dict[str, object], held: int,
+                    round_trips: dbtime.Totals) -> None:
         """Every history_interval: one sample, and samples older than history_retention deleted."""
         if self._history_on is False or time.monotonic() < self._next_sample:
             return
@@ -221,11 +276,18 @@ class StatusReporter(threading.Thread):
             if not self._history_on:
                 log.info("History off: table %s does not exist (manage.py migrate creates it)", self._history_table)
                 return
+            self._history_costs = conn.execute(HAS_COST_COLUMNS,
+                                               {"table": table_name(self._history_table)}).fetchone()[0]
         self._next_sample = time.monotonic() + self._history_interval
+        statements = self._read_statements(conn) if params["state"] == ReplicaState.LEADER else None
+        self.statements = statements
+        costs = {"db_round_trips": Jsonb(dbtime.as_json(round_trips)),
+                 "db_statements": None if statements is None else Jsonb(dbtime.as_json(statements))}
         try:
             with conn.transaction():
-                conn.execute(self._sample, {**params, "held": held, "count_limit": HISTORY_COUNT_LIMIT,
-                                            "table_name": self._harvested})
+                conn.execute(self._sample_costs if self._history_costs else self._sample,
+                             {**params, **costs, "held": held, "count_limit": HISTORY_COUNT_LIMIT,
+                              "table_name": self._harvested})
                 conn.execute(self._prune_history, {"age": self._history_retention})
         except psycopg.Error as error:
             if conn.broken:

@@ -80,6 +80,9 @@ def test_a_partitioned_outbox_is_harvested_and_its_drained_partitions_leave(data
                               [scratch]).fetchone()[0]
         assert dead < 1500, f"{dead} dead rows left: the dropped partitions took the rest with them"
         assert old.info.transaction_status is psycopg.pq.TransactionStatus.INTRANS, "held all along"
+        passes, seconds, changed = harvester.round_trips["partitions"]
+        assert passes >= 10 and seconds > 0, "each pass of the partition keeper counts as a round trip"
+        assert changed >= 5, "its rows: the partitions it created, truncated and dropped"
     finally:
         harvester.stop()
         harvester.wait(timeout=30)

@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox.harvest import events
+from outbox.harvest import dbtime, events
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.fakes import FakeConnector, FakeKafka, FakeStore
 from outbox.harvest.harvester import Harvester, HarvestError, State
+from outbox.harvest.instruments import Instruments
 from outbox.harvest.store import FenceHolder, StoreError
 
 TOPIC = "orders"
@@ -284,3 +285,34 @@ def test_another_replica_holding_the_fence_blocks_the_leader(rig_factory):
     assert rig.published() == []
     rig.store.fence_holder = None
     wait_until(lambda: not rig.store.rows, what="publishing once the fence is free")
+
+
+def test_every_database_round_trip_is_timed_by_kind_and_told_to_the_instruments(rig_factory):
+    """What the harvester costs the database, as it sees it: each job's round trip, failed ones included."""
+    seen: list[tuple[str, float, int]] = []
+
+    class Recording(Instruments):
+        def database(self, kind: str, seconds: float, rows: int) -> None:
+            seen.append((kind, seconds, rows))
+
+    rig = rig_factory()
+    rig.harvester = Harvester(rig.config, connector=FakeConnector(rig.kafka, rig.store), instruments=Recording())
+    rig.kafka.refuse = lambda topic, key, value: (KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "big"))
+                                                  if value in (b"big", "big") else None)
+    rig.store.fail_marks = 1
+    rig.store.add(TOPIC, "bad", "big")
+    ids = rig.store.add_many(TOPIC, [f"k{i % 3}" for i in range(30)])
+    rig.harvester.start()
+    wait_until(lambda: len(rig.store.rows) == 1 and rig.harvester.held_keys, what="all but the poison record")
+    trips = rig.harvester.round_trips
+    assert {"fence", "mark", "purge", "hold"} <= set(trips)
+    assert set(trips) <= set(dbtime.ROUND_TRIP_KINDS)
+    assert trips["purge"][2] == len(ids), "a purge's rows are the rows it deleted"
+    assert trips["mark"][2] >= len(ids) + 1 and trips["hold"][2] == 1
+    for kind, (count, seconds, rows) in trips.items():
+        mine = [s for k, s, _ in seen if k == kind]
+        assert count == len(mine) and seconds == pytest.approx(sum(mine)), kind
+        assert seconds > 0 and rows == sum(r for k, _, r in seen if k == kind)
+    first_mark = next(entry for entry in seen if entry[0] == "mark")
+    assert first_mark[2] == 0, "the failed mark counts too, answering no rows"
+    assert rig.harvester.status().round_trips.keys() == trips.keys()

@@ -32,7 +32,8 @@ def exported_names() -> set[str]:
     registry = CollectorRegistry()
     PrometheusInstruments(registry)
     harvester = SimpleNamespace(config=SimpleNamespace(name="r1"), published=1, failed=0, in_flight_records=0,
-                                held=[], backlog=0, status=lambda: SimpleNamespace(state=ReplicaState.LEADER))
+                                held=[], backlog=0, status=lambda: SimpleNamespace(state=ReplicaState.LEADER),
+                                database_statements={"mark": (1, 0.001, 10)})
     registry.register(HarvesterCollector(harvester, parked=lambda: 0, oldest_age=lambda: 0.0,
                                          horizon=lambda: SimpleNamespace(age=0.0, dead_rows=0)))
     families = list(registry.collect())

@@ -5,6 +5,8 @@
     manage.py outbox_bench latency --rate 2000 --duration 30
     manage.py outbox_bench dbcost  --records 200000 --rate 2000 --duration 30
     manage.py outbox_bench soak    --minutes 60 --rate 2000 --hold-transaction 20:10
+    manage.py outbox_bench compare --reaper PATH          # goharvest's reaper, drains
+    manage.py outbox_bench compare --peer debezium        # Debezium: drain, steady, unrelated writes
 
 `drain` and `latency` run the real `manage.py harvest` in a subprocess against the outbox of
 database `default` and the project's Kafka, and sample its memory with psutil. They need an
@@ -102,13 +104,30 @@ class Command(BaseCommand):
                                  help="hold a REPEATABLE READ transaction open from minute START for MINUTES")
         soak_parser.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
 
-        compare = sub.add_parser("compare", help="drain the same backlogs with this harvester and goharvest's "
-                                                 "reaper, one after the other; print both and the ratio")
-        compare.add_argument("--reaper", required=True, help="path to goharvest's reaper binary (built elsewhere)")
+        compare = sub.add_parser("compare", help="this harvester beside a peer on the same workloads: goharvest's "
+                                                 "reaper (drains), or Debezium (drain, steady rates, unrelated "
+                                                 "writes; what each costs Postgres), with the ratios")
+        compare.add_argument("--peer", choices=["goharvest", "debezium"], default="goharvest")
+        compare.add_argument("--reaper", help="goharvest: path to its reaper binary (built elsewhere)")
         compare.add_argument("--backlog", action="append", metavar="RECORDS:KEYS",
-                             help="repeatable (default 1000000:10000, 60000:10, 20000:1)")
+                             help="goharvest: repeatable (default 1000000:10000, 60000:10, 20000:1)")
         compare.add_argument("--partitions", type=int, default=8)
         compare.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+        compare.add_argument("--rounds", type=int, default=2, help="debezium: rounds, alternating which relay goes "
+                                                                   "first (default 2)")
+        compare.add_argument("--records", type=int, default=200_000, help="debezium: the drain's backlog (default "
+                                                                          "200000; 0: no drain)")
+        compare.add_argument("--rate", type=float, action="append", help="debezium: records/s of a steady run "
+                                                                         "(repeatable; default 2000 and 10000)")
+        compare.add_argument("--unrelated-rate", type=float, default=5000.0,
+                             help="debezium: rows/s into an unrelated table, beside a steady run at the first "
+                                  "--rate (default 5000; 0: no such run)")
+        compare.add_argument("--duration", type=float, default=30.0, help="debezium: seconds of each steady run")
+        compare.add_argument("--poll-interval-ms", type=int, default=None,
+                             help="debezium: its poll.interval.ms (default Debezium's own, 500)")
+        compare.add_argument("--pg-port", type=int, default=5433,
+                             help="debezium: port of the private Postgres cluster with logical decoding (default "
+                                  "5433)")
 
         idle = sub.add_parser("idle", help="what an idle leader costs: mark queries per second and CPU")
         idle.add_argument("--seconds", type=float, default=30.0)
@@ -338,10 +357,57 @@ class Command(BaseCommand):
 
     # -- side by side with goharvest ------------------------------------------------------------
 
-    def bench_compare(self, reaper: str, backlog: list[str] | None, partitions: int, harvest_args: list[str],
-                      **_: Any) -> None:
+    def bench_compare(self, peer: str, reaper: str | None, backlog: list[str] | None, partitions: int,
+                      harvest_args: list[str], **options: Any) -> None:
+        if peer == "debezium":
+            self._compare_debezium(harvest_args=harvest_args, **options)
+        else:
+            self._compare_goharvest(reaper, backlog, partitions, harvest_args)
+
+    def _compare_debezium(self, *, rounds: int, records: int, rate: list[float] | None, unrelated_rate: float,
+                          duration: float, poll_interval_ms: int | None, pg_port: int, harvest_args: list[str],
+                          **_: Any) -> None:
+        """project/bench/side_by_side.py: both relays on a private cluster with logical decoding."""
+        from project.bench.debezium import DEFAULT_POLL_MS
+        from project.bench.side_by_side import SideBySide, Workload
+
+        for name, value, least in (("--rounds", rounds, 1), ("--records", records, 0), ("--duration", duration, 1),
+                                   ("--pg-port", pg_port, 1), ("--poll-interval-ms", poll_interval_ms or 1, 1)):
+            if value < least:
+                raise CommandError(f"{name}: must be at least {least}, got {value}")
+        own_port = int(psycopg.conninfo.conninfo_to_dict(conf.harvest_config().dsn).get("port") or 5432)
+        if pg_port == own_port:
+            raise CommandError(f"--pg-port: {pg_port} is the project's own Postgres; the benchmark runs a cluster of "
+                               "its own on another port")
+        rates = rate or [2000.0, 10000.0]
+        if any(r <= 0 for r in rates) or unrelated_rate < 0:
+            raise CommandError(f"--rate and --unrelated-rate: must be positive, got {rates} and {unrelated_rate}")
+        workloads = [Workload(r) for r in rates] + ([Workload(rates[0], unrelated_rate)] if unrelated_rate else [])
+        bootstrap = conf.harvest_config().base_kafka_config["bootstrap.servers"]
+        poll = poll_interval_ms or DEFAULT_POLL_MS
+        self.stdout.write(f"side by side with Debezium: {rounds} round(s); drain of {records:,}; "
+                          f"{', '.join(w.name for w in workloads)} for {duration:.0f} s each; Debezium's "
+                          f"poll.interval.ms {poll}; harvest flags {harvest_args or 'default'}")
+        side = SideBySide(self.stdout.write, bootstrap, pg_port=pg_port, poll_interval_ms=poll,
+                          harvest_args=harvest_args, project_dsn=conf.harvest_config().dsn)
+        # A SIGTERM (timeout, CI) unwinds like Ctrl-C, so that what the benchmark started is stopped.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            side.setup()
+            report = side.run(rounds, records, workloads, duration)
+        except (RuntimeError, OSError, psycopg.Error) as error:
+            raise CommandError(f"side by side with Debezium: {error}") from None
+        finally:
+            side.close()  # the private cluster stopped, the writers' commit logs removed
+        for line in report.table():
+            self.stdout.write(line)
+
+    def _compare_goharvest(self, reaper: str | None, backlog: list[str] | None, partitions: int,
+                           harvest_args: list[str]) -> None:
         """Each backlog drained by this harvester, then by goharvest's reaper, measured the same way:
         from the first row purged to the table empty."""
+        if not reaper:
+            raise CommandError("--reaper: required with --peer goharvest (the path to goharvest's reaper binary)")
         self._require_empty_outbox()
         if not Path(reaper).is_file():
             raise CommandError(f"--reaper: no such file {reaper!r}")
@@ -489,15 +555,27 @@ class Command(BaseCommand):
     @staticmethod
     def _hour_of_history(replicas: int) -> None:
         """An hour of samples, one every 10 s (the default history_interval), of `replicas` replicas taking
-        the lead in turn, as their status reporters write them."""
+        the lead in turn, as their status reporters write them: with what the database paid (round trips, and
+        the leader's read of pg_stat_statements) by kind."""
         with connections["default"].cursor() as cursor:
             cursor.execute(f"""
                 INSERT INTO "{HarvesterSample._meta.db_table}" (name, at, state, leader_id, since, harvested_table,
-                    leader_group, published, failed, in_flight, queued, held, backlog, oldest_age)
+                    leader_group, published, failed, in_flight, queued, held, backlog, oldest_age, db_round_trips,
+                    db_statements)
                 SELECT 'bench-history-' || r, now() - make_interval(secs => 10 * (359 - s)),
                        CASE WHEN s / (360 / %(replicas)s) = r THEN 'leader' ELSE 'standby' END, NULL,
                        now() - make_interval(secs => 10 * (359 - (r * (360 / %(replicas)s)))),
-                       'outbox', 'bench', s * 20000, s, 4000, 0, 1, 1000000 - s * 1000, 30 + s
+                       'outbox', 'bench', s * 20000, s, 4000, 0, 1, 1000000 - s * 1000, 30 + s,
+                       jsonb_build_object('mark', jsonb_build_array(s * 100, s * 0.15, s * 20000),
+                                          'purge', jsonb_build_array(s * 1000, s * 1.2, s * 20000),
+                                          'fence', jsonb_build_array(1, 0.001, 0)),
+                       CASE WHEN s / (360 / %(replicas)s) = r THEN jsonb_build_object(
+                           'mark', jsonb_build_array(s * 100, s * 0.04, s * 20000),
+                           'writers', jsonb_build_array(s * 100, s * 0.02, 0),
+                           'gaps', jsonb_build_array(s * 3, s * 0.001, s),
+                           'purge', jsonb_build_array(s * 1000, s * 0.11, s * 1000),
+                           'fence', jsonb_build_array(2, 0.0001, 2),
+                           'status', jsonb_build_array(s * 12, s * 0.006, s * 12)) END
                 FROM generate_series(0, %(replicas)s - 1) AS r, generate_series(0, 359) AS s""",
                            {"replicas": replicas})
 

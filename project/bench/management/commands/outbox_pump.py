@@ -12,10 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections, transaction
 
 from outbox.stasher import stash_many
-
-#: What a writer in another language does: a plain INSERT, no stash(), no NOTIFY of its own.
-PLAIN_INSERT = ("INSERT INTO outbox (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
-                "kafka_header_values) VALUES (now(), %s, %s, %s, '{}', '{}') RETURNING id")
+from project.bench.writer import PLAIN_INSERT  # what a writer in another language does: no stash(), no NOTIFY
 
 
 def pump(*, records: int, keys: int, topic: str, rate: float | None = None, batch: int = 1000, value_bytes: int = 100,

@@ -1,0 +1,78 @@
+"""outbox.harvest.dbtime: the harvester's statements told apart in pg_stat_statements' rows, and the round trips'
+tally. (tests/integration/test_database_cost.py reads the real view.)"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from outbox.harvest import contract, dbtime
+
+
+def as_pg_stat_statements_keeps_it(text: str) -> str:
+    """What pg_stat_statements shows of a statement psycopg sent: parameters as $1.., then each constant as the
+    next $n (and its own white space untouched)."""
+    names: dict[str, int] = {}
+
+    def parameter(found: re.Match[str]) -> str:
+        return f"${names.setdefault(found.group(1), len(names) + 1)}"
+
+    sent = re.sub(r"%\((\w+)\)s", parameter, text)
+    count = iter(range(len(names) + 1, 1000))
+    return re.sub(r"'[^']*'|(?<![\w.$])\d+(?![\w.])", lambda _: f"${next(count)}", sent)
+
+
+def test_every_statement_of_the_engine_is_told_as_its_kind_in_the_form_pg_stat_statements_keeps():
+    statements = dbtime.engine_statements("outbox", "outbox_dead_letter")
+    kinds = dbtime.StatementKinds(statements)
+    assert set(statements.values()) == set(dbtime.SERVER_KINDS) - {"status"}
+    for query_id, (text, kind) in enumerate(statements.items()):
+        kept = as_pg_stat_statements_keeps_it(text)
+        assert kept != text or "%(" not in text
+        assert kinds.kind(query_id, kept) == kind, kept
+
+
+def test_the_same_statements_on_another_table_are_not_this_tables():
+    kinds = dbtime.StatementKinds(dbtime.engine_statements("outbox"))
+    other = dbtime.engine_statements("other.outbox")
+    mark = next(text for text, kind in other.items() if kind == "mark")
+    assert kinds.kind(1, as_pg_stat_statements_keeps_it(mark)) is None
+    assert kinds.kind(2, "SELECT * FROM outbox WHERE id > $1") is None
+
+
+def test_a_query_id_once_told_is_not_told_again():
+    kinds = dbtime.StatementKinds({contract.TAKE_FENCE: "fence"})
+    assert kinds.kind(7, "SELECT pg_try_advisory_lock($1)") == "fence"
+    assert kinds.kind(7, "anything") == "fence"
+    assert kinds.kind(8, "SELECT pg_advisory_lock($1)") is None
+
+
+def test_normalizing_keeps_identifiers_and_casts_and_drops_values():
+    assert dbtime.normalize("SELECT  1 FROM \"t2\"\n WHERE id = %(id)s::bigint AND x = 'a''b'") == \
+        dbtime.normalize('select $2 from "t2" where id = $1::bigint and x = $3')
+    assert dbtime.normalize('SELECT 1 FROM "t2"') != dbtime.normalize('SELECT 1 FROM "t3"')
+
+
+def test_the_filter_keeps_the_tables_rows_quoted_as_the_engine_names_them():
+    patterns = dbtime.server_patterns(["outbox", "other.out_box"])
+    assert patterns[:2] == ['%"outbox"%', '%"other"."out_box"%']
+    assert "%pg_locks%" in patterns
+
+
+def test_round_trips_add_up_across_threads():
+    trips = dbtime.RoundTrips()
+
+    def add() -> None:
+        for _ in range(1000):
+            trips.add("purge", 0.001, 2)
+
+    threads = [threading.Thread(target=add) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    trips.add("mark", 0.5, 10)
+    totals = trips.totals()
+    assert totals["purge"][0] == 4000 and totals["purge"][2] == 8000 and abs(totals["purge"][1] - 4.0) < 1e-6
+    assert totals["mark"] == (1, 0.5, 10)
+    assert dbtime.as_json(totals)["mark"] == [1, 0.5, 10]
