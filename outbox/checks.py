@@ -46,4 +46,6 @@ def check_shared_group(app_configs: Any = None, databases: Any = None, **kwargs:
 def describe(problem: Problem) -> str:
     """One line naming the setting: OUTBOX['max_in_flight_records'] must be at least 1, got 0."""
     where = "OUTBOX" if problem.field == "OUTBOX" else f"OUTBOX[{problem.field!r}]"
+    if problem.field.startswith("cloudevents."):  # a key of the nested dict
+        where = f"OUTBOX['cloudevents'][{problem.field.split('.', 1)[1]!r}]"
     return f"{where} {problem.message}"

@@ -13,29 +13,36 @@ from typing import Any
 
 from django.db import connections
 
-from outbox import conf
+from outbox import cloudevents, conf
 from outbox.errors import InvalidRecord, OutsideTransaction
 from outbox.harvest.contract import Record
 from outbox.models import OutboxRecord
+from outbox.tracing.propagation import inject_into
+from outbox.tracing.switch import tracing_on
 from outbox.validation import clean
 
 #: Rows per INSERT statement in stash_many(); larger batches are split.
 BATCH_SIZE = 1000
-RECORD_FIELDS = frozenset({"topic", "key", "value", "headers"})
+RECORD_FIELDS = frozenset({"topic", "key", "value", "headers", "cloudevent"})
 
 
 def stash(topic: str, key: str, value: Any = None,
-          headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None, *, using: str | None = None) -> int:
+          headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None, *, using: str | None = None,
+          cloudevent: Mapping[str, str] | bool | None = None) -> int:
     """Write one record in the caller's transaction on database `using` (default OUTBOX["database"]);
     returns its outbox id.
 
     `value` is str, bytes (UTF-8), None (a tombstone), or a dict/list sent as JSON.
     `headers` is a mapping or a sequence of (name, value) string pairs; order and repeats are kept.
+    With OpenTelemetry on (docs/tracing.md), the current span's context is added to them.
+    `cloudevent` publishes the record as a CloudEvent (binary mode): a mapping with type, source,
+    id, subject, content_type; True for OUTBOX["cloudevents"]'s; None as that setting says for the topic.
     """
     using = using or conf.database_alias()
     _require_transaction(using)
     limits = _limits()
     row = clean(topic, key, value, headers, **limits)
+    _decorate(row, cloudevent)
     return _insert(using, [row])[0]
 
 
@@ -59,16 +66,26 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None
 def _clean_mapping(record: Any, index: int, limits: dict[str, int]) -> Record:
     prefix = f"records[{index}]."
     if not isinstance(record, Mapping):
-        raise InvalidRecord(f"records[{index}]", f"must be a mapping with keys topic, key, value, headers, "
+        raise InvalidRecord(f"records[{index}]", f"must be a mapping with keys topic, key, value, headers, cloudevent, "
                                                  f"got {type(record).__name__}")
     unknown = set(record) - RECORD_FIELDS
     if unknown:
         raise InvalidRecord(f"records[{index}]", f"unknown field(s) {sorted(map(str, unknown))}; "
-                                                 f"allowed: topic, key, value, headers")
+                                                 f"allowed: topic, key, value, headers, cloudevent")
     for required in ("topic", "key"):
         if required not in record:
             raise InvalidRecord(f"{prefix}{required}", "is required")
-    return clean(record["topic"], record["key"], record.get("value"), record.get("headers"), prefix=prefix, **limits)
+    row = clean(record["topic"], record["key"], record.get("value"), record.get("headers"), prefix=prefix, **limits)
+    _decorate(row, record.get("cloudevent"), prefix)
+    return row
+
+
+def _decorate(row: Record, cloudevent: Any, prefix: str = "") -> None:
+    """Headers the outbox adds to a cleaned record: CloudEvents' and the current trace context."""
+    if cloudevent is not None or cloudevents.configured():
+        cloudevents.add_headers(row, cloudevent, prefix)
+    if tracing_on():
+        inject_into(row)
 
 
 def _limits() -> dict[str, int]:

@@ -31,6 +31,7 @@ from outbox.harvest.core import Core
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import ProducerLike, kafka_error
 from outbox.harvest.store import StoreError, first_line
+from outbox.harvest.tracing import PublishTracer
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,16 @@ class Driver:
     only from the thread that runs turns."""
 
     def __init__(self, core: Core, io: EngineIO, *, instruments: Instruments | None = None,
-                 parked_by: str = "harvester") -> None:
+                 parked_by: str = "harvester", tracer: PublishTracer | None = None) -> None:
         self.core = core
         self.io = io
         self._instruments = instruments or Instruments()
         self._parked_by = parked_by
+        self._tracer = tracer
+        #: Spans of failed deliveries, by record id: put by the delivery thread before its report, taken
+        #: by the turn that hands the core the report, ended once that turn's commands (a Hold) ran.
+        self._failed_spans: dict[int, Any] = {}
+        self._turn_failures: dict[int, Any] = {}
         # Appended by other threads, taken in by turn() (deque appends and pops are thread-safe).
         self._inbox: deque[Result] = deque()
         self._deliveries: deque[tuple[int, KafkaError | None]] = deque()
@@ -127,11 +133,17 @@ class Driver:
         while deliveries or inbox:
             while deliveries:
                 record_id, error = deliveries.popleft()
+                if error is not None and self._failed_spans:
+                    span = self._failed_spans.pop(record_id, None)
+                    if span is not None:
+                        self._turn_failures[record_id] = span
                 core.on_delivered(record_id, None if error is None else delivery_error(error))
             while inbox:
                 inbox.popleft()(core)
         for command in core.take_commands():
             getattr(self, self._handlers[type(command)])(command)
+        if self._turn_failures:
+            self._end_failed_spans()
         io.leadership(assigned=core.assigned, leading=core.leading)
         return core.next_deadline()
 
@@ -146,6 +158,8 @@ class Driver:
         records = command.records
         refused_keys: set[str] = set()
         held_back: list[int] = []
+        tracer = self._tracer
+        span: Any = None
         for index, record in enumerate(records):
             if record.key in refused_keys:
                 # A record of its key was refused just now: this one must not go out ahead of it.
@@ -157,27 +171,57 @@ class Driver:
             headers = [(contract.HEADER_ID, str(record.id)), (contract.HEADER_CREATE_TIME, created_text)]
             if record.header_keys:
                 headers[:0] = zip(record.header_keys, record.header_values, strict=False)
+                if contract.CE_SPECVERSION in record.header_keys:
+                    headers.extend(contract.cloudevent_headers(record.id, created_text, record.header_keys))
+            if tracer is None:
+                on_delivery = functools.partial(delivered, record.id)
+            else:
+                span = tracer.sending(record)
+                on_delivery = functools.partial(self._on_traced_delivery, record.id, span)
             try:
                 producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
-                                 on_delivery=functools.partial(delivered, record.id))
+                                 on_delivery=on_delivery)
             except BufferError:
                 # The producer's local queue is full: these go back to the front of their lanes.
+                if tracer is not None:
+                    tracer.end(span)  # never produced: it is sent again, with a span of its own
                 core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                 return
             except KafkaException as error:
                 found = kafka_error(error)
+                failure = (delivery_error(found) if found is not None
+                           else DeliveryError("ERROR", str(error), permanent=True))
+                if tracer is not None:
+                    tracer.failed(span, failure)
+                    tracer.end(span)
                 if found is not None and found.fatal():
-                    core.on_producer_failed(delivery_error(found))
+                    core.on_producer_failed(failure)
                     core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                     return
                 refused_keys.add(record.key)
-                core.on_refused(record.id, delivery_error(found) if found is not None
-                                else DeliveryError("ERROR", str(error), permanent=True))
+                core.on_refused(record.id, failure)
         if held_back:
             core.on_backpressure(held_back)
 
     def _on_delivery(self, record_id: int, error: KafkaError | None, _message: Any) -> None:
         self.delivered(record_id, error)
+
+    def _on_traced_delivery(self, record_id: int, span: Any, error: KafkaError | None, message: Any) -> None:
+        tracer = self._tracer
+        assert tracer is not None
+        if error is None:
+            tracer.acknowledged(span, message)
+        else:
+            tracer.failed(span, delivery_error(error))
+            self._failed_spans[record_id] = span  # before the report, so the turn that takes it finds it
+        self.delivered(record_id, error)
+
+    def _end_failed_spans(self) -> None:
+        tracer = self._tracer
+        assert tracer is not None
+        for span in self._turn_failures.values():
+            tracer.end(span)
+        self._turn_failures.clear()
 
     def _abort_sends(self, command: cmd.AbortSends) -> None:
         try:
@@ -248,6 +292,8 @@ class Driver:
         def park(store: Store) -> bool:
             topic = io.publish_dead_letter(record, command.reason)
             parked = store.park(record, command.reason, command.attempts, self._parked_by, topic)
+            if parked and self._tracer is not None:
+                self._tracer.parked(record, command.reason, command.attempts, topic)
             if parked:
                 log.warning("Parked record %d (key %r) in the dead-letter table after %d attempt(s): %s",
                             record.id, record.key, command.attempts, command.reason)
@@ -281,6 +327,9 @@ class Driver:
 
     def _hold(self, command: cmd.Hold) -> None:
         record_id = command.record_id
+        span = self._turn_failures.get(record_id)
+        if span is not None and self._tracer is not None:
+            self._tracer.held(span, command.reason)
 
         def noted(core: Core, error: str) -> None:
             log.warning("Could not note the error on record %d: %s", record_id, error)

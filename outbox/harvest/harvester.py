@@ -36,6 +36,7 @@ from outbox.harvest.kafka import KafkaUnavailable, kafka_reason
 from outbox.harvest.runtime import ThreadedIO
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import StoreError, first_line
+from outbox.harvest.tracing import PublishTracer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Harvester:
 
     def __init__(self, config: HarvestConfig, *, connector: Connector | None = None,
                  on_event: Callable[[events.Event], None] | None = None, instruments: Instruments | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tracer: PublishTracer | None = None) -> None:
         self.config = config
         self._connector = connector if connector is not None else LiveConnector(config)
         self._on_event = on_event
@@ -73,7 +74,7 @@ class Harvester:
         self._core = Core(config.limits, park_after=config.park_after, now=clock())
         self._io = ThreadedIO(config, self._connector, clock, self._announce)
         self._driver = Driver(self._core, self._io, instruments=self._instruments,
-                              parked_by=f"harvester {config.name}")
+                              parked_by=f"harvester {config.name}", tracer=tracer)
         self._status: StatusReporter | None = None
         self._engine: threading.Thread | None = None
         self._started_at = datetime.now(UTC)

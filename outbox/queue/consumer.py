@@ -60,7 +60,7 @@ class Message:
     """One delivery of a queue message. Acknowledge it with ack(); until then it is kept alive."""
 
     __slots__ = ("_consumer", "_last_marker", "_marker_partition", "_raw_headers", "_received_at", "_state",
-                 "deliveries", "headers", "id", "key", "payload", "queue", "ref")
+                 "deliveries", "headers", "id", "key", "payload", "queue", "ref", "span")
 
     def __init__(self, consumer: QueueConsumer, record: Any, now: float) -> None:
         raw_headers = record.headers() or []
@@ -82,6 +82,8 @@ class Message:
         self._last_marker = now
         self._received_at = now
         self._state = "buffered"
+        #: With tracing on, this delivery's OpenTelemetry span (ended when the message is settled); else None.
+        self.span: Any = None
 
     @property
     def text(self) -> str:
@@ -113,7 +115,8 @@ class QueueConsumer:
                  instruments: QueueInstruments | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tracer: Any = None) -> None:
+        """`tracer`: an outbox.tracing.consume.QueueTracer, to give each delivery a span (docs/tracing.md)."""
         try:
             self.queue = check_queue_name(queue)
         except ValueError as error:
@@ -122,6 +125,7 @@ class QueueConsumer:
         self.limits = limits or config.limits_for(queue)
         self.name = name or default_name()
         self._instruments = instruments or QueueInstruments()
+        self._tracer = tracer
         self._consumer_factory, self._producer_factory, self._clock = consumer_factory, producer_factory, clock
         self._key = queue.encode()
         self._key_prefix = self._key + b"/"
@@ -220,6 +224,8 @@ class QueueConsumer:
             for message in buffered:
                 self._send_marker(message, Kind.RELEASE)
                 message._state = "done"
+                if message.span is not None:
+                    self._tracer.finished(message.span, "released")
                 del self._in_progress[message.ref]
                 self.released += 1
         deadline = self._clock() + timeout
@@ -273,6 +279,9 @@ class QueueConsumer:
                 self.retried += 1
             else:
                 self.abandoned += 1
+        if message.span is not None:
+            outcome = "acked" if kind is Kind.END else "retried" if kind is Kind.KEEPALIVE else "abandoned"
+            self._tracer.finished(message.span, outcome, delay if kind is Kind.KEEPALIVE else None)
         if kind is Kind.END:
             self._instruments.acked(self.queue, self._clock() - message._received_at)
         elif kind is Kind.KEEPALIVE:
@@ -395,6 +404,9 @@ class QueueConsumer:
         """Start markers for `records` and the consumer's offsets, in one transaction; then hand them out."""
         now = self._clock()
         batch = [Message(self, record, now) for record in records]
+        if self._tracer is not None:
+            for message in batch:
+                message.span = self._tracer.started(message, self._earlier_deliveries(message))
         partitions: dict[Ref, int] = {}
 
         def delivered(ref: Ref) -> Callable[[KafkaError | None, Any], None]:
@@ -437,8 +449,19 @@ class QueueConsumer:
 
     def _start_marker(self, message: Message) -> Marker:
         headers = markers.message_headers(message._raw_headers, message_id=message.id, deliveries=message.deliveries)
+        if message.span is not None:
+            own = self._tracer.traceparent(message.span)
+            if own:
+                links = [*self._earlier_deliveries(message), own]
+                headers = [(k, v) for k, v in headers if k != markers.TRACE_LINKS_HEADER]
+                headers.append((markers.TRACE_LINKS_HEADER, ",".join(links[-16:]).encode()))
         return Marker(Kind.START, message.ref, self.limits.redelivery_timeout, key=message.key,
                       payload=message.payload, headers=tuple(headers), max_deliveries=self.limits.max_deliveries)
+
+    @staticmethod
+    def _earlier_deliveries(message: Message) -> list[str]:
+        text = markers.header_text(message._raw_headers, markers.TRACE_LINKS_HEADER)
+        return [part for part in text.split(",") if part] if text else []
 
     def _commit_transaction(self) -> None:
         for attempt in range(3):

@@ -70,13 +70,25 @@ class HandlerRunner:
             connections.close_all()
 
     def handle(self, message: Message) -> None:
-        """Run the handler on one message and settle it: ack, retry or abandon."""
+        """Run the handler on one message and settle it: ack, retry or abandon.
+
+        With tracing on, the handler runs with the delivery's span current (docs/tracing.md)."""
         close_old_connections()
+        span = message.span
         try:
-            if self.inbox:
-                self._handle_with_inbox(message)
+            if span is None:
+                self._run_handler(message)
             else:
-                self.handler(message)
+                from outbox.tracing.consume import activate, handler_failed
+
+                with activate(span):
+                    try:
+                        self._run_handler(message)
+                    except Retry:
+                        raise
+                    except Exception as error:
+                        handler_failed(span, error)
+                        raise
         except Retry as retry:
             log.info("Handler asked to retry %r in %gs: %s", message, retry.delay, retry)
             message.retry(retry.delay)
@@ -88,6 +100,12 @@ class HandlerRunner:
             message.ack()
         finally:
             close_old_connections()
+
+    def _run_handler(self, message: Message) -> None:
+        if self.inbox:
+            self._handle_with_inbox(message)
+        else:
+            self.handler(message)
 
     def _handle_with_inbox(self, message: Message) -> None:
         with transaction.atomic(using=self.using):

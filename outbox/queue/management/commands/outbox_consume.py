@@ -24,6 +24,7 @@ from outbox.queue.errors import QueueError
 from outbox.queue.models import InboxEntry
 from outbox.queue.runner import Handler, HandlerRunner
 from outbox.queue.status import StatusReporter, consumer_status
+from outbox.queue.tracing import consumer_tracer
 
 log = logging.getLogger("outbox.queue")
 #: How often the inbox is pruned of rows older than inbox_retention.
@@ -84,7 +85,8 @@ class Command(BaseCommand):
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
         name = options["name"] or default_name()
-        consumer = QueueConsumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments())
+        consumer = QueueConsumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments(),
+                                 tracer=consumer_tracer(config, queue))
         try:
             consumer.start()
         except QueueError as error:
