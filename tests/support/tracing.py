@@ -31,3 +31,35 @@ def named(spans: tuple[ReadableSpan, ...] | list[ReadableSpan], name: str) -> li
 def traceparent_of(span: ReadableSpan) -> str:
     context = span.get_span_context()
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+def render(spans: tuple[ReadableSpan, ...] | list[ReadableSpan], trace_id: int) -> str:
+    """One trace as an indented text tree, times in ms from its first span (for docs/tracing.md)."""
+    mine = sorted((s for s in spans if s.context.trace_id == trace_id), key=lambda s: s.start_time)
+    origin = mine[0].start_time
+    children: dict[int | None, list[ReadableSpan]] = {}
+    ids = {s.context.span_id for s in mine}
+    for span in mine:
+        parent = span.parent.span_id if span.parent is not None and span.parent.span_id in ids else None
+        children.setdefault(parent, []).append(span)
+    shown = ("messaging.destination.name", "messaging.message.id", "messaging.destination.partition.id",
+             "messaging.kafka.offset", "outbox.wait.duration", "outbox.queue.deliveries", "http.response.status_code")
+    lines: list[str] = []
+
+    def walk(span: ReadableSpan, depth: int) -> None:
+        start = (span.start_time - origin) / 1e6
+        took = (span.end_time - span.start_time) / 1e6
+        facts = []
+        for name in shown:
+            if name in span.attributes:
+                value = span.attributes[name]
+                facts.append(f"{name}={value * 1000:.1f}ms" if name == "outbox.wait.duration" else f"{name}={value}")
+        links = f" links={len(span.links)}" if span.links else ""
+        lines.append(f"{'  ' * depth}{span.name} [{span.kind.name}] +{start:.1f}ms {took:.1f}ms"
+                     f"{links} {' '.join(facts)}".rstrip())
+        for child in children.get(span.context.span_id, []):
+            walk(child, depth + 1)
+
+    for root in children.get(None, []):
+        walk(root, 0)
+    return "\n".join(lines)
