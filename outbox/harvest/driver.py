@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import psycopg
@@ -159,11 +159,13 @@ class Driver:
         refused_keys: set[str] = set()
         held_back: list[int] = []
         tracer = self._tracer
-        span: Any = None
+        handles: Sequence[Any] = () if tracer is None else tracer.sending(records)
         for index, record in enumerate(records):
             if record.key in refused_keys:
                 # A record of its key was refused just now: this one must not go out ahead of it.
                 held_back.append(record.id)
+                if tracer is not None:
+                    tracer.end(handles[index])
                 continue
             created = record.create_time
             if created != created_last:  # a stash_many() batch shares one timestamp: format it once
@@ -176,15 +178,15 @@ class Driver:
             if tracer is None:
                 on_delivery = functools.partial(delivered, record.id)
             else:
-                span = tracer.sending(record)
-                on_delivery = functools.partial(self._on_traced_delivery, record.id, span)
+                on_delivery = functools.partial(self._on_traced_delivery, record.id, handles[index])
             try:
                 producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
                                  on_delivery=on_delivery)
             except BufferError:
                 # The producer's local queue is full: these go back to the front of their lanes.
                 if tracer is not None:
-                    tracer.end(span)  # never produced: it is sent again, with a span of its own
+                    for handle in handles[index:]:  # never produced: sent again later, traced again then
+                        tracer.end(handle)
                 core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                 return
             except KafkaException as error:
@@ -192,9 +194,12 @@ class Driver:
                 failure = (delivery_error(found) if found is not None
                            else DeliveryError("ERROR", str(error), permanent=True))
                 if tracer is not None:
-                    tracer.failed(span, failure)
-                    tracer.end(span)
+                    tracer.failed(handles[index], record.id, failure)
+                    tracer.end(handles[index])
                 if found is not None and found.fatal():
+                    if tracer is not None:
+                        for handle in handles[index + 1:]:
+                            tracer.end(handle)
                     core.on_producer_failed(failure)
                     core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                     return
@@ -206,14 +211,14 @@ class Driver:
     def _on_delivery(self, record_id: int, error: KafkaError | None, _message: Any) -> None:
         self.delivered(record_id, error)
 
-    def _on_traced_delivery(self, record_id: int, span: Any, error: KafkaError | None, message: Any) -> None:
+    def _on_traced_delivery(self, record_id: int, handle: Any, error: KafkaError | None, message: Any) -> None:
         tracer = self._tracer
         assert tracer is not None
         if error is None:
-            tracer.acknowledged(span, message)
+            tracer.acknowledged(handle, message)
         else:
-            tracer.failed(span, delivery_error(error))
-            self._failed_spans[record_id] = span  # before the report, so the turn that takes it finds it
+            tracer.failed(handle, record_id, delivery_error(error))
+            self._failed_spans[record_id] = handle  # before the report, so the turn that takes it finds it
         self.delivered(record_id, error)
 
     def _end_failed_spans(self) -> None:
@@ -329,7 +334,7 @@ class Driver:
         record_id = command.record_id
         span = self._turn_failures.get(record_id)
         if span is not None and self._tracer is not None:
-            self._tracer.held(span, command.reason)
+            self._tracer.held(span, record_id, command.reason)
 
         def noted(core: Core, error: str) -> None:
             log.warning("Could not note the error on record %d: %s", record_id, error)

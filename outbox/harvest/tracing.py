@@ -8,6 +8,7 @@ and the fence session's thread (parked): keep them cheap and thread-safe.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from outbox.harvest.commands import DeliveryError
@@ -15,20 +16,23 @@ from outbox.harvest.contract import Record
 
 
 class PublishTracer(Protocol):
-    def sending(self, record: Record) -> Any:
-        """The record is about to be produced: start its span and return it."""
+    """Each record of a Send gets a handle; every handle is settled exactly once, by acknowledged()
+    or by end() (after failed(), or when the record was not produced after all)."""
 
-    def acknowledged(self, span: Any, message: Any) -> None:
-        """Kafka acknowledged it (`message` has partition() and offset()): finish the span."""
+    def sending(self, records: Sequence[Record]) -> Sequence[Any]:
+        """A Send's records are about to be produced: start their span(s); a handle per record."""
 
-    def failed(self, span: Any, error: DeliveryError) -> None:
+    def acknowledged(self, handle: Any, message: Any) -> None:
+        """Kafka acknowledged the record (`message` has partition() and offset())."""
+
+    def failed(self, handle: Any, record_id: int, error: DeliveryError) -> None:
         """Its delivery failed or the producer refused it: record that (end() follows)."""
 
-    def held(self, span: Any, reason: str) -> None:
+    def held(self, handle: Any, record_id: int, reason: str) -> None:
         """The core held the record after that failure (its key waits)."""
 
-    def end(self, span: Any) -> None:
-        """Finish a span that failed() or was never produced."""
+    def end(self, handle: Any) -> None:
+        """The record is settled without an acknowledgement (failed, or never produced)."""
 
     def parked(self, record: Record, reason: str, attempts: int, topic: str | None) -> None:
         """The record was moved to the dead-letter table (and `topic`, if any)."""
