@@ -17,7 +17,7 @@ from outbox import cloudevents, conf
 from outbox.errors import InvalidRecord, OutsideTransaction
 from outbox.harvest.contract import Record
 from outbox.models import OutboxRecord
-from outbox.tracing.propagation import inject_into
+from outbox.tracing.propagation import add_headers, current_headers
 from outbox.tracing.switch import tracing_on
 from outbox.validation import clean
 
@@ -42,7 +42,7 @@ def stash(topic: str, key: str, value: Any = None,
     _require_transaction(using)
     limits = _limits()
     row = clean(topic, key, value, headers, **limits)
-    _decorate(row, cloudevent)
+    _decorate(row, cloudevent, current_headers() if tracing_on() else None)
     return _insert(using, [row])[0]
 
 
@@ -55,7 +55,8 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None
     using = using or conf.database_alias()
     _require_transaction(using)
     limits = _limits()
-    rows = [_clean_mapping(record, index, limits) for index, record in enumerate(records)]
+    context = current_headers() if tracing_on() else None
+    rows = [_clean_mapping(record, index, limits, context) for index, record in enumerate(records)]
     ids: list[int] = []
     iterator = iter(rows)
     while batch := list(islice(iterator, BATCH_SIZE)):
@@ -63,7 +64,7 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None
     return ids
 
 
-def _clean_mapping(record: Any, index: int, limits: dict[str, int]) -> Record:
+def _clean_mapping(record: Any, index: int, limits: dict[str, int], context: list[tuple[str, str]] | None) -> Record:
     prefix = f"records[{index}]."
     if not isinstance(record, Mapping):
         raise InvalidRecord(f"records[{index}]", f"must be a mapping with keys topic, key, value, headers, cloudevent, "
@@ -76,16 +77,16 @@ def _clean_mapping(record: Any, index: int, limits: dict[str, int]) -> Record:
         if required not in record:
             raise InvalidRecord(f"{prefix}{required}", "is required")
     row = clean(record["topic"], record["key"], record.get("value"), record.get("headers"), prefix=prefix, **limits)
-    _decorate(row, record.get("cloudevent"), prefix)
+    _decorate(row, record.get("cloudevent"), context, prefix)
     return row
 
 
-def _decorate(row: Record, cloudevent: Any, prefix: str = "") -> None:
-    """Headers the outbox adds to a cleaned record: CloudEvents' and the current trace context."""
+def _decorate(row: Record, cloudevent: Any, context: list[tuple[str, str]] | None, prefix: str = "") -> None:
+    """Headers the outbox adds to a cleaned record: CloudEvents' and the trace context (read once a call)."""
     if cloudevent is not None or cloudevents.configured():
         cloudevents.add_headers(row, cloudevent, prefix)
-    if tracing_on():
-        inject_into(row)
+    if context:
+        add_headers(row, context)
 
 
 def _limits() -> dict[str, int]:

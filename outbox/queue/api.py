@@ -28,7 +28,7 @@ from outbox.queue.topics import ensure_topics
 from outbox.queue.tracing import consumer_tracer
 from outbox.stasher import stash as outbox_stash
 from outbox.stasher import stash_many as outbox_stash_many
-from outbox.tracing.propagation import inject_into
+from outbox.tracing.propagation import add_headers, current_headers
 from outbox.tracing.switch import tracing_on
 from outbox.validation import clean
 
@@ -53,9 +53,10 @@ def send_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None) -
     validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     rows = [_clean(config, payload, headers, _where(index, payloads)) for index, payload in enumerate(payloads)]
-    if tracing_on():
+    context = current_headers() if tracing_on() else None
+    if context:
         for row in rows:
-            inject_into(row)
+            add_headers(row, context)
     messages = [(row.value.encode(), list(zip(row.header_keys, map(str.encode, row.header_values), strict=True)))
                 for row in rows]
     if not messages:

@@ -28,23 +28,24 @@ def inject_into(record: Record) -> None:
     """Add the current span's context to a cleaned record's headers (traceparent, tracestate and, if
     the propagator is configured for it, baggage). Headers the caller set are kept: a name the
     record already has is not added again. Nothing is added when no span is current."""
-    trace, propagate = _otel()
-    if not trace.get_current_span().get_span_context().is_valid:
-        return
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    if not carrier:
+    add_headers(record, current_headers())
+
+
+def add_headers(record: Record, pairs: list[tuple[str, str]]) -> None:
+    """Append `pairs` to a cleaned record's headers, except names it has already (compared without case)."""
+    if not pairs:
         return
     keys = record.header_keys
     taken = {name.lower() for name in keys} if keys else ()
-    for name, value in carrier.items():
+    for name, value in pairs:
         if name.lower() not in taken:
             keys.append(name)
             record.header_values.append(value)
 
 
 def current_headers() -> list[tuple[str, str]]:
-    """The current span's context as (name, value) pairs; empty when no span is current."""
+    """The current span's context as (name, value) pairs through the configured propagator; empty when
+    no span is current. Read once per stash_many() call: every record of it shares the context."""
     trace, propagate = _otel()
     if not trace.get_current_span().get_span_context().is_valid:
         return []
