@@ -13,14 +13,17 @@ from outbox.harvest.contract import Record
 
 #: opentelemetry's trace and propagate modules, imported by the first call (see _otel).
 _modules: tuple[Any, Any] | None = None
+_context: Any = None
+#: The last context propagated, the propagator and the headers: a request's stash() calls propagate it once.
+_last: tuple[Any, Any, list[tuple[str, str]]] | None = None
 
 
 def _otel() -> tuple[Any, Any]:
-    global _modules
+    global _modules, _context
     if _modules is None:
-        from opentelemetry import propagate, trace
+        from opentelemetry import context, propagate, trace
 
-        _modules = (trace, propagate)
+        _modules, _context = (trace, propagate), context
     return _modules
 
 
@@ -46,12 +49,21 @@ def add_headers(record: Record, pairs: list[tuple[str, str]]) -> None:
 def current_headers() -> list[tuple[str, str]]:
     """The current span's context as (name, value) pairs through the configured propagator; empty when
     no span is current. Read once per stash_many() call: every record of it shares the context."""
+    global _last
     trace, propagate = _otel()
-    if not trace.get_current_span().get_span_context().is_valid:
-        return []
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return list(carrier.items())
+    context = _context.get_current()
+    textmap = propagate.get_global_textmap()
+    last = _last
+    # Contexts are immutable: the same one through the same propagator gives the same headers.
+    if last is not None and last[0] is context and last[1] is textmap:
+        return last[2]
+    pairs: list[tuple[str, str]] = []
+    if trace.get_current_span(context).get_span_context().is_valid:
+        carrier: dict[str, str] = {}
+        textmap.inject(carrier, context=context)
+        pairs = list(carrier.items())
+    _last = (context, textmap, pairs)  # one tuple, replaced whole: safe to read from any thread
+    return pairs
 
 
 class _PairsGetter:

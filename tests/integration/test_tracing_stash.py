@@ -103,3 +103,17 @@ print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
                             env={**os.environ, "DATABASE_URL": database_url})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_each_span_propagates_its_own_context_and_nested_spans_theirs(spans):
+    tracer = trace.get_tracer("test")
+    found = []
+    with tracer.start_as_current_span("first") as first, transaction.atomic():
+        found.append((stash("orders", "1", "v"), first))
+        with tracer.start_as_current_span("inner") as inner:
+            found.append((stash("orders", "2", "v"), inner))
+        found.append((stash("orders", "3", "v"), first))
+    with tracer.start_as_current_span("second") as second, transaction.atomic():
+        found.append((stash("orders", "4", "v"), second))
+    for record_id, span in found:
+        assert dict(headers_of(record_id))["traceparent"] == tracing.traceparent_of(span)
