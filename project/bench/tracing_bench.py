@@ -12,14 +12,13 @@ stash ten would), drained by `manage.py harvest` with tracing off and on (the ex
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-from django.conf import settings
 from django.db import connections, transaction
-from django.test import override_settings
 
 from outbox.models import OutboxRecord
 from outbox.stasher import stash, stash_many
@@ -30,48 +29,67 @@ BENCH_TOPIC = "outbox-bench-tracing"
 def bench_stash(write: Callable[[str], None], rows: int, batch: int, rounds: int, database: str) -> None:
     from opentelemetry import trace
 
+    from outbox.tracing import switch
     from project import otel
 
     otel.configure("discard")
     tracer = trace.get_tracer("outbox-bench")
     value = "v" * 100
-    write(f"stash() with tracing: {rows:,} rows a round, {batch} a transaction, {rounds} interleaved rounds")
-    # "off, header given": tracing off, the same traceparent passed as an ordinary header; what storing
-    # the header costs the database, apart from tracing.
-    modes = ("off", "on, no span", "on, in a span", "off, header given")
     given = [("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")]
+    # "off, header given": tracing off, the same traceparent passed as an ordinary header: what storing
+    # the header costs, apart from tracing. Modes take turns transaction by transaction (the order
+    # rotating), so a neighbour's load falls on all of them alike; the switch is set directly (it is
+    # what OUTBOX["tracing"] decides), so no settings change is timed.
+    modes = ("off", "on, no span", "on, in a span", "off, header given")
+    write(f"stash() with tracing: {rows:,} rows a round and mode, {batch} a transaction, {rounds} rounds, "
+          f"modes taking turns by transaction")
     results: dict[tuple[str, str], list[float]] = {}
-    for _ in range(rounds):
-        for writer in ("stash() loop", "stash_many()"):
-            for mode in modes:
-                tracing = mode != "off"
-                with override_settings(OUTBOX={**settings.OUTBOX, "tracing": tracing}):
-                    elapsed = 0.0
-                    headers = [("source", "bench"), *(given if mode == "off, header given" else ())]
-                    for start in range(0, rows, batch):
+    try:
+        for _ in range(rounds):
+            for writer in ("stash() loop", "stash_many()"):
+                elapsed = dict.fromkeys(modes, 0.0)
+                for number, start in enumerate(range(0, rows, batch)):
+                    for mode in modes[number % len(modes):] + modes[:number % len(modes)]:
+                        headers = [("source", "bench"), *(given if mode == "off, header given" else ())]
                         records = [{"topic": BENCH_TOPIC, "key": f"k{(start + i) % 1000}", "value": value,
                                     "headers": headers} for i in range(min(batch, rows - start))]
-                        span = tracer.start_span("request") if mode == "on, in a span" else None
-                        token = trace.use_span(span) if span is not None else None
-                        if token is not None:
-                            token.__enter__()
-                        began = time.perf_counter()
-                        with transaction.atomic(using=database):
-                            if writer == "stash() loop":
-                                for record in records:
-                                    stash(**record, using=database)
-                            else:
-                                stash_many(records, using=database)
-                        elapsed += time.perf_counter() - began
-                        if token is not None:
-                            token.__exit__(None, None, None)
-                            span.end()
-                    results.setdefault((writer, mode), []).append(rows / elapsed)
+                        switch._on = mode.startswith("on")
+                        elapsed[mode] += _timed(writer, records, database,
+                                                tracer if mode == "on, in a span" else None)
+                for mode in modes:
+                    results.setdefault((writer, mode), []).append(rows / elapsed[mode])
                 traced = OutboxRecord.objects.using(database).filter(
                     kafka_topic=BENCH_TOPIC, kafka_header_keys__contains=["traceparent"]).count()
-                if traced != (rows if mode in ("on, in a span", "off, header given") else 0):  # as they say
-                    raise RuntimeError(f"{writer}, tracing {mode}: {traced} of {rows} rows have a traceparent")
+                if traced != 2 * rows:  # "on, in a span" and "off, header given" did what they say
+                    raise RuntimeError(f"{writer}: {traced} rows have a traceparent, expected {2 * rows}")
                 OutboxRecord.objects.using(database).filter(kafka_topic=BENCH_TOPIC).delete()
+    finally:
+        switch.reset()
+    _report(write, results, modes)
+    _python_cost(write, tracer, value)
+    connections[database].close()
+
+
+def _timed(writer: str, records: list[dict[str, Any]], database: str, tracer: Any) -> float:
+    """Seconds to write `records` in one transaction; inside a span of `tracer` (not timed) if given."""
+    from opentelemetry import trace
+
+    span = tracer.start_span("request") if tracer is not None else None
+    with trace.use_span(span) if span is not None else contextlib.nullcontext():
+        began = time.perf_counter()
+        with transaction.atomic(using=database):
+            if writer == "stash() loop":
+                for record in records:
+                    stash(**record, using=database)
+            else:
+                stash_many(records, using=database)
+        took = time.perf_counter() - began
+    if span is not None:
+        span.end()
+    return took
+
+
+def _report(write: Callable[[str], None], results: dict[tuple[str, str], list[float]], modes: tuple[str, ...]) -> None:
     for writer in ("stash() loop", "stash_many()"):
         base = statistics.median(results[(writer, "off")])
         for mode in modes:
@@ -79,7 +97,44 @@ def bench_stash(write: Callable[[str], None], rows: int, batch: int, rounds: int
             median = statistics.median(runs)
             write(f"  {writer:<13} tracing {mode:<17} median {median:>9,.0f} rows/s ({_change(median, base)}); "
                   f"rounds {' / '.join(f'{r:,.0f}' for r in runs)}")
-    connections[database].close()
+
+
+def _python_cost(write: Callable[[str], None], tracer: Any, value: str) -> None:
+    """stash()'s own Python work per record (validation and the added headers, no database), which a
+    loaded machine's database round trips do not blur."""
+    from opentelemetry import trace
+
+    from outbox.stasher import _decorate
+    from outbox.tracing import switch
+    from outbox.validation import clean
+
+    def per_record(on: bool, in_span: bool, count: int = 50_000) -> float:
+        switch._on = on
+        span = tracer.start_span("request") if in_span else None
+        try:
+            with trace.use_span(span) if span is not None else contextlib.nullcontext():
+                began = time.perf_counter()
+                for n in range(count):
+                    row = clean(BENCH_TOPIC, f"k{n % 1000}", value, [("source", "bench")], max_value_bytes=900_000,
+                                max_header_bytes=65536)
+                    _decorate(row, None, current_headers() if switch.tracing_on() else None)
+                return (time.perf_counter() - began) / count * 1e6
+        finally:
+            if span is not None:
+                span.end()
+            switch.reset()
+
+    from outbox.tracing.propagation import current_headers
+
+    cases = (("off", False, False), ("on, no span", True, False), ("on, in a span", True, True))
+    runs: dict[str, list[float]] = {label: [] for label, _, _ in cases}
+    for _ in range(7):  # the cases take turns, so load falls on each alike; the fastest run is the least disturbed
+        for label, on, in_span in cases:
+            runs[label].append(per_record(on, in_span, 20_000))
+    for label, _, _ in cases:
+        found = sorted(runs[label])
+        write(f"  stash()'s Python work per record, tracing {label:<14} fastest {found[0]:.2f} us, "
+              f"median {found[3]:.2f} us")
 
 
 def add_trace_context(every: int = 10) -> int:
@@ -102,8 +157,8 @@ def bench_drain(command: Any, records: int, keys: int, rounds: int, partitions: 
     write(f"drain with tracing: {records:,} records over {keys:,} keys, a traceparent per ten records, "
           f"{rounds} rounds of off / on")
     results: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(rounds):
-        for mode in ("off", "on"):
+    for number in range(rounds):
+        for mode in ("off", "on") if number % 2 == 0 else ("on", "off"):  # neither always goes first
             command._vacuum()
             topic = command._create_topic(f"bench-tracing-{mode}", partitions)
             pump(records=records, keys=keys, topic=topic)

@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def spans():
-    return tracing.install()
+    yield tracing.install()
+    tracing.uninstall()
 
 
 def harvester(database_url: str, bootstrap: str, **config: object) -> Harvester:

@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def spans():
-    return tracing.install()
+    yield tracing.install()
+    tracing.uninstall()
 
 
 def run_handler(consumer, handler, until, what: str, **options) -> None:

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def spans():
-    return tracing.install()
+    yield tracing.install()
+    tracing.uninstall()
 
 
 def headers_of(record_id: int) -> list[tuple[str, str]]:

@@ -1,7 +1,8 @@
 """One OpenTelemetry SDK tracer provider for the test process, exporting to memory.
 
 OpenTelemetry lets a process set its global provider once, so every tracing test shares this one
-and starts from a cleared exporter (the `spans` fixture in the tests that use it).
+and starts from a cleared exporter (the `spans` fixture in the tests that use it). Spans are kept
+only while a tracing test runs (`recording`), so the tests after it do not fill the exporter.
 """
 
 from __future__ import annotations
@@ -13,15 +14,33 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 EXPORTER = InMemorySpanExporter()
 PROVIDER = TracerProvider()
-PROVIDER.add_span_processor(SimpleSpanProcessor(EXPORTER))
+
+
+class _WhileRecording(SimpleSpanProcessor):
+    recording = False
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.recording:
+            super().on_end(span)
+
+
+PROCESSOR = _WhileRecording(EXPORTER)
+PROVIDER.add_span_processor(PROCESSOR)
 
 
 def install() -> InMemorySpanExporter:
-    """Make PROVIDER the global one (once) and return its cleared exporter."""
+    """Make PROVIDER the global one (once) and return its cleared exporter, recording."""
     if trace.get_tracer_provider() is not PROVIDER:
         trace.set_tracer_provider(PROVIDER)
     EXPORTER.clear()
+    PROCESSOR.recording = True
     return EXPORTER
+
+
+def uninstall() -> None:
+    """Stop keeping spans and drop those kept."""
+    PROCESSOR.recording = False
+    EXPORTER.clear()
 
 
 def named(spans: tuple[ReadableSpan, ...] | list[ReadableSpan], name: str) -> list[ReadableSpan]:
