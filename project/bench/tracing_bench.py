@@ -6,18 +6,21 @@ part, since a traced application pays for it anyway), in interleaved rounds; med
 to an SDK tracer provider whose batch processor drops them, so exporting is not measured.
 
 drain: a backlog whose records carry a traceparent (one per ten records, as requests that each
-stash ten would), drained by `manage.py harvest` with tracing off and on (the example project's
-"discard" SDK, project/otel.py), alternately; medians of records/s.
+stash ten would), drained by `manage.py harvest` with tracing off, off with the SDK loaded, and on
+(the example project's "discard" SDK, project/otel.py), taking turns; medians of records/s and of
+the harvester process's CPU time per record.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 from django.db import connections, transaction
 
 from outbox.models import OutboxRecord
@@ -155,30 +158,39 @@ def bench_drain(command: Any, records: int, keys: int, rounds: int, partitions: 
     command._require_empty_outbox()
     write = command.stdout.write
     write(f"drain with tracing: {records:,} records over {keys:,} keys, a traceparent per ten records, "
-          f"{rounds} rounds of off / on")
-    results: dict[str, list[float]] = {"off": [], "on": []}
+          f"{rounds} rounds of off / off with the SDK loaded / on")
+    # "off+sdk": tracing off in a process that has loaded the SDK anyway: what loading it costs, apart.
+    modes = ("off", "off+sdk", "on")
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
+    cpu: dict[str, list[float]] = {mode: [] for mode in modes}
     for number in range(rounds):
-        for mode in ("off", "on") if number % 2 == 0 else ("on", "off"):  # neither always goes first
+        for mode in modes[number % 3:] + modes[:number % 3]:  # none always goes first
             command._vacuum()
-            topic = command._create_topic(f"bench-tracing-{mode}", partitions)
+            topic = command._create_topic(f"bench-tracing-{mode.replace('+', '-')}", partitions)
             pump(records=records, keys=keys, topic=topic)
             add_trace_context()
             env = {"OUTBOX_TRACING": "1" if mode == "on" else "0"}
-            if mode == "on":
+            if mode != "off":
                 env["OUTBOX_EXAMPLE_OTEL"] = "discard"
             with HarvesterProcess(harvest_args, env=env) as harvester:
                 started = harvester.wait_for_leadership()
+                process = psutil.Process(harvester.process.pid)
+                cpu_before = sum(process.cpu_times()[:2])
                 while command._outbox_has_rows():
                     time.sleep(0.05)
                 elapsed = time.time() - started
+                cpu_used = sum(process.cpu_times()[:2]) - cpu_before
             results[mode].append(records / elapsed)
-            write(f"  tracing {mode:<3} {records / elapsed:>9,.0f} records/s; harvester peak RSS "
-                  f"{harvester.peak_rss / 2**20:.0f} MiB")
+            cpu[mode].append(cpu_used / records * 1e6)
+            write(f"  tracing {mode:<7} {records / elapsed:>9,.0f} records/s, harvester CPU "
+                  f"{cpu_used / records * 1e6:5.1f} us a record; peak RSS {harvester.peak_rss / 2**20:.0f} MiB; "
+                  f"load average {os.getloadavg()[0]:.1f}")
             command._delete_topic(topic)
-    base = statistics.median(results["off"])
-    for mode in ("off", "on"):
-        median = statistics.median(results[mode])
-        write(f"  tracing {mode:<3} median {median:>9,.0f} records/s ({_change(median, base)})")
+    base, base_cpu = statistics.median(results["off"]), statistics.median(cpu["off"])
+    for mode in modes:
+        median, median_cpu = statistics.median(results[mode]), statistics.median(cpu[mode])
+        write(f"  tracing {mode:<7} median {median:>9,.0f} records/s ({_change(median, base)}), "
+              f"harvester CPU {median_cpu:.1f} us a record ({_change(median_cpu, base_cpu)})")
 
 
 def _change(value: float, base: float) -> str:
