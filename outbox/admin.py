@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.functional import cached_property
-from django.utils.html import format_html, format_html_join
+from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.timesince import timesince
 
@@ -94,7 +94,7 @@ class Confirmation:
     button: str
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(console.NotEditedHere, admin.ModelAdmin):
     """Rows written and removed by stash(), the harvester and the actions, never edited by hand."""
 
     paginator = EstimatedCountPaginator
@@ -103,12 +103,6 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     list_per_page = 50
     search_fields = ["=kafka_key"]
     search_help_text = "Exact key."
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         # The configured database; values are read only where shown (a poison value may be a megabyte).
@@ -125,9 +119,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     @admin.display(description="headers")
     def header_table(self, record: Any) -> str:
-        if not record.headers:
-            return "(none)"
-        return format_html_join("", "<div><code>{}</code>: <code>{}</code></div>", record.headers)
+        return console.header_table(record.headers)
 
     def confirm_then(self, request: HttpRequest, queryset: QuerySet, ask: Confirmation,
                      run: Callable[[list[Any]], Outcome]) -> HttpResponse | None:
@@ -206,8 +198,7 @@ class OutboxRecordAdmin(ReadOnlyAdmin):
 
     @admin.display(description="last error")
     def short_error(self, record: OutboxRecord) -> str:
-        error = record.last_error or ""
-        return error if len(error) <= 60 else error[:57] + "..."
+        return console.shortened(record.last_error or "")
 
     @admin.action(description="Retry selected held records now", permissions=["retry"])
     def retry_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
@@ -274,7 +265,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
     @admin.display(description="reason")
     def short_reason(self, record: DeadLetter) -> str:
-        return record.reason if len(record.reason) <= 60 else record.reason[:57] + "..."
+        return console.shortened(record.reason)
 
     def describe(self, request: HttpRequest, record: DeadLetter) -> str:
         return f"was outbox record #{record.outbox_id}: {record.reason}"
@@ -300,25 +291,11 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
 
 @admin.register(Dashboard)
-class DashboardAdmin(admin.ModelAdmin):
+class DashboardAdmin(console.ConsolePage, admin.ModelAdmin):
     """/admin/outbox/dashboard/: who leads, the backlog, held, parked and stuck records."""
 
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """The dashboard lists record keys, topics, errors and in-flight keys: it takes the view permission of
-        outbox records (view or change, as Django's own), whatever the user's staff status."""
-        return self.admin_site._registry[OutboxRecord].has_view_permission(request)
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return self.has_view_permission(request)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    #: The dashboard lists record keys, topics, errors and in-flight keys: it takes the records' view permission.
+    view_permission_of = OutboxRecord
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         if not self.has_view_permission(request):

@@ -7,4 +7,8 @@ class OutboxConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from outbox import checks  # noqa: F401  registers the system checks
+        from outbox import checks, conf  # noqa: F401  registers the system checks
+        from outbox.harvest.redaction import remember_secrets
+
+        # Log lines and one-line errors mask these wherever they turn up (outbox.harvest.redaction).
+        remember_secrets(conf.secret_values())

@@ -8,6 +8,7 @@ from django.core import checks
 
 from outbox import conf
 from outbox.harvest.config import Problem
+from outbox.harvest.redaction import scrub
 
 
 @checks.register("outbox")
@@ -44,8 +45,9 @@ def check_shared_group(app_configs: Any = None, databases: Any = None, **kwargs:
 
 
 def describe(problem: Problem) -> str:
-    """One line naming the setting: OUTBOX['max_in_flight_records'] must be at least 1, got 0."""
+    """One line naming the setting: OUTBOX['max_in_flight_records'] must be at least 1, got 0 (secret
+    values masked, should a message quote one)."""
     where = "OUTBOX" if problem.field == "OUTBOX" else f"OUTBOX[{problem.field!r}]"
     if problem.field.startswith("cloudevents."):  # a key of the nested dict
         where = f"OUTBOX['cloudevents'][{problem.field.split('.', 1)[1]!r}]"
-    return f"{where} {problem.message}"
+    return scrub(f"{where} {problem.message}", conf.secret_values())

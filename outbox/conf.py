@@ -24,6 +24,7 @@ from django.conf import settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
+from outbox.harvest import redaction
 from outbox.harvest.config import HarvestConfig, Limits, Problem, default_name
 
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(Limits))
@@ -130,19 +131,36 @@ def settings_problems() -> list[Problem]:
 
     found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))
     database = raw.get("database", DJANGO_DEFAULTS["database"])
-    if database not in settings.DATABASES:
-        found.append(Problem("E011", "database", f"must name an entry of DATABASES, got {database!r}"))
-    elif "postgresql" not in settings.DATABASES[database].get("ENGINE", ""):
-        found.append(Problem("E012", "database", f"{database!r} must use django.db.backends.postgresql"))
+    problem = alias_problem(database)
+    if problem is not None:
+        found.append(Problem("E011" if database not in settings.DATABASES else "E012", "database", problem))
     return found
 
 
-def problems() -> list[Problem]:
-    """Everything wrong with the outbox settings, for `manage.py check`."""
+def alias_problem(alias: Any) -> str | None:
+    """Why `alias` cannot name the outbox's database (naming it and the aliases there are), or None."""
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
+        there = ", ".join(repr(name) for name in settings.DATABASES) or "none"
+        return f"must name an entry of DATABASES, got {alias!r} (DATABASES has {there})"
+    if "postgresql" not in settings.DATABASES[alias].get("ENGINE", ""):
+        return f"{alias!r} must use django.db.backends.postgresql"
+    return None
+
+
+def secret_values() -> set[str]:
+    """The secret values in OUTBOX and DATABASES, to mask wherever a message might quote them."""
+    return redaction.secret_values(raw_settings(), getattr(settings, "DATABASES", {}))
+
+
+def problems(**overrides: Any) -> list[Problem]:
+    """Everything wrong with the outbox settings (with command-line overrides), for `manage.py check`."""
     found = settings_problems()
     if any(p.code in {"E001", "E011", "E012"} for p in found):
         return found
-    config, given = _build()
+    alias = overrides.get("database")
+    if alias is not None and (problem := alias_problem(alias)) is not None:
+        return [*found, Problem("E011", "database", problem)]
+    config, given = _build(**overrides)
     engine = config.validate(given_limits=given)
     if not engine:
         from outbox.harvest.kafka import client_config_problems

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from django.db import transaction
 
+from outbox.invalid import InvalidRecord
 
-class InvalidRecord(ValueError):
-    """A record stash() refused before running any SQL; names the field and the limit it broke."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(f"{field}: {message}")
+__all__ = ["InvalidRecord", "OutsideTransaction"]
 
 
 class OutsideTransaction(transaction.TransactionManagementError):

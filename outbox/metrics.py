@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.store import first_line
+from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.metrics")
 

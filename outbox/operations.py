@@ -212,7 +212,8 @@ def publish_dead_letters(topic: str, records: list[tuple[OutboxRecord, str]]) ->
     using the project's Kafka settings; returns the ids Kafka acknowledged, and the first error."""
     from confluent_kafka import KafkaException, Producer
 
-    from outbox.harvest.kafka import dead_letter_producer_config, kafka_reason
+    from outbox.harvest.kafka import dead_letter_producer_config
+    from outbox.reasons import kafka_reason
 
     config = conf.harvest_config()
     acked: set[int] = set()

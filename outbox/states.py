@@ -94,6 +94,8 @@ class Replicas:
     blocked: list[HarvesterStatus]
     standbys: list[HarvesterStatus]
     gone: list[HarvesterStatus]
+    #: Stopped cleanly (SIGTERM, stop()): their rows stay until pruned, saying when.
+    stopped: list[HarvesterStatus] = field(default_factory=list)
 
     @property
     def live(self) -> list[HarvesterStatus]:
@@ -118,12 +120,14 @@ def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:
     now = now or timezone.now()
     gone_after = timedelta(seconds=conf.setting("status_gone_after"))
     rows = list(HarvesterStatus.objects.using(using or conf.database_alias()).order_by("name"))
+    stopped = [r for r in rows if r.state == ReplicaState.STOPPED]
+    rows = [r for r in rows if r.state != ReplicaState.STOPPED]
     live = [r for r in rows if now - r.last_seen <= gone_after]
     leaders = [r for r in live if r.state == ReplicaState.LEADER]
     blocked = [r for r in live if r.state == ReplicaState.BLOCKED]
     return Replicas(leaders=leaders, blocked=blocked,
                     standbys=[r for r in live if r not in leaders and r not in blocked],
-                    gone=[r for r in rows if now - r.last_seen > gone_after])
+                    gone=[r for r in rows if now - r.last_seen > gone_after], stopped=stopped)
 
 
 @dataclass(frozen=True)

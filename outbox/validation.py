@@ -26,10 +26,10 @@ def clean(topic: Any, key: Any, value: Any, headers: Any, *, max_value_bytes: in
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidRecord(f"{prefix}key", f"must be at most {MAX_KEY_LENGTH} characters, got {len(key)}")
     _no_nul(f"{prefix}key", key)
+    utf8_size(f"{prefix}key", key)
     text = _value_text(value, prefix)
     if text is not None:
-        # UTF-8 takes at most 4 bytes a character: encode only when the limit could be crossed.
-        size = len(text.encode()) if len(text) * 4 > max_value_bytes else len(text)
+        size = utf8_size(f"{prefix}value", text)
         if size > max_value_bytes:
             raise InvalidRecord(f"{prefix}value", f"must be at most {max_value_bytes} bytes in UTF-8, got {size}")
         _no_nul(f"{prefix}value", text)
@@ -61,9 +61,19 @@ def _value_text(value: Any, prefix: str) -> str | None:
                                                   f"{error.start})") from None
     if isinstance(value, dict | list):
         try:
-            return json.dumps(value, cls=DjangoJSONEncoder, ensure_ascii=False, separators=(",", ":"))
-        except (TypeError, ValueError) as error:
+            # allow_nan=False: NaN and Infinity are not JSON (RFC 8259); Java, Go, JavaScript and Spark's
+            # from_json refuse or null them, long after this transaction committed.
+            return json.dumps(value, cls=DjangoJSONEncoder, ensure_ascii=False, separators=(",", ":"),
+                              allow_nan=False)
+        except ValueError as error:
+            if "not JSON compliant" in str(error):
+                raise InvalidRecord(f"{prefix}value", "must not contain NaN or Infinity: JSON (RFC 8259) has no "
+                                                      "such numbers (send null or a string)") from None
             raise InvalidRecord(f"{prefix}value", f"is not serialisable as JSON: {error}") from None
+        except TypeError as error:
+            raise InvalidRecord(f"{prefix}value", f"is not serialisable as JSON: {error}") from None
+        except RecursionError:
+            raise InvalidRecord(f"{prefix}value", "is nested too deeply to serialise as JSON") from None
     raise InvalidRecord(f"{prefix}value", f"must be str, bytes, dict, list or None, got {type(value).__name__}")
 
 
@@ -94,13 +104,25 @@ def _headers(headers: Any, max_header_bytes: int, prefix: str) -> tuple[list[str
             raise InvalidRecord(field, f"name {name!r} is reserved: the harvester adds it to every message")
         _no_nul(field, name)
         _no_nul(field, text)
-        size += len(name.encode()) + len(text.encode())
+        size += utf8_size(f"{field} name", name) + utf8_size(f"{field} value", text)
         keys.append(name)
         values.append(text)
     if size > max_header_bytes:
         raise InvalidRecord(f"{prefix}headers", f"must be at most {max_header_bytes} bytes in UTF-8 "
                                                 f"in all, got {size}")
     return keys, values
+
+
+def utf8_size(field: str, text: str) -> int:
+    """The size of `text` in UTF-8; InvalidRecord if it cannot be encoded (a lone surrogate, as text
+    that went through a bad decoder carries: neither Postgres nor Kafka's consumers can take it)."""
+    if text.isascii():
+        return len(text)
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as error:
+        raise InvalidRecord(field, f"must be valid Unicode: a lone surrogate {text[error.start]!r} at character "
+                                   f"{error.start} has no UTF-8 form") from None
 
 
 def _no_nul(field: str, text: str) -> None:

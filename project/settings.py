@@ -127,7 +127,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # Masks the secret values of OUTBOX and DATABASES should any line quote one (docs/operations.md).
+    "filters": {"outbox_redact": {"()": "outbox.harvest.redaction.RedactingFilter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["outbox_redact"]}},
     "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {"outbox": {"level": env("LOG_LEVEL"), "propagate": True}},
 }

@@ -1,4 +1,4 @@
-"""Fixtures shared by every test: real services (see tests/services.py) and handles on them."""
+"""Fixtures shared by every test: real services (see tests/support/services.py) and handles on them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,20 @@ from collections.abc import Callable, Iterator
 
 import environ
 import pytest
+from hypothesis import HealthCheck, settings
 
-from tests.services import Services, resolve
 from tests.support.kafka_cluster import Cluster
+from tests.support.services import Services, resolve
+
+# Property-based tests (test_fuzz_*.py). "ci", the default: the same examples every run (derandomized),
+# few enough to keep the suite fast. "long" (OUTBOX_FUZZ_PROFILE=long): thousands of random examples, for
+# a nightly run; `--hypothesis-show-statistics` prints how many ran.
+settings.register_profile("ci", derandomize=True, max_examples=100, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.register_profile("long", max_examples=int(os.environ.get("OUTBOX_FUZZ_EXAMPLES", "5000")), deadline=None,
+                          print_blob=True,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.load_profile(os.environ.get("OUTBOX_FUZZ_PROFILE", "ci"))
 
 #: Each folder's tests carry its marker, so `-m` selects by what a test needs (README, "Tests").
 FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "spark": "spark",
@@ -28,7 +39,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("simulation")
-    group.addoption("--sim-seeds", type=int, default=2000, help="simulated runs to check (default 2000)")
+    group.addoption("--sim-seeds", type=int, default=2000,
+                    help="simulated runs of the harvester to check (default 2000); the queue's: half as many")
     group.addoption("--sim-seed", type=int, default=None, help="check this one seed, printing its trace")
 
 
@@ -43,6 +55,20 @@ def sim_seeds(request: pytest.FixtureRequest) -> list[int]:
         print(result.summary, result.violation or "ok", *result.trace, sep="\n")
         return [seed]
     return list(range(1, request.config.getoption("--sim-seeds") + 1))
+
+
+@pytest.fixture
+def queue_sim_seeds(request: pytest.FixtureRequest) -> list[int]:
+    """The queue's simulator: half of --sim-seeds (1,000 by default), or --sim-seed's one, with its trace."""
+    seed = request.config.getoption("--sim-seed")
+    if seed is not None:
+        from tests.sim import queue_scenario
+
+        queue_scenario.quiet()
+        result = queue_scenario.run(seed, trace=True)
+        print(result.summary, result.violation or "ok", *result.trace, sep="\n")
+        return [seed]
+    return list(range(1, max(1, request.config.getoption("--sim-seeds") // 2) + 1))
 
 
 @pytest.fixture(scope="session")

@@ -15,14 +15,16 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox.harvest.redaction import redact_dsn, redact_mapping
+
 # Kafka's own rule for topic names: 1..249 of [a-zA-Z0-9._-], and not "." or "..".
 TOPIC_PATTERN = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 MAX_TOPIC_LENGTH = 249
 # An unquoted SQL identifier, optionally schema-qualified: [schema.]table.
 TABLE_PATTERN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_$]{0,62}\.)?[A-Za-z_][A-Za-z0-9_$]{0,62}")
-# Kafka config keys whose values must never be printed or logged.
-SECRET_KEY_PATTERN = re.compile(r"password|secret|token|jaas|credential|private", re.IGNORECASE)
-REDACTED = "***"
+# Control characters (C0, DEL, C1) and the Unicode line and paragraph separators: a name carrying
+# one could forge a line in every log that quotes it.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def default_name() -> str:
@@ -31,10 +33,19 @@ def default_name() -> str:
     return f"{host}_{os.getpid()}_{int(time.time())}"
 
 
-def limit(default: float | int | None, minimum: float | str, doc: str) -> Any:
+def name_problem(value: object) -> str | None:
+    """Why `value` cannot name a replica or a group (it shows up in every log line and status row), or None."""
+    if not isinstance(value, str) or not value.strip():
+        return f"must be a non-empty string, got {value!r}"
+    if CONTROL_CHARACTERS.search(value):
+        return f"must not contain control characters (a line break would forge a log line), got {value!r}"
+    return None
+
+
+def limit(default: float | int | None, minimum: float | str, doc: str, maximum: float | None = None) -> Any:
     """A Limits field: its default, the least value it accepts (or the name of the field that is
-    its least value), and what it does."""
-    return field(default=default, metadata={"minimum": minimum, "doc": doc})
+    its least value), the most (if any), and what it does."""
+    return field(default=default, metadata={"minimum": minimum, "maximum": maximum, "doc": doc})
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,8 @@ class Limits:
     min_poll_interval: float = limit(0.1, 0.001, "The leader topic is polled at least this often, so Kafka sees "
                                                  "the replica alive.")
     heartbeat_timeout: float = limit(5.0, 0.001, "A leader fences itself when it has not seen its own heartbeat "
-                                                 "for this long; Kafka's session timeout is three times it.")
+                                                 "for this long; Kafka's session timeout is three times it.",
+                                     maximum=1200.0)
     max_poll_interval: float | None = limit(None, "min_poll_interval",
                                             "Longest gap between polls of the leader topic before the leader "
                                             "re-marks (default: heartbeat_timeout / 2).")
@@ -76,6 +88,9 @@ class Limits:
                                                  "time, up to 16 times it), in case its cause went away.")
     fence_retry_interval: float = limit(5.0, 0.001, "How often a leader blocked by another replica's database "
                                                     "fence tries to take it.")
+    topic_limits_interval: float = limit(60.0, 0.001, "How often each topic's max.message.bytes is read again "
+                                                      "from Kafka (the record producer's batches fit the smallest; "
+                                                      "a record that cannot fit is held before it is produced).")
     min_metrics_interval: float = limit(5.0, 0.0, "Throughput is measured (and logged, when it moved) at most "
                                                   "this often.")
     status_interval: float = limit(2.0, 0.0, "The replica's status row is written this often (0 turns status "
@@ -121,6 +136,10 @@ class Limits:
                 found.append(Problem("E003", spec.name, f"must be {kind}, got {value!r}"))
             elif value < minimum:
                 found.append(Problem("E004", spec.name, f"must be at least {minimum:g}, got {value!r}"))
+            elif spec.metadata["maximum"] is not None and value > spec.metadata["maximum"]:
+                # heartbeat_timeout: Kafka's session timeout is 3 x it, and librdkafka takes at most an hour.
+                found.append(Problem("E004", spec.name, f"must be at most {spec.metadata['maximum']:g}, got "
+                                                        f"{value!r}"))
         return found
 
 
@@ -133,7 +152,9 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+        # A setting's name comes from the user's mapping: one with a newline must not make two lines.
+        field = self.field if self.field.isprintable() else repr(self.field)
+        return f"{field}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -186,9 +207,9 @@ class HarvestConfig:
                                      f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -), "
                                      f"got {value!r}"))
         for name in ("leader_group", "name"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                found.append(Problem("E008", name, f"must be a non-empty string, got {value!r}"))
+            problem = name_problem(getattr(self, name))
+            if problem is not None:
+                found.append(Problem("E008", name, problem))
         for name in ("base_kafka_config", "producer_kafka_config"):
             value = getattr(self, name)
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -269,8 +290,8 @@ class HarvestConfig:
         return {
             "dsn": redact_dsn(self.dsn),
             "table": self.table,
-            "base_kafka_config": redact_kafka_config(self.base_kafka_config),
-            "producer_kafka_config": redact_kafka_config(self.producer_kafka_config),
+            "base_kafka_config": redact_mapping(self.base_kafka_config),
+            "producer_kafka_config": redact_mapping(self.producer_kafka_config),
             "leader_topic": self.leader_topic,
             "leader_group": self.leader_group,
             "name": self.name,
@@ -286,24 +307,6 @@ class HarvestConfig:
 
     def __repr__(self) -> str:  # never let a password reach a log line through repr()
         return f"HarvestConfig({self.redacted()!r})"
-
-
-def redact_kafka_config(config: Any) -> Any:
-    if not isinstance(config, Mapping):
-        return REDACTED if isinstance(config, str) and SECRET_KEY_PATTERN.search(config) else config
-    return {key: (REDACTED if SECRET_KEY_PATTERN.search(str(key)) else value) for key, value in config.items()}
-
-
-_URL_PASSWORD = re.compile(r"(?P<head>^[a-z][a-z0-9+.-]*://[^:/@]*:)(?P<password>[^@]*)(?P<tail>@)", re.IGNORECASE)
-_KV_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?P<password>'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def redact_dsn(dsn: str) -> str:
-    """Mask the password in a URL (postgres://u:pw@h/db) or key=value (password=pw) connection string."""
-    if not isinstance(dsn, str):
-        return REDACTED
-    dsn = _URL_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}{m['tail']}", dsn)
-    return _KV_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}", dsn)
 
 
 def _is_number(value: object) -> bool:

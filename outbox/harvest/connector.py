@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, Producer
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import Record
 from outbox.harvest.kafka import (
+    KAFKA_START_TIMEOUT,
     ProducerLike,
     dead_letter_producer_config,
     ensure_topic,
@@ -26,11 +27,11 @@ from outbox.harvest.kafka import (
 )
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.status import StatusReporter, StatusSnapshot, status_table_exists
-from outbox.harvest.store import FenceHolder, Listener, PostgresStore, close_quietly, connect, first_line
+from outbox.harvest.store import FenceHolder, Listener, PostgresStore, close_quietly, connect
+from outbox.harvest.topics import TopicLimits, admin_describe
+from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
-#: How long start() waits for Kafka to answer before reporting it unreachable.
-KAFKA_START_TIMEOUT = 10.0
 
 
 class Store(Protocol):
@@ -64,8 +65,13 @@ class ListenerLike(Protocol):
 class Connector(Protocol):
     """Builds the harvester's outside systems; every method may raise StoreError or KafkaUnavailable."""
 
+    #: The record producer's batches fit this many bytes (None: librdkafka's batch.size); the runtime
+    #: lowers it to the smallest max.message.bytes it meets before building a new record producer.
+    batch_limit: int | None
+
     def open_store(self) -> Store: ...
     def ensure_leader_topic(self) -> None: ...
+    def topic_limits(self) -> TopicLimits: ...
     def record_producer(self) -> ProducerLike: ...
     def dead_letter_producer(self) -> ProducerLike: ...
     def leader_election(self) -> LeaderElection: ...
@@ -79,6 +85,11 @@ class LiveConnector:
 
     def __init__(self, config: HarvestConfig) -> None:
         self.config = config
+        self.batch_limit: int | None = None
+
+    def topic_limits(self) -> TopicLimits:
+        return TopicLimits(admin_describe(dict(self.config.base_kafka_config)),
+                           refresh_interval=self.config.limits.topic_limits_interval)
 
     def open_store(self) -> PostgresStore:
         config = self.config
@@ -89,7 +100,7 @@ class LiveConnector:
         ensure_topic(dict(self.config.base_kafka_config), self.config.leader_topic, KAFKA_START_TIMEOUT)
 
     def record_producer(self) -> Producer:
-        return Producer(record_producer_config(self.config))
+        return Producer(record_producer_config(self.config, self.batch_limit))
 
     def dead_letter_producer(self) -> Producer:
         return Producer(dead_letter_producer_config(self.config))

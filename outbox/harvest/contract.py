@@ -44,6 +44,7 @@ class ReplicaState(enum.StrEnum):
     FENCED = "fenced"  # assigned but has not seen its own heartbeat: sends nothing
     BLOCKED = "blocked"  # leads its group but another replica holds the table's database fence
     STOPPING = "stopping"
+    STOPPED = "stopped"  # stopped cleanly: its status row stays, so the health probe can say so, until pruned
 
 
 @dataclass(frozen=True, slots=True)

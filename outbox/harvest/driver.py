@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import psycopg
@@ -29,9 +29,11 @@ from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record, iso_utc
 from outbox.harvest.core import Core
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.kafka import ProducerLike, kafka_error
-from outbox.harvest.store import StoreError, first_line
+from outbox.harvest.kafka import ProducerLike
+from outbox.harvest.store import StoreError
+from outbox.harvest.topics import UNLIMITED, fits, record_size, too_large
 from outbox.harvest.tracing import PublishTracer
+from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ PERMANENT_ERRORS = frozenset({
     KafkaError.INVALID_REQUIRED_ACKS,
     KafkaError._INVALID_ARG,
 })
+
+#: Kafka refused a batch for its size: the topic's max.message.bytes is read again.
+SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 
 #: The database sessions jobs run on. The fence session holds the table's fence and marks (so a
 #: leader that lost the fence can mark nothing); the purge session settles, so settling never waits
@@ -69,6 +74,21 @@ class EngineIO(Protocol):
         """The record producer in use."""
 
     def now(self) -> float: ...
+
+    @property
+    def batch_limit(self) -> int:
+        """The record producer's batches fit this many bytes (topics.UNLIMITED: librdkafka's batch.size)."""
+
+    def topic_limit(self, topic: str) -> int | None:
+        """The topic's max.message.bytes (topics.UNLIMITED if it cannot be known), or None while it is
+        being read (the records wait)."""
+
+    def fit_batches(self, limit: int) -> bool:
+        """Make the record producer's batches fit `limit` bytes; False while that waits for the
+        producer to report what it holds (send nothing meanwhile)."""
+
+    def refused_for_size(self, topic: str | None) -> None:
+        """Kafka refused a batch of `topic` (None: of some topic) for its size: read its limit again."""
 
     def submit(self, session: str, job: Callable[[Store], None]) -> None:
         """Run `job` on a database session (FENCE_SESSION or PURGE_SESSION), after the jobs before it."""
@@ -101,10 +121,13 @@ class Driver:
         self._instruments = instruments or Instruments()
         self._parked_by = parked_by
         self._tracer = tracer
-        #: Spans of failed deliveries, by record id: put by the delivery thread before its report, taken
-        #: by the turn that hands the core the report, ended once that turn's commands (a Hold) ran.
+        #: Tracer handles of failed records, by record id: put by the delivery thread before its report,
+        #: taken by the turn that hands the core the report (or by _send, for a record refused before it
+        #: was produced), and ended at the end of the turn after, so a Hold the core answers with is
+        #: recorded on them.
         self._failed_spans: dict[int, Any] = {}
         self._turn_failures: dict[int, Any] = {}
+        self._older_failures: dict[int, Any] = {}
         # Appended by other threads, taken in by turn() (deque appends and pops are thread-safe).
         self._inbox: deque[Result] = deque()
         self._deliveries: deque[tuple[int, KafkaError | None]] = deque()
@@ -142,7 +165,7 @@ class Driver:
                 inbox.popleft()(core)
         for command in core.take_commands():
             getattr(self, self._handlers[type(command)])(command)
-        if self._turn_failures:
+        if self._turn_failures or self._older_failures:
             self._end_failed_spans()
         io.leadership(assigned=core.assigned, leading=core.leading)
         return core.next_deadline()
@@ -150,22 +173,38 @@ class Driver:
     # -- Kafka ------------------------------------------------------------------------------------
 
     def _send(self, command: cmd.Send) -> None:
-        producer = self.io.producer
-        core = self.core
+        io, core = self.io, self.core
+        records = command.records
+        limits: dict[str, int | None] = {}
+        for record in records:
+            if record.topic not in limits:
+                limits[record.topic] = io.topic_limit(record.topic)
+        smallest = min((limit for limit in limits.values() if limit is not None), default=UNLIMITED)
+        if smallest < io.batch_limit and not io.fit_batches(smallest):
+            # The producer is rebuilt with smaller batches once it has reported what it holds.
+            core.on_backpressure([r.id for r in records])
+            return
+        producer = io.producer
         delivered = self._on_delivery
         created_last: Any = None
         created_text = ""
-        records = command.records
-        refused_keys: set[str] = set()
+        # Keys whose record was refused or waits for its topic's limit: later ones must not go out ahead.
+        stopped_keys: set[str] = set()
         held_back: list[int] = []
         tracer = self._tracer
-        handles: Sequence[Any] = () if tracer is None else tracer.sending(records)
+        handles: dict[int, Any] = {}
+        if tracer is not None:
+            # Records whose topic's limit is still being read wait unsent: no span for them yet.
+            traced = [r for r in records if limits[r.topic] is not None]
+            if traced:
+                handles = dict(zip((r.id for r in traced), tracer.sending(traced), strict=True))
         for index, record in enumerate(records):
-            if record.key in refused_keys:
-                # A record of its key was refused just now: this one must not go out ahead of it.
+            limit = limits[record.topic]
+            if record.key in stopped_keys or limit is None:
+                stopped_keys.add(record.key)
                 held_back.append(record.id)
-                if tracer is not None:
-                    tracer.end(handles[index])
+                if tracer is not None and record.id in handles:
+                    tracer.end(handles[record.id])
                 continue
             created = record.create_time
             if created != created_last:  # a stash_many() batch shares one timestamp: format it once
@@ -175,18 +214,29 @@ class Driver:
                 headers[:0] = zip(record.header_keys, record.header_values, strict=False)
                 if contract.CE_SPECVERSION in record.header_keys:
                     headers.extend(contract.cloudevent_headers(record.id, created_text, record.header_keys))
+            if limit < UNLIMITED and not fits(record.key, record.value, headers, limit):
+                # Held before it is produced: a refused batch would fail every key's records with it.
+                stopped_keys.add(record.key)
+                size = record_size(record.key, record.value, headers)
+                failure = DeliveryError("MSG_SIZE_TOO_LARGE", too_large(size, limit, record.topic), permanent=True)
+                if tracer is not None:
+                    tracer.failed(handles[record.id], record.id, failure)
+                    self._turn_failures[record.id] = handles[record.id]  # ended after the Hold it may bring
+                core.on_refused(record.id, failure)
+                continue
             if tracer is None:
                 on_delivery = functools.partial(delivered, record.id)
             else:
-                on_delivery = functools.partial(self._on_traced_delivery, record.id, handles[index])
+                on_delivery = functools.partial(self._on_traced_delivery, record.id, handles[record.id])
             try:
                 producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
                                  on_delivery=on_delivery)
             except BufferError:
                 # The producer's local queue is full: these go back to the front of their lanes.
                 if tracer is not None:
-                    for handle in handles[index:]:  # never produced: sent again later, traced again then
-                        tracer.end(handle)
+                    for unsent in records[index:]:  # never produced: sent again later, traced again then
+                        if unsent.id in handles:
+                            tracer.end(handles[unsent.id])
                 core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                 return
             except KafkaException as error:
@@ -194,21 +244,24 @@ class Driver:
                 failure = (delivery_error(found) if found is not None
                            else DeliveryError("ERROR", str(error), permanent=True))
                 if tracer is not None:
-                    tracer.failed(handles[index], record.id, failure)
-                    tracer.end(handles[index])
+                    tracer.failed(handles[record.id], record.id, failure)
+                    self._turn_failures[record.id] = handles[record.id]  # ended after the Hold it may bring
                 if found is not None and found.fatal():
                     if tracer is not None:
-                        for handle in handles[index + 1:]:
-                            tracer.end(handle)
+                        for unsent in records[index + 1:]:
+                            if unsent.id in handles:
+                                tracer.end(handles[unsent.id])
                     core.on_producer_failed(failure)
                     core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                     return
-                refused_keys.add(record.key)
+                stopped_keys.add(record.key)
                 core.on_refused(record.id, failure)
         if held_back:
             core.on_backpressure(held_back)
 
     def _on_delivery(self, record_id: int, error: KafkaError | None, _message: Any) -> None:
+        if error is not None and error.code() in SIZE_ERRORS:
+            self.io.refused_for_size(None)  # one request reads every topic's limit again
         self.delivered(record_id, error)
 
     def _on_traced_delivery(self, record_id: int, handle: Any, error: KafkaError | None, message: Any) -> None:
@@ -219,14 +272,14 @@ class Driver:
         else:
             tracer.failed(handle, record_id, delivery_error(error))
             self._failed_spans[record_id] = handle  # before the report, so the turn that takes it finds it
-        self.delivered(record_id, error)
+        self._on_delivery(record_id, error, message)
 
     def _end_failed_spans(self) -> None:
         tracer = self._tracer
         assert tracer is not None
-        for span in self._turn_failures.values():
-            tracer.end(span)
-        self._turn_failures.clear()
+        for handle in self._older_failures.values():
+            tracer.end(handle)
+        self._older_failures, self._turn_failures = self._turn_failures, {}
 
     def _abort_sends(self, command: cmd.AbortSends) -> None:
         try:
@@ -332,9 +385,9 @@ class Driver:
 
     def _hold(self, command: cmd.Hold) -> None:
         record_id = command.record_id
-        span = self._turn_failures.get(record_id)
-        if span is not None and self._tracer is not None:
-            self._tracer.held(span, record_id, command.reason)
+        handle = self._turn_failures.get(record_id) or self._older_failures.get(record_id)
+        if handle is not None and self._tracer is not None:
+            self._tracer.held(handle, record_id, command.reason)
 
         def noted(core: Core, error: str) -> None:
             log.warning("Could not note the error on record %d: %s", record_id, error)

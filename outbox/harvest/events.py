@@ -75,6 +75,21 @@ class MeterStats:
     total_failed: int
     in_flight: int
 
+    def __str__(self) -> str:
+        """The throughput log line: "Published 131,600 records in 5.0 s (26,320 records/s); ..."."""
+        return (f"Published {self.published:,} record{'s' * (self.published != 1)} in {self.interval:.1f} s "
+                f"({rate_text(self.rate)} records/s); {self.total_published:,} published in all, "
+                f"{self.total_failed:,} failed, {self.in_flight:,} in flight")
+
+
+def rate_text(rate: float) -> str:
+    """A rate as a person writes it: 26,320 / 26 / 2.6 / 0.2 / 0."""
+    if rate >= 10:
+        return f"{rate:,.0f}"
+    if rate >= 1:
+        return f"{rate:.1f}"
+    return f"{rate:.1g}" if rate > 0 else "0"
+
 
 @dataclass(frozen=True)
 class MeterRead:

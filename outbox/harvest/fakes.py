@@ -29,6 +29,7 @@ from outbox.harvest.memory.table import MemoryStore, MemoryTable, Row
 from outbox.harvest.memory.world import LiveWorld
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.store import FenceHolder
+from outbox.harvest.topics import UNLIMITED, TopicLimits, batch_size_for
 
 __all__ = ["FakeConnector", "FakeConsumer", "FakeKafka", "FakeMessage", "FakeProducer", "FakeStore", "Row"]
 
@@ -308,15 +309,28 @@ class FakeConnector:
         self.kafka = kafka if kafka is not None else FakeKafka()
         self.store = store if store is not None else FakeStore()
         self.leader_topic = "outbox-leader"
+        self.batch_limit: int | None = None
 
     def open_store(self) -> FakeStore:
         return self.store
+
+    def topic_limits(self) -> TopicLimits:
+        """Topics' limits as FakeKafka's broker has them (`kafka.broker.max_message_bytes`)."""
+        broker = self.kafka.broker
+
+        def describe(topics: list[str]) -> dict[str, int | BaseException]:
+            with self.kafka.lock:
+                return {topic: broker.max_message_bytes.get(topic, UNLIMITED) for topic in topics}
+
+        return TopicLimits(describe, refresh_interval=1.0)
 
     def ensure_leader_topic(self) -> None:
         pass
 
     def record_producer(self) -> FakeProducer:
         producer = FakeProducer(self.kafka)
+        if self.batch_limit is not None and self.batch_limit < UNLIMITED:
+            producer.batch_bytes = batch_size_for(self.batch_limit)
         with self.kafka.lock:
             self.kafka.record_producers.append(producer)
         return producer

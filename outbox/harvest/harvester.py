@@ -32,11 +32,13 @@ from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.kafka import KafkaUnavailable, kafka_reason
+from outbox.harvest.kafka import KafkaUnavailable
+from outbox.harvest.redaction import remember_secrets, scrub
 from outbox.harvest.runtime import ThreadedIO
 from outbox.harvest.status import StatusReporter, StatusSnapshot
-from outbox.harvest.store import StoreError, first_line
+from outbox.harvest.store import StoreError
 from outbox.harvest.tracing import PublishTracer
+from outbox.reasons import first_line, kafka_reason
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,11 @@ class State(enum.Enum):
 
 
 class HarvestError(Exception):
-    """The harvester cannot start or has failed; str() is one line for the operator."""
+    """The harvester cannot start or has failed; str() is one line for the operator, with any secret
+    value a client's error quoted masked."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(scrub(message))
 
 
 class Harvester:
@@ -62,6 +68,8 @@ class Harvester:
                  on_event: Callable[[events.Event], None] | None = None, instruments: Instruments | None = None,
                  clock: Callable[[], float] = time.monotonic, tracer: PublishTracer | None = None) -> None:
         self.config = config
+        # Whatever logs or raises from here on masks this configuration's secrets (redaction.py).
+        remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
         self._connector = connector if connector is not None else LiveConnector(config)
         self._on_event = on_event
         self._instruments = instruments or Instruments()
@@ -126,6 +134,12 @@ class Harvester:
     @property
     def held_keys(self) -> dict[str, str]:
         return {held.key: held.reason for held in self._snapshot.held}
+
+    @property
+    def topic_limits(self) -> dict[str, int]:
+        """Each topic's max.message.bytes as last read from Kafka (topics.UNLIMITED: could not be read)."""
+        limits = self._io.topic_limits
+        return limits.snapshot() if limits is not None else {}
 
     @property
     def published(self) -> int:
@@ -245,8 +259,7 @@ class Harvester:
         self._meter_started, self._meter_published = now, core.published
         self.last_meter = stats
         if published:  # an idle replica logs nothing
-            log.info("Throughput %.4g records/s (%d in %.1fs; %d published, %d failed, %d in flight)", stats.rate,
-                     published, interval, stats.total_published, stats.total_failed, stats.in_flight)
+            log.info("%s", stats)
         self._emit(events.MeterRead(stats))
 
     def _take_snapshot(self) -> None:

@@ -15,6 +15,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.harvest.config import HarvestConfig, Problem
+from outbox.harvest.topics import UNLIMITED, batch_size_for
+from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
@@ -60,10 +62,18 @@ class KafkaUnavailable(Exception):
 #: enforces `delivery_timeout` itself (by purging the producer), so librdkafka never times out a
 #: queued record on its own, which could let a later record of its key through (a gap).
 PIPELINED_LIBRDKAFKA_TIMEOUT_MS = 2_147_483_647
+#: librdkafka's largest socket.timeout.ms.
+MAX_SOCKET_TIMEOUT_MS = 300_000
+#: librdkafka's default batch.size.
+LIBRDKAFKA_BATCH_SIZE = 1_000_000
+#: How long a client's start (metadata, topic creation, init_transactions) waits for Kafka before it is
+#: reported unreachable: the harvester's, the queue consumer's and the tracker's.
+KAFKA_START_TIMEOUT = 10.0
 
 
-def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
-    """Config of the producer that publishes outbox records.
+def record_producer_config(config: HarvestConfig, batch_limit: int | None = None) -> dict[str, Any]:
+    """Config of the producer that publishes outbox records, its batches at most `batch_limit` bytes
+    (the smallest max.message.bytes of the topics it sends to, topics.py).
 
     Idempotence is on: librdkafka's retries never duplicate or reorder a message within the
     producer's session. With one record per key in flight (goharvest's barrier),
@@ -90,9 +100,18 @@ def record_producer_config(config: HarvestConfig) -> dict[str, Any]:
         merged["enable.gapless.guarantee"] = True
     merged.update(config.base_kafka_config)
     merged.update(config.producer_kafka_config)
-    merged.setdefault("error_cb", _log_client_error)
+    if batch_limit is not None and batch_limit < UNLIMITED:
+        merged["batch.size"] = min(_int(merged.get("batch.size"), LIBRDKAFKA_BATCH_SIZE), batch_size_for(batch_limit))
+    merged.setdefault("error_cb", log_client_error)
     merged.setdefault("logger", client_log)
     return merged
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def dead_letter_producer_config(config: HarvestConfig) -> dict[str, Any]:
@@ -114,7 +133,9 @@ def election_socket_timeout_ms(config: HarvestConfig) -> int:
     (measured: docs/operations.md, "Production Kafka"); at two heartbeat timeouts it resumes within
     about three.
     """
-    return max(1000, int(2 * config.limits.heartbeat_timeout * 1000))
+    # librdkafka takes at most 300 s: a heartbeat_timeout over 150 s would otherwise be refused as a
+    # socket.timeout.ms nobody set.
+    return min(MAX_SOCKET_TIMEOUT_MS, max(1000, int(2 * config.limits.heartbeat_timeout * 1000)))
 
 
 def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
@@ -125,7 +146,7 @@ def heartbeat_producer_config(config: HarvestConfig) -> dict[str, Any]:
         "linger.ms": 0,
         "delivery.timeout.ms": int(config.limits.heartbeat_timeout * 1000),
         "client.id": f"{config.name}-heartbeat",
-        "error_cb": _log_client_error,
+        "error_cb": log_client_error,
         "logger": client_log,
     })
     return merged
@@ -150,9 +171,13 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
         # Cooperative rebalancing moves only the partitions that change owner: a standby joining or
         # leaving does not revoke partition 0 from the leader (eager rebalancing would, every time).
         "partition.assignment.strategy": "cooperative-sticky",
-        "error_cb": _log_client_error,
+        "error_cb": log_client_error,
         "logger": client_log,
     })
+    # librdkafka refuses a session timeout above max.poll.interval.ms (5 minutes by default), which a
+    # heartbeat_timeout over 100 s makes.
+    merged["max.poll.interval.ms"] = max(_int(merged.get("max.poll.interval.ms"), 300_000),
+                                         merged["session.timeout.ms"])
     return merged
 
 
@@ -262,21 +287,9 @@ def ensure_topic(base: dict[str, Any], topic: str, timeout: float) -> None:
         raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
 
 
-def kafka_error(error: BaseException) -> KafkaError | None:
-    """The KafkaError a KafkaException carries, if it carries one."""
-    args = getattr(error, "args", ())
-    return args[0] if args and isinstance(args[0], KafkaError) else None
 
-
-def kafka_reason(error: BaseException) -> str:
-    """One line for the operator: Kafka's own words when there are some."""
-    found = kafka_error(error) if isinstance(error, KafkaException) else None
-    if found is not None:
-        return found.str()
-    return str(error) or type(error).__name__
-
-
-def _log_client_error(error: KafkaError) -> None:
+def log_client_error(error: KafkaError) -> None:
+    """librdkafka's error_cb for every client of ours: fatal errors logged as errors, the rest as warnings."""
     # librdkafka reports transient broker trouble here and retries by itself; only fatal errors need us.
     level = logging.ERROR if error.fatal() else logging.WARNING
     log.log(level, "Kafka client: %s", error.str())

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from outbox.harvest.store import first_line, table_identifier, table_name
+from outbox.harvest.store import table_identifier, table_name
+from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.partitions")
 

@@ -5,6 +5,8 @@ Threads (each reports to the engine through Driver.post, never by touching the c
 - delivery: polls the record producer, whose delivery reports go to the driver;
 - election: polls the leader topic (Fast NELI): heartbeats, and the rebalance callbacks, which run
   on this thread, so a revoke waits here for the core to settle while the engine goes on;
+- topics: reads the max.message.bytes of the topics records go to (topics.py), when first met and
+  every topic_limits_interval;
 and the engine thread (harvester.py), which runs the driver's turns and sleeps in `wait()`.
 """
 
@@ -17,6 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from operator import methodcaller
+from typing import Any
 
 import psycopg
 from confluent_kafka import KafkaError, KafkaException
@@ -26,9 +29,11 @@ from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import Connector, ListenerLike, Store
 from outbox.harvest.contract import Record
 from outbox.harvest.driver import FENCE_SESSION, PURGE_SESSION, Driver, delivery_error
-from outbox.harvest.kafka import ProducerLike, kafka_error
+from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE, ProducerLike, record_producer_config
 from outbox.harvest.neli import LeaderElection
-from outbox.harvest.store import close_quietly, connect, first_line
+from outbox.harvest.store import close_quietly, connect
+from outbox.harvest.topics import TopicLimits, TopicLimitsThread, batch_size_for, limit_fitted_by
+from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger("outbox.harvest.harvester")
 
@@ -89,6 +94,15 @@ class DeliveryPoller(threading.Thread):
         with self._lock:
             self._retiring.append(self.producer)
             self.producer = producer
+
+    def swap(self, producer: ProducerLike) -> None:
+        """Poll `producer` from now on, in place of one that has nothing left to report."""
+        with self._lock:
+            self.producer = producer
+
+    @property
+    def retiring(self) -> bool:
+        return bool(self._retiring)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -239,6 +253,10 @@ class ThreadedIO:
         self._poller: DeliveryPoller | None = None
         self._election: ElectionThread | None = None
         self._keeper: PartitionKeeper | None = None
+        self._topics: TopicLimitsThread | None = None
+        self.topic_limits: TopicLimits | None = None
+        #: The record producer's batches fit a topic whose max.message.bytes is at least this (topics.py).
+        self.batch_limit = limit_fitted_by(_batch_size(record_producer_config(config)))
 
     # -- life -----------------------------------------------------------------------------------
 
@@ -252,10 +270,11 @@ class ThreadedIO:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        self.topic_limits = connector.topic_limits()
+        self._topics = TopicLimitsThread(self.topic_limits)
         self.producer = connector.record_producer()
         self._poller = DeliveryPoller(
-            self.producer, lambda: driver.post(methodcaller("on_producer_restarted")),
-            lambda error: driver.post(lambda core: core.on_producer_failed(delivery_error(error))))
+            self.producer, lambda: driver.post(methodcaller("on_producer_restarted")), self._producer_failed)
         self._election = ElectionThread(connector.leader_election(), driver, self.config.limits.min_poll_interval)
         self._has_trigger = self.store.has_notify_trigger()
         self._listener = connector.listener(contract.notify_channel(self.store.table_oid))
@@ -268,13 +287,13 @@ class ThreadedIO:
             self._keeper = PartitionKeeper(self.config.dsn, self.config.table, lambda: self._leading)
 
     def start(self) -> None:
-        for thread in (self._poller, *self._workers.values(), self._election, self._keeper):
+        for thread in (self._poller, *self._workers.values(), self._election, self._keeper, self._topics):
             if thread is not None:
                 thread.start()
 
     def failure(self) -> BaseException | None:
         """Why a thread of this runtime died, if one did."""
-        for thread in (self._poller, *self._workers.values(), self._election, self._keeper):
+        for thread in (self._poller, *self._workers.values(), self._election, self._keeper, self._topics):
             if thread is not None and thread.failure is not None:
                 return thread.failure
         return None
@@ -293,6 +312,9 @@ class ThreadedIO:
         if self._poller is not None and self._poller.is_alive():
             self._poller.stop()
             self._poller.join(timeout=10)
+        if self._topics is not None and self._topics.is_alive():
+            self._topics.stop()
+            self._topics.join(timeout=10)
         for producer in (self.producer, self._dead_letter_producer):
             if producer is not None:
                 remaining = producer.flush(2.0)
@@ -320,6 +342,35 @@ class ThreadedIO:
             pass
         self.producer = self._connector.record_producer()
         self._poller.replace(self.producer)
+
+    def topic_limit(self, topic: str) -> int | None:
+        return self.topic_limits.limit(topic)
+
+    def fit_batches(self, limit: int) -> bool:
+        """Rebuild the record producer so its batches fit `limit`, once it has nothing left to report
+        (so no record of a key can overtake one in the old producer); False until then."""
+        if limit >= self.batch_limit:
+            return True
+        poller = self._poller
+        if len(self.producer) or poller.retiring:
+            return False
+        old = self.producer
+        self._connector.batch_limit = self.batch_limit = limit
+        self.producer = self._connector.record_producer()
+        poller.swap(self.producer)
+        old.flush(0)
+        log.info("Record producer rebuilt with batches of at most %s bytes: the smallest max.message.bytes of "
+                 "the topics it sends to is %s bytes", f"{batch_size_for(limit):,}", f"{limit:,}")
+        return True
+
+    def refused_for_size(self, topic: str | None) -> None:
+        """Kafka refused a batch for its size: the topic's limit must be read again (it was lowered)."""
+        if self.topic_limits is not None:
+            self.topic_limits.invalidate(topic)
+
+    def _producer_failed(self, error: KafkaError) -> None:
+        self.refused_for_size(None)  # a refused batch is the usual cause: read every limit again
+        self.driver.post(lambda core: core.on_producer_failed(delivery_error(error)))
 
     def release_partition(self) -> None:
         self._election.release()
@@ -392,3 +443,10 @@ class ThreadedIO:
             self._woken = False
         if listen_fd is not None and listen_fd in ready and listener.drain():
             driver.post(methodcaller("on_notified"))
+
+
+def _batch_size(settings: dict[str, Any]) -> int:
+    try:
+        return int(settings.get("batch.size", LIBRDKAFKA_BATCH_SIZE))
+    except (TypeError, ValueError):
+        return LIBRDKAFKA_BATCH_SIZE

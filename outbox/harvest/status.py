@@ -27,7 +27,8 @@ from psycopg import sql
 
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
-from outbox.harvest.store import close_quietly, connect, first_line, table_identifier, table_name
+from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
+from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
 
@@ -72,7 +73,12 @@ ON CONFLICT (name) DO UPDATE SET
   failed = EXCLUDED.failed
 """
 PRUNE = "DELETE FROM {table} WHERE last_seen < now() - make_interval(secs => %(age)s)"
-REMOVE = "DELETE FROM {table} WHERE name = %(name)s"
+# A clean stop keeps the row, saying so (and when: last_seen), until it is pruned like any other.
+STOPPED = """
+UPDATE {table} SET state = 'stopped', since = now(), last_seen = now(), leader_id = NULL, marked_upto = NULL,
+  in_flight = 0, queued = 0, in_flight_keys = '{{}}', in_flight_key_count = 0, throughput = 0
+WHERE name = %(name)s AND pid = %(pid)s AND host = %(host)s
+"""
 LEADERS = """
 SELECT name, host FROM {table}
 WHERE leader_group = %(group)s AND state = 'leader' AND name <> %(name)s
@@ -82,7 +88,7 @@ WHERE leader_group = %(group)s AND state = 'leader' AND name <> %(name)s
 # of them can ever be harvested.
 OTHER_TABLES = """
 SELECT name, host, harvested_table FROM {table}
-WHERE leader_group = %(group)s AND harvested_table <> %(harvested)s
+WHERE leader_group = %(group)s AND harvested_table <> %(harvested)s AND state <> 'stopped'
   AND last_seen > now() - make_interval(secs => %(age)s)
 """
 # A live-row estimate for the harvested table, kept by Postgres's statistics: no table scan.
@@ -117,7 +123,7 @@ def status_table_exists(conn: psycopg.Connection, table: str) -> bool:
 
 
 class StatusReporter(threading.Thread):
-    """Upserts this replica's status row every `status_interval` seconds until stopped, then deletes it."""
+    """Upserts this replica's status row every `status_interval` seconds until stopped, then marks it stopped."""
 
     def __init__(self, config: HarvestConfig, *, snapshot: Callable[[], StatusSnapshot],
                  on_backlog: Callable[[int], None], started: datetime | None = None) -> None:
@@ -126,7 +132,7 @@ class StatusReporter(threading.Thread):
         ident = table_identifier(config.status_table)
         self._upsert = sql.SQL(UPSERT).format(table=ident)
         self._prune = sql.SQL(PRUNE).format(table=ident)
-        self._remove = sql.SQL(REMOVE).format(table=ident)
+        self._stopped = sql.SQL(STOPPED).format(table=ident)
         self._leaders = sql.SQL(LEADERS).format(table=ident)
         self._other_tables = sql.SQL(OTHER_TABLES).format(table=ident)
         self._shared_said: set[str] = set()
@@ -163,9 +169,9 @@ class StatusReporter(threading.Thread):
             if self._stop_event.wait(self._interval):
                 break
         try:
-            self._connection().execute(self._remove, {"name": self._identity["name"]})
+            self._connection().execute(self._stopped, self._identity)
         except psycopg.Error as error:
-            log.debug("Could not remove the status row: %s", first_line(error))
+            log.debug("Could not mark the status row stopped: %s", first_line(error))
         conn, self._conn = self._conn, None
         close_quietly(conn)
 

@@ -22,6 +22,8 @@ from psycopg import sql
 
 from outbox.harvest import contract
 from outbox.harvest.contract import Record
+from outbox.harvest.redaction import dsn_problem
+from outbox.reasons import first_line
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,11 @@ APPLICATION_PREFIX = "outbox-harvest"
 
 class StoreError(Exception):
     """The outbox table cannot be used; the message is one line for the operator."""
+
+
+#: The oldest Postgres the engine runs on (server_version_num); README, "Using it in your project", says
+#: so, and tests/integration/test_postgres_majors.py runs the harvester on it.
+MIN_SERVER_VERSION = 140000
 
 
 def connect(dsn: str, purpose: str, *, name: str = "") -> psycopg.Connection:
@@ -88,10 +95,6 @@ def describe_dsn(dsn: str) -> str:
     return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
 
 
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
 
 def requeue(conn: psycopg.Connection, table: str, ids: Sequence[int]) -> int:
     """Clear rows' failure counts on the caller's connection (and transaction); returns how many."""
@@ -144,6 +147,13 @@ class PostgresStore:
             conn = connect(dsn, "fence", name=f"{group_tag(group)} {name}")
         except psycopg.OperationalError as error:
             raise StoreError(f"cannot connect to Postgres at {where}: {first_line(error)}") from None
+        except psycopg.ProgrammingError:  # libpq cannot parse it; its words could quote part of a password
+            raise StoreError(f"cannot connect to Postgres: dsn {dsn_problem(dsn)}") from None
+        if conn.info.server_version < MIN_SERVER_VERSION:
+            version = conn.info.server_version
+            close_quietly(conn)
+            raise StoreError(f"Postgres at {where} is {version // 10000}.{version % 10000}: the oldest supported "
+                             f"is {MIN_SERVER_VERSION // 10000}")
         try:
             columns = {name for (name,) in conn.execute(contract.TABLE_COLUMNS, {"table": table_name(table)})}
             oid = conn.execute(contract.TABLE_OID, {"table": table_name(table)}).fetchone()[0]

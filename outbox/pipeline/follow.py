@@ -18,7 +18,6 @@ SIGINT/SIGTERM (after the micro-batch under way).
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from pyspark.sql import DataFrame, SparkSession
 from outbox.pipeline import audit, delta_table, preflight, sink, sources
 from outbox.pipeline import latest as latest_state
 from outbox.pipeline.state import Offsets, Outputs, StateError, StateStore
+from outbox.stopping import on_stop_signals
 
 
 @dataclass
@@ -206,8 +206,7 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
         processingTime=options.trigger_interval)
     query = writer.queryName("outbox-audit-follow").start()
     stop_requested = threading.Event()
-    previous_handlers = _install_stop_handlers(stop_requested)
-    try:
+    with on_stop_signals(stop_requested.set):
         while query.isActive:
             query.awaitTermination(0.5)
             if failure:
@@ -229,8 +228,6 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
         if not run.stopped_because and not failure:
             run.stopped_because = "all available data read (--once)"
         error = query.exception()
-    finally:
-        _restore_handlers(previous_handlers)
     if failure:
         raise failure[0]
     if error is not None:
@@ -242,14 +239,3 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
 def _first_trigger_done(status: dict[str, Any], run: FollowRun) -> bool:
     """Whether Spark has run a trigger: a batch came, or the stream waits for the next one."""
     return bool(run.folded or run.skipped) or str(status.get("message", "")).startswith("Waiting")
-
-
-def _install_stop_handlers(event: threading.Event) -> dict[int, Any]:
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, lambda *_: event.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _restore_handlers(previous: dict[int, Any]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)

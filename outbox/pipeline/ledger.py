@@ -13,6 +13,8 @@ from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from outbox.reasons import first_line
+
 DRIVERS = {"jdbc:postgresql:": "org.postgresql.Driver"}
 
 
@@ -25,7 +27,7 @@ def _reason(error: Exception) -> str:
         text = str(error.java_exception.getMessage() or error.java_exception.toString())
     else:
         text = str(error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return first_line(text) if text.strip() else type(error).__name__
 
 
 def from_file(spark: SparkSession, path: str) -> DataFrame:

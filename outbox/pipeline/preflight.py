@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from outbox.reasons import first_line
+
 LOCAL_MASTER = re.compile(r"local(\[(\*|[1-9]\d*)(,\s*[1-9]\d*)?\])?|local-cluster\[\d+,\s*\d+,\s*\d+\]")
 MASTER_FORMS = "local, local[N], local[*], spark://HOST:PORT, yarn or k8s://URL"
 CONNECT_TIMEOUT = 5.0
@@ -164,7 +166,7 @@ def check_remote_paths(spark: Any, folders: Mapping[str, str | None], files: Map
 def _java_reason(error: Exception) -> str:
     java = getattr(error, "java_exception", None)
     text = str(java.toString() if java is not None else error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return first_line(text) if text else type(error).__name__
 
 
 def wait_for_executors(spark: Any, timeout: float) -> tuple[int, int]:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the pre-flight checks run before (and without) pyspark
     from pyspark.sql import DataFrame, SparkSession
 
 from outbox.harvest.kafka import ConnectionProblems
+from outbox.reasons import kafka_reason
 
 KAFKA_PREFIX = "kafka."
 # Larger fetches than the Java client's defaults (1 MiB a partition): ~15% faster scans of small messages.
@@ -126,7 +127,7 @@ def _known_config(config: dict[str, object], make: type) -> object:
         try:
             return make(config)
         except KafkaException as error:
-            text = error.args[0].str() if error.args else str(error)
+            text = kafka_reason(error)
             unknown = [key for key in config if f'"{key}"' in text]
             if "No such configuration property" not in text or not unknown:
                 raise SourceError(f"bad Kafka option: {text}") from None
@@ -140,7 +141,7 @@ def partitions(kafka: Kafka, topics: Sequence[str], timeout: float = 10.0) -> di
     try:
         metadata = admin.list_topics(timeout=timeout)  # type: ignore[attr-defined]
     except KafkaException as error:
-        text = error.args[0].str() if error.args else str(error)
+        text = kafka_reason(error)
         admin.poll(0)  # type: ignore[attr-defined]  # serves the error callbacks: a refused login, a bad certificate
         if problems.hopeless is not None:
             raise SourceError(problems.describe(kafka.bootstrap_servers, text)) from None
@@ -171,7 +172,7 @@ def watermarks(kafka: Kafka, topics: Mapping[str, Sequence[int]],
                     low, high = consumer.get_watermark_offsets(  # type: ignore[attr-defined]
                         TopicPartition(topic, partition), timeout=timeout, cached=False)
                 except KafkaException as error:
-                    text = error.args[0].str() if error.args else str(error)
+                    text = kafka_reason(error)
                     raise SourceError(f"offsets of {topic}[{partition}]: {text}") from None
                 found[topic][partition] = (low, high)
         return found

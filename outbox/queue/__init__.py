@@ -12,7 +12,7 @@
         ...
         message.ack()
 
-Names are loaded on first use, so the engine modules (config, markers, tracking, consumer,
+Names are loaded on first use, so the engine modules (config, markers, tracker_state, consumer,
 tracker, producer) can be imported without Django.
 """
 

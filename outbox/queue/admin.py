@@ -11,10 +11,9 @@ from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path
-from django.utils.html import format_html_join
 
 from outbox import console
-from outbox.queue import api, conf, history, overview
+from outbox.queue import api, app_settings, history, overview
 from outbox.queue.config import QUEUE_NAME_PATTERN
 from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, Queue
@@ -24,25 +23,11 @@ RECENT_DEAD_LETTERS = 20
 
 
 @admin.register(Queue)
-class QueueAdmin(admin.ModelAdmin):
+class QueueAdmin(console.ConsolePage, admin.ModelAdmin):
     """/admin/outbox_queue/queue/: every queue; /admin/outbox_queue/queue/<name>/: one queue."""
 
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """The queue pages show dead letters' payloads and what the consumers hold: they take the view
-        permission of dead letters (view or change, as Django's own)."""
-        return self.admin_site._registry[DeadLetter].has_view_permission(request)
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return self.has_view_permission(request)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    #: The queue pages show dead letters' payloads and what the consumers hold: dead letters' view permission.
+    view_permission_of = DeadLetter
 
     def get_urls(self) -> list[Any]:
         detail = path("<str:name>/", self.admin_site.admin_view(self.queue_view), name="outbox_queue_queue_detail")
@@ -62,7 +47,7 @@ class QueueAdmin(admin.ModelAdmin):
             raise PermissionDenied
         if not QUEUE_NAME_PATTERN.fullmatch(name):
             raise Http404("not a queue name")
-        config = conf.queue_config()
+        config = app_settings.queue_config()
         context = self._context(request, f"Queue {name}")
         context.update({
             "queue": overview.queue(name),
@@ -75,12 +60,12 @@ class QueueAdmin(admin.ModelAdmin):
 
     def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
         return {**self.admin_site.each_context(request), **console.toolbar(request), "title": title,
-                "opts": self.model._meta, "gone_after": conf.setting("status_gone_after"),
-                "history_interval": conf.setting("history_interval")}
+                "opts": self.model._meta, "gone_after": app_settings.setting("status_gone_after"),
+                "history_interval": app_settings.setting("history_interval")}
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(admin.ModelAdmin):
+class DeadLetterAdmin(console.NotEditedHere, admin.ModelAdmin):
     """Read-only: dead letters are written by trackers; requeue sends one back to its queue with the same id."""
 
     list_display = ["id", "queue", "message_id", "deliveries", "last_delivered", "created", "preview"]
@@ -92,20 +77,13 @@ class DeadLetterAdmin(admin.ModelAdmin):
     fields = ["id", "queue", "message_id", "deliveries", "last_delivered", "created", "text", "header_table"]
     readonly_fields = fields
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
     def has_requeue_permission(self, request: HttpRequest) -> bool:
         """Requeueing removes the row, so it takes the delete permission."""
         return request.user.has_perm("outbox_queue.delete_deadletter")
 
     @admin.display(description="payload")
     def preview(self, letter: DeadLetter) -> str:
-        text = letter.text
-        return text if len(text) <= 60 else text[:57] + "..."
+        return console.shortened(letter.text)
 
     @admin.display(description="payload")
     def text(self, letter: DeadLetter) -> str:
@@ -113,9 +91,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
 
     @admin.display(description="headers")
     def header_table(self, letter: DeadLetter) -> str:
-        if not letter.headers:
-            return "(none)"
-        return format_html_join("", "<div><code>{}</code>: <code>{}</code></div>", letter.headers)
+        return console.header_table(letter.headers)
 
     @admin.action(description="Requeue selected dead letters", permissions=["requeue"])
     def requeue_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:

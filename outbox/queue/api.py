@@ -18,13 +18,13 @@ from typing import Any
 
 from outbox import conf as outbox_conf
 from outbox.errors import InvalidRecord
-from outbox.queue import conf, markers, metrics
+from outbox.queue import app_settings, markers, metrics
 from outbox.queue.config import QUEUE_NAME_PATTERN, QueueConfig, QueueLimits, queue_name_problem
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
-from outbox.queue.producer import QueueProducer
-from outbox.queue.topics import ensure_topics
+from outbox.queue.producer import MessageTooLarge, QueueProducer
+from outbox.queue.topics import ensure_topics, topic_limit
 from outbox.queue.tracing import consumer_tracer
 from outbox.stasher import stash as outbox_stash
 from outbox.stasher import stash_many as outbox_stash_many
@@ -49,7 +49,7 @@ def send_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None) -
     All are validated before any is sent; QueueError if Kafka did not acknowledge every one (some
     may have been published: at-least-once, so retrying may duplicate them).
     """
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     rows = [_clean(config, payload, headers, _where(index, payloads)) for index, payload in enumerate(payloads)]
@@ -75,7 +75,7 @@ def stash(queue: str, payload: Any, *, headers: Headers = None, using: str | Non
 def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None,
                using: str | None = None) -> list[str]:
     """Write many messages for `queue` into the outbox in one statement per 1,000; returns their ids."""
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     records = []
@@ -104,7 +104,7 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
     Limits default to OUTBOX["queues"] (and its per_queue entry for `queue`); arguments win.
     QueueError with a one-line reason when Kafka cannot be reached or the settings are invalid.
     """
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     validate_queue(queue)
     limits = limits_for(config, queue, redelivery_timeout=redelivery_timeout,
                         keep_alive_interval=keep_alive_interval, max_in_progress=max_in_progress,
@@ -116,10 +116,13 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
 
 def requeue(letter: Any) -> None:
     """Send a dead letter (outbox.queue.models.DeadLetter) back to its queue: same id and key, deliveries from 1."""
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     headers = [(str(name), str(value).encode()) for name, value in letter.headers]
-    _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],
-                           key=bytes(letter.key) if letter.key else None, ids=[letter.message_id])
+    try:
+        _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],
+                               key=bytes(letter.key) if letter.key else None, ids=[letter.message_id])
+    except MessageTooLarge as error:  # its topics' limit was lowered since it was first sent
+        raise QueueError(f"dead letter {letter.message_id}: {error}") from None
 
 
 def limits_for(config: QueueConfig, queue: str, **overrides: Any) -> QueueLimits:
@@ -179,8 +182,9 @@ def _producer(config: QueueConfig) -> QueueProducer:
         producer = _producers.get(key)
         if producer is None:
             try:
-                ensure_topics(config, 10.0)
+                limit = ensure_topics(config, 10.0)
             except Exception as error:
                 raise QueueError(str(error)) from None
-            producer = _producers[key] = QueueProducer(config, instruments=metrics.default_instruments())
+            producer = _producers[key] = QueueProducer(config, instruments=metrics.default_instruments(), limit=limit,
+                                                       read_limit=lambda: topic_limit(config, 5.0))
     return producer

@@ -6,17 +6,20 @@ from typing import Any
 
 from django.core import checks
 
+from outbox import conf as outbox_conf
 from outbox.harvest.config import Problem
-from outbox.queue import conf
+from outbox.harvest.redaction import scrub
+from outbox.queue import app_settings
 
 HINT = "See docs/queues.md for OUTBOX['queues']."
 
 
 @checks.register("outbox_queue")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    errors = [checks.Error(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.problems()]
-    return errors + [checks.Warning(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in conf.warnings()]
+    errors = [checks.Error(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in app_settings.problems()]
+    return errors + [checks.Warning(_text(p), hint=HINT, id=f"outbox_queue.{p.code}") for p in app_settings.warnings()]
 
 
 def _text(problem: Problem) -> str:
-    return str(problem) if problem.field.startswith("OUTBOX") else f"OUTBOX['queues'] {problem}"
+    text = str(problem) if problem.field.startswith("OUTBOX") else f"OUTBOX['queues'] {problem}"
+    return scrub(text, outbox_conf.secret_values())

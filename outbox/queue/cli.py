@@ -1,15 +1,17 @@
-"""What the queue's management commands share: logging, metrics, signals."""
+"""What the queue's management commands share: names, masked errors, logging, metrics."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
+
+from outbox import conf as outbox_conf
+from outbox import logs
+from outbox.harvest.config import default_name, name_problem
+from outbox.harvest.redaction import scrub
 
 log = logging.getLogger("outbox.queue")
 
@@ -22,15 +24,24 @@ def add_common_arguments(parser: CommandParser) -> None:
                         help="address for --metrics-port (default 0.0.0.0)")
 
 
+def replica_name(name: str | None) -> str:
+    """--name as given (refused in one line if it could forge a log line), else host_pid_time."""
+    if name is None:
+        return default_name()
+    problem = name_problem(name)
+    if problem is not None:
+        raise CommandError(f"--name: {problem}")
+    return name
+
+
+def masked(message: str) -> str:
+    """A command's one-line error with the settings' secret values masked, should it quote one."""
+    return scrub(message, outbox_conf.secret_values())
+
+
 def configure_logging(verbosity: int) -> None:
-    """Make the queue's log visible when the project has not configured the `outbox` loggers."""
-    logger = logging.getLogger("outbox")
-    if logger.hasHandlers():
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel({0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG))
+    """Make the queue's log visible when the project has not configured the `outbox` loggers (secrets masked)."""
+    logs.configure_logging(verbosity)
 
 
 def require_metrics(port: int | None) -> None:
@@ -52,18 +63,3 @@ def serve_metrics(port: int | None, address: str, collector: Callable[[], Any]) 
         raise CommandError(f"cannot serve metrics on port {port}: {error}") from None
     log.info("Metrics on http://%s:%d/metrics", address, port)
 
-
-@contextlib.contextmanager
-def on_stop_signals(stop: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM and SIGINT call `stop` (once each is enough) while the block runs."""
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        log.info("%s received: stopping", signal.Signals(signum).name)
-        stop()
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

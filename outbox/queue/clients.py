@@ -16,9 +16,12 @@ import logging
 import uuid
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
+from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE, log_client_error
+from outbox.harvest.topics import UNLIMITED, batch_size_for
 from outbox.queue.config import QueueConfig
+from outbox.reasons import kafka_reason
 
 log = logging.getLogger("outbox.queue")
 #: A crashed consumer's or tracker's partitions wait this long for a new owner (librdkafka's default
@@ -28,19 +31,27 @@ GROUP_TIMEOUTS = {"session.timeout.ms": 10_000, "heartbeat.interval.ms": 2_000}
 client_log = logging.getLogger("outbox.queue.librdkafka")
 
 
-def _merge(config: QueueConfig, own: dict[str, Any], fixed: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Our defaults, then the user's base settings, then what correctness depends on."""
+def _merge(config: QueueConfig, own: dict[str, Any], fixed: dict[str, Any] | None = None,
+           batch_limit: int | None = None) -> dict[str, Any]:
+    """Our defaults, then the user's base settings, then what correctness depends on; a producer's
+    batches fit `batch_limit` bytes (the topics' smaller max.message.bytes)."""
     merged = {**own, **config.base_kafka_config, **(fixed or {})}
+    if batch_limit is not None and batch_limit < UNLIMITED:
+        try:
+            configured = int(merged.get("batch.size", LIBRDKAFKA_BATCH_SIZE))
+        except (TypeError, ValueError):
+            configured = LIBRDKAFKA_BATCH_SIZE
+        merged["batch.size"] = min(configured, batch_size_for(batch_limit))
     merged.setdefault("error_cb", log_client_error)
     merged.setdefault("logger", client_log)
     return merged
 
 
-def sender_config(config: QueueConfig, name: str) -> dict[str, Any]:
+def sender_config(config: QueueConfig, name: str, batch_limit: int | None = None) -> dict[str, Any]:
     # The random partitioner spreads one queue's messages over every partition even though they
     # share a key (the queue's name), so all of the queue's consumers get work (as kafka-mq-go).
     return _merge(config, {"partitioner": "random", "linger.ms": 2, "delivery.timeout.ms": 30_000,
-                           "client.id": f"{name}-queue-sender"}, {"enable.idempotence": True})
+                           "client.id": f"{name}-queue-sender"}, {"enable.idempotence": True}, batch_limit)
 
 
 def queue_consumer_config(config: QueueConfig, queue: str, name: str) -> dict[str, Any]:
@@ -51,40 +62,33 @@ def queue_consumer_config(config: QueueConfig, queue: str, name: str) -> dict[st
                    "enable.partition.eof": False})
 
 
-def start_producer_config(config: QueueConfig, queue: str, name: str) -> dict[str, Any]:
+def start_producer_config(config: QueueConfig, queue: str, name: str, batch_limit: int | None = None) -> dict[str, Any]:
     # A transactional id per consumer instance: since KIP-447 the consumer group's generation,
     # sent with the offsets, fences a zombie; the id needs no stable mapping to partitions.
     return _merge(config, {"client.id": f"{name}-queue-starts", "linger.ms": 0, "transaction.timeout.ms": 60_000},
-                  {"transactional.id": f"{config.consumer_group(queue)}-{name}-{uuid.uuid4().hex[:8]}"})
+                  {"transactional.id": f"{config.consumer_group(queue)}-{name}-{uuid.uuid4().hex[:8]}"}, batch_limit)
 
 
-def marker_producer_config(config: QueueConfig, name: str) -> dict[str, Any]:
-    return _merge(config, {"client.id": f"{name}-queue-markers", "linger.ms": 2}, {"enable.idempotence": True})
+def marker_producer_config(config: QueueConfig, name: str, batch_limit: int | None = None) -> dict[str, Any]:
+    return _merge(config, {"client.id": f"{name}-queue-markers", "linger.ms": 2}, {"enable.idempotence": True},
+                  batch_limit)
 
 
 def markers_consumer_config(config: QueueConfig, name: str) -> dict[str, Any]:
     # The end-of-partition event tells the tracker it is caught up, so its deadline clock may run
-    # on the local monotonic clock (tracking.py).
+    # on the local monotonic clock (tracker_state.py).
     return _merge(config, {"client.id": f"{name}-tracker", "auto.offset.reset": "earliest",
                            "partition.assignment.strategy": "cooperative-sticky", **GROUP_TIMEOUTS},
                   {"group.id": config.tracker_group, "enable.auto.commit": False, "enable.auto.offset.store": False,
                    "isolation.level": "read_committed", "enable.partition.eof": True})
 
 
-def redelivery_producer_config(config: QueueConfig, name: str) -> dict[str, Any]:
+def redelivery_producer_config(config: QueueConfig, name: str, batch_limit: int | None = None) -> dict[str, Any]:
     # Random partitioner for redelivered messages; End markers name their partition explicitly.
     return _merge(config, {"client.id": f"{name}-redeliveries", "partitioner": "random", "linger.ms": 0},
-                  {"transactional.id": f"{config.tracker_group}-{name}-{uuid.uuid4().hex[:8]}"})
+                  {"transactional.id": f"{config.tracker_group}-{name}-{uuid.uuid4().hex[:8]}"}, batch_limit)
 
 
-def log_client_error(error: KafkaError) -> None:
-    # librdkafka reports transient broker trouble here and retries by itself; only fatal errors need us.
-    log.log(logging.ERROR if error.fatal() else logging.WARNING, "Kafka client: %s", error.str())
-
-
-def kafka_error(error: BaseException) -> KafkaError | None:
-    args = getattr(error, "args", ())
-    return args[0] if args and isinstance(args[0], KafkaError) else None
 
 
 def init_transactions(producer: Any, config: QueueConfig, timeout: float) -> None:
@@ -93,7 +97,7 @@ def init_transactions(producer: Any, config: QueueConfig, timeout: float) -> Non
         producer.init_transactions(timeout)
     except KafkaException as error:
         bootstrap = config.base_kafka_config.get("bootstrap.servers", "?")
-        reason = error.args[0].str() if error.args and isinstance(error.args[0], KafkaError) else str(error)
+        reason = kafka_reason(error)
         raise TransactionsUnavailable(
             f"cannot start Kafka transactions at {bootstrap}: {reason} (a single-broker cluster needs "
             f"transaction.state.log.replication.factor=1 and transaction.state.log.min.isr=1)") from None

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.harvest.config import MAX_TOPIC_LENGTH, TOPIC_PATTERN, Problem, redact_kafka_config
+from outbox.harvest.config import MAX_TOPIC_LENGTH, TOPIC_PATTERN, Problem
+from outbox.harvest.redaction import redact_mapping
 
 #: Logical queue names: Kafka's topic-name characters, so a name never contains the "/" that
 #: separates it from a message id in the keys of stashed messages.
@@ -144,7 +145,7 @@ class QueueConfig:
     def redacted(self) -> dict[str, Any]:
         """The configuration as plain data, with secrets masked."""
         return {
-            "base_kafka_config": redact_kafka_config(self.base_kafka_config),
+            "base_kafka_config": redact_mapping(self.base_kafka_config),
             "topic": self.topic,
             "markers_topic": self.markers_topic,
             "partitions": self.partitions,

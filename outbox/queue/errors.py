@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from outbox.harvest.redaction import scrub
+
 
 class QueueError(Exception):
-    """A queue client cannot start, send or go on; str() is one line for the operator."""
+    """A queue client cannot start, send or go on; str() is one line for the operator, with any secret
+    value a client's error quoted masked."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(scrub(str(message)))
 
 
 class Retry(Exception):

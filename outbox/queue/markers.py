@@ -39,6 +39,8 @@ KEY_HEADER = "mq-key"
 #: Tracing on: the traceparents of a message's earlier deliveries' spans, comma-separated; kept by the
 #: Start marker and redeliveries so the next delivery's span links to them (outbox/tracing/consume.py).
 TRACE_LINKS_HEADER = "mq-trace-links"
+#: ... the newest this many.
+MAX_TRACE_LINKS = 16
 #: Header names reserved for the queue: applications may not set headers starting with this.
 RESERVED_PREFIX = "mq-"
 _MARKER_ONLY = frozenset({MARKER_HEADER, REF_HEADER, REDELIVER_AFTER_HEADER, MAX_DELIVERIES_HEADER, KEY_HEADER})
@@ -93,6 +95,12 @@ def header_text(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -
         if key == name and value is not None:
             return value.decode("utf-8", "replace")
     return None
+
+
+def trace_links(headers: Iterable[tuple[str, bytes | None]] | None) -> list[str]:
+    """The traceparents of a message's earlier deliveries' spans (TRACE_LINKS_HEADER), oldest first."""
+    text = header_text(headers, TRACE_LINKS_HEADER)
+    return [part for part in text.split(",") if part] if text else []
 
 
 def deliveries_of(headers: Iterable[tuple[str, bytes | None]] | None) -> int:

@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from django.db.models import Count
 from django.utils import timezone
 
-from outbox.queue import conf
+from outbox.queue import app_settings
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess
 
 
@@ -41,7 +41,7 @@ class QueueSummary:
 
 def processes(now: datetime | None = None) -> Processes:
     now = now or timezone.now()
-    gone_after = timedelta(seconds=conf.setting("status_gone_after"))
+    gone_after = timedelta(seconds=app_settings.setting("status_gone_after"))
     rows = list(QueueProcess.objects.order_by("kind", "name"))
     live = [r for r in rows if now - r.last_seen <= gone_after]
     return Processes(consumers=[r for r in live if r.kind == "consumer"],
@@ -74,7 +74,7 @@ def queues(found: Processes | None = None) -> list[QueueSummary]:
         summary(counter.queue).redelivered = counter.redelivered
     for row in DeadLetter.objects.values("queue").annotate(n=Count("id")):
         summary(row["queue"]).dead_letters = row["n"]
-    for name in conf.queue_config().per_queue:
+    for name in app_settings.queue_config().per_queue:
         summary(name)
     return [summaries[name] for name in sorted(summaries)]
 

@@ -1,9 +1,6 @@
 """Runs a handler for each message of a queue on worker threads: `manage.py outbox_consume`.
 
-The handler is a function taking a Message. It returns: the message is acked. It raises Retry:
-the message is redelivered after Retry's delay (at once by default). It raises anything else:
-no ack, and the message is redelivered once its redelivery timeout passes.
-
+The handler is a function taking a Message; what its outcome does to the message is handling.py's.
 With `inbox`, the handler runs in transaction.atomic() together with an inbox row keyed by the
 message id. A delivery whose row is already there (its effects committed, but the ack was lost
 to a crash) is acked without running the handler: effectively once into the database.
@@ -13,18 +10,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from django.db import close_old_connections, connections, transaction
 
-from outbox.queue import store
+from outbox.queue import handling, store
 from outbox.queue.consumer import Message, QueueConsumer
-from outbox.queue.errors import QueueError, Retry
+from outbox.queue.errors import QueueError
+from outbox.queue.handling import Handler
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[Message], Any]
 
 
 class HandlerRunner:
@@ -33,6 +29,7 @@ class HandlerRunner:
     def __init__(self, consumer: QueueConsumer, handler: Handler, *, workers: int = 1, inbox: bool = False,
                  using: str = "default") -> None:
         self.consumer, self.handler, self.workers, self.inbox, self.using = consumer, handler, workers, inbox, using
+        self._inbox = DatabaseInbox(using) if inbox else None
         self._halt = threading.Event()
         self._threads: list[threading.Thread] = []
         self.failure: QueueError | None = None
@@ -70,47 +67,23 @@ class HandlerRunner:
             connections.close_all()
 
     def handle(self, message: Message) -> None:
-        """Run the handler on one message and settle it: ack, retry or abandon.
-
-        With tracing on, the handler runs with the delivery's span current (docs/tracing.md)."""
+        """Run the handler on one message and settle it: ack, retry or abandon (handling.py)."""
         close_old_connections()
-        span = message.span
         try:
-            if span is None:
-                self._run_handler(message)
-            else:
-                from outbox.tracing.consume import activate, handler_failed
-
-                with activate(span):
-                    try:
-                        self._run_handler(message)
-                    except Retry:
-                        raise
-                    except Exception as error:
-                        handler_failed(span, error)
-                        raise
-        except Retry as retry:
-            log.info("Handler asked to retry %r in %gs: %s", message, retry.delay, retry)
-            message.retry(retry.delay)
-        except Exception as error:
-            log.warning("Handler failed on %r; no ack, redelivered after %gs: %s", message,
-                        self.consumer.limits.redelivery_timeout, error, exc_info=True)
-            message.abandon()
-        else:
-            message.ack()
+            if handling.handle(message, self.handler, self._inbox) is handling.Outcome.SKIPPED:
+                self.skipped += 1
         finally:
             close_old_connections()
 
-    def _run_handler(self, message: Message) -> None:
-        if self.inbox:
-            self._handle_with_inbox(message)
-        else:
-            self.handler(message)
 
-    def _handle_with_inbox(self, message: Message) -> None:
-        with transaction.atomic(using=self.using):
-            if not store.claim(message.queue, message.id, self.using):
-                self.skipped += 1
-                log.info("%r was processed before (inbox): acked without running the handler", message)
-                return
-            self.handler(message)
+class DatabaseInbox:
+    """The inbox table (outbox.queue.models.InboxEntry) in one of Django's databases."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+
+    def atomic(self) -> AbstractContextManager[Any]:
+        return transaction.atomic(using=self.using)
+
+    def claim(self, queue: str, message_id: str) -> bool:
+        return store.claim(queue, message_id, self.using)

@@ -16,6 +16,7 @@ from outbox.queue import store
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.tracker import RedeliveryTracker
+from outbox.reasons import first_line
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ Snapshot = Callable[[], tuple[int, dict[str, Any]]]
 Totals = Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
 
 
-class StatusReporter(threading.Thread):
+class QueueStatusReporter(threading.Thread):
     """Upserts the row every `interval` seconds until stopped, then deletes it; a tracker's counts ride along."""
 
     def __init__(self, name: str, kind: str, *, interval: float, snapshot: Snapshot, queue: str = "",
@@ -56,7 +57,7 @@ class StatusReporter(threading.Thread):
             self._count()
             store.remove_status(self.process_name)
         except DatabaseError as error:
-            log.warning("Could not remove the status row of %s: %s", self.process_name, _line(error))
+            log.warning("Could not remove the status row of %s: %s", self.process_name, first_line(error))
         finally:
             connections.close_all()
 
@@ -70,8 +71,8 @@ class StatusReporter(threading.Thread):
             self._sample(stats)
         except DatabaseError as error:
             if not self._failing:
-                log.warning("Status row of %s not written: %s (retrying every %gs)", self.process_name, _line(error),
-                            self._interval)
+                log.warning("Status row of %s not written: %s (retrying every %gs)", self.process_name,
+                            first_line(error), self._interval)
             self._failing = True
             return
         if self._failing:
@@ -124,7 +125,3 @@ def consumer_status(consumer: QueueConsumer, runner: HandlerRunner | None = None
         "limits": dataclasses.asdict(consumer.limits),
         "oldest_in_progress_seconds": None if oldest is None else round(time.monotonic() - oldest, 3)}
 
-
-def _line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

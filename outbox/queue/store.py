@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from outbox.queue import models
 from outbox.queue.tracker import DeadLetter
+from outbox.reasons import first_line
 
 #: Status rows not seen for this long are deleted by whichever process notices.
 STATUS_PRUNE_AFTER = timedelta(hours=1)
@@ -46,9 +47,7 @@ def require_tables(*tables: type[models.models.Model], using: str = "default") -
             missing = [t._meta.db_table for t in tables if t._meta.db_table not in
                        connection.introspection.table_names(cursor)]
     except DatabaseError as error:
-        text = str(error).strip()
-        raise DatabaseUnavailable(f"cannot connect to Postgres at {where}: "
-                                  f"{text.splitlines()[0] if text else type(error).__name__}") from None
+        raise DatabaseUnavailable(f"cannot connect to Postgres at {where}: {first_line(error)}") from None
     finally:
         connection.close()
     if missing:

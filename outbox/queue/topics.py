@@ -1,4 +1,8 @@
-"""Creates the queue topic and the markers topic when they are missing."""
+"""Creates the queue topic and the markers topic when they are missing, and reads what they accept.
+
+The smaller `max.message.bytes` of the two bounds every queue producer's batches (a message and its
+Start marker, which carries its payload, go to one each), as outbox/harvest/topics.py explains.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import logging
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox.harvest.kafka import KafkaUnavailable, admin_config, kafka_reason
+from outbox.harvest.kafka import KafkaUnavailable, admin_config
+from outbox.harvest.topics import UNLIMITED, admin_describe
 from outbox.queue.config import QueueConfig
+from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
 
@@ -16,15 +22,17 @@ log = logging.getLogger(__name__)
 #: consumer hosts (kafka-mq-go's point 4); all markers of a queue share one partition leader's clock.
 MARKERS_TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
 
-_ensured: set[tuple[str, str, str]] = set()
+_ensured: dict[tuple[str, str, str], int] = {}
 
 
-def ensure_topics(config: QueueConfig, timeout: float) -> None:
-    """Create the topic pair unless it exists (once per process); KafkaUnavailable if Kafka cannot be reached."""
+def ensure_topics(config: QueueConfig, timeout: float) -> int:
+    """Create the topic pair unless it exists (once per process); KafkaUnavailable if Kafka cannot be reached.
+
+    Returns the smaller max.message.bytes of the two (topics.UNLIMITED when it cannot be read)."""
     bootstrap = str(config.base_kafka_config.get("bootstrap.servers", "?"))
     marker = (bootstrap, config.topic, config.markers_topic)
     if marker in _ensured:
-        return
+        return _ensured[marker]
     admin = AdminClient(admin_config(config.base_kafka_config))
     try:
         metadata = admin.list_topics(timeout=timeout)
@@ -43,4 +51,15 @@ def ensure_topics(config: QueueConfig, timeout: float) -> None:
                 if error.args and error.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     continue
                 raise KafkaUnavailable(f"cannot create topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
-    _ensured.add(marker)
+    limit = _ensured[marker] = topic_limit(config, timeout)
+    return limit
+
+
+def topic_limit(config: QueueConfig, timeout: float) -> int:
+    """The smaller max.message.bytes of the queue topic and the markers topic, read from Kafka now."""
+    try:
+        answers = admin_describe(config.base_kafka_config, timeout)([config.topic, config.markers_topic])
+    except Exception as error:  # not readable (no DescribeConfigs permission, Kafka away): the broker judges
+        log.debug("Cannot read the queue topics' max.message.bytes: %s", error)
+        return UNLIMITED
+    return min((value for value in answers.values() if isinstance(value, int)), default=UNLIMITED)

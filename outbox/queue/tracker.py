@@ -6,7 +6,7 @@
     tracker.wait()         # blocks until stopped; re-raises a background failure
 
 Any number of replicas share the markers topic's partitions through one consumer group; each
-rebuilds the state of the partitions it is given from the log (tracking.py), starting at the
+rebuilds the state of the partitions it is given from the log (tracker_state.py), starting at the
 offset committed for them: the oldest Start marker still in progress.
 
 A message whose deadline passed is redelivered to the queue topic together with the End marker
@@ -34,18 +34,18 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from outbox.harvest.config import default_name
-from outbox.harvest.kafka import KafkaUnavailable, kafka_reason
+from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, MarkerError
 from outbox.queue.topics import ensure_topics
-from outbox.queue.tracking import Due, PartitionTracker, QueueStats
+from outbox.queue.tracker_state import Due, PartitionTracker, QueueStats
+from outbox.reasons import first_line, kafka_error, kafka_reason
 
 log = logging.getLogger(__name__)
 
-KAFKA_START_TIMEOUT = 10.0
 #: Markers read per poll.
 FETCH_BATCH = 1000
 #: The tracker's offsets are committed this often (and with every redelivery).
@@ -99,16 +99,21 @@ class State(enum.Enum):
 class RedeliveryTracker:
     """One replica of the redelivery tracker."""
 
+    #: Markers read at most per round (the simulator lowers it, so replays take several rounds).
+    fetch_batch = FETCH_BATCH
+
     def __init__(self, config: QueueConfig, *, dead_letters: DeadLetterSink, name: str | None = None,
                  instruments: QueueInstruments | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics) -> None:
         self.config = config
         self.name = name or default_name()
         self._dead_letters = dead_letters
         self._instruments = instruments or QueueInstruments()
         self._consumer_factory, self._producer_factory, self._clock = consumer_factory, producer_factory, clock
+        self._create_topics = create_topics
         self.state = State.CREATED
         self._trackers: dict[int, PartitionTracker] = {}
         self._committed: dict[int, int] = {}
@@ -129,14 +134,23 @@ class RedeliveryTracker:
 
     def start(self) -> None:
         """Join the trackers' group and start tracking in the background."""
+        self.open()
+        self._thread = threading.Thread(target=self._run, name="queue-tracker", daemon=True)
+        self._thread.start()
+        log.info("Tracking redeliveries as %s (markers topic %s, group %s)", self.name, self.config.markers_topic,
+                 self.config.tracker_group)
+
+    def open(self) -> None:
+        """Create the clients and join the group, starting no thread (start() and the simulator)."""
         if self.state is not State.CREATED:
             raise QueueError(f"cannot start a tracker that is {self.state.value}")
         problems = self.config.validate()
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            ensure_topics(self.config, KAFKA_START_TIMEOUT)
-            self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name))
+            # Batches fit the topics' max.message.bytes (None: no limit known).
+            limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
+            self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name, limit))
             clients.init_transactions(self._producer, self.config, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.markers_consumer_config(self.config, self.name))
             self._consumer.subscribe([self.config.markers_topic], on_assign=self._on_assign,
@@ -147,10 +161,6 @@ class RedeliveryTracker:
             bootstrap = self.config.base_kafka_config.get("bootstrap.servers", "?")
             raise QueueError(f"Kafka is unreachable at {bootstrap}: {kafka_reason(error)}") from None
         self.state = State.RUNNING
-        self._thread = threading.Thread(target=self._run, name="queue-tracker", daemon=True)
-        self._thread.start()
-        log.info("Tracking redeliveries as %s (markers topic %s, group %s)", self.name, self.config.markers_topic,
-                 self.config.tracker_group)
 
     def stop(self) -> None:
         """Ask the tracker to stop; returns at once."""
@@ -172,42 +182,46 @@ class RedeliveryTracker:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._step()
+                self.step()
             self._commit(force=True)
         except BaseException as error:
             self._failure = error
             log.error("Tracker stopping after a failure: %s", kafka_reason(error), exc_info=error)
         finally:
-            try:
-                self._consumer.close()
-            except (KafkaException, RuntimeError) as error:
-                log.warning("Closing the markers consumer: %s", kafka_reason(error))
-            self._producer = None
-            self.snapshot = self._take_snapshot()
-            self.state = State.STOPPED
-            log.info("Tracker stopped (redelivered %d, dead-lettered %d)", sum(self._redelivered.values()),
-                     sum(self._dead.values()))
-            self._stopped.set()
+            self.close()
 
-    def _step(self) -> None:
+    def close(self) -> None:
+        """Leave the group (committing what the revoke callback commits) and let go of the clients."""
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as error:
+            log.warning("Closing the markers consumer: %s", kafka_reason(error))
+        self._producer = None
+        self.snapshot = self._take_snapshot()
+        self.state = State.STOPPED
+        log.info("Tracker stopped (redelivered %d, dead-lettered %d)", sum(self._redelivered.values()),
+                 sum(self._dead.values()))
+        self._stopped.set()
+
+    def step(self) -> None:
+        """One round: read markers, redeliver or dead-letter what is due, commit now and then."""
         # poll() wakes at the first record (or the interval, to check deadlines); consume(timeout=0)
         # adds whatever else is already fetched.
         first = self._consumer.poll(self.config.poll_interval)
-        records = [] if first is None else [first, *self._consumer.consume(FETCH_BATCH - 1, timeout=0)]
+        records = [] if first is None else [first, *self._consumer.consume(self.fetch_batch - 1, timeout=0)]
         now = self._clock()
         for record in records:
             error = record.error()
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
-                    tracker = self._trackers.get(record.partition())
-                    if tracker is not None:
-                        tracker.reached_end()
+                    continue  # the end: the consumer's position moves to it (past a control record)
                 elif error.fatal():
                     raise KafkaException(error)
                 else:
                     log.warning("Markers consumer: %s", error.str())
                 continue
             self._apply(record, now)
+        self._read_to()
         due = [entry for tracker in self._trackers.values() for entry in tracker.due(now)]
         if due:
             self._settle(due, now)
@@ -215,6 +229,32 @@ class RedeliveryTracker:
         if now >= self._next_snapshot:
             self._next_snapshot = now + SNAPSHOT_INTERVAL
             self.snapshot = self._take_snapshot()
+
+    def _read_to(self) -> None:
+        """How far each partition is read: the consumer's position against the high watermark
+        (tracker_state.py: caught up, or behind, or stopped by an open transaction)."""
+        if not self._trackers:
+            return
+        topic = self.config.markers_topic
+        try:
+            positions = self._consumer.position([TopicPartition(topic, p) for p in self._trackers])
+        except KafkaException as error:
+            log.debug("Positions in the markers topic: %s", kafka_reason(error))
+            positions = [TopicPartition(topic, p, -1) for p in self._trackers]
+        for tp in positions:
+            tracker = self._trackers.get(tp.partition)
+            if tracker is not None:
+                tracker.read_to(tp.offset if tp.offset >= 0 else None, self._high_watermark(tp.partition))
+
+    def _high_watermark(self, partition: int) -> int | None:
+        """The partition's end as of the last fetch, with what an open transaction hides (cached, no request)."""
+        try:
+            found = self._consumer.get_watermark_offsets(TopicPartition(self.config.markers_topic, partition),
+                                                         cached=True)
+        except (KafkaException, RuntimeError) as error:
+            log.debug("Watermarks of markers partition %d: %s", partition, kafka_reason(error))
+            return None
+        return None if found is None else found[1]
 
     def _apply(self, record: Any, now: float) -> None:
         tracker = self._trackers.get(record.partition())
@@ -244,7 +284,7 @@ class RedeliveryTracker:
                 self._dead_letters([self._dead_letter(entry) for entry in dead])
             except Exception as error:
                 log.warning("Could not store %d dead letter(s): %s; trying again in %gs", len(dead),
-                            str(error).splitlines()[0] if str(error) else type(error).__name__, RETRY_BACKOFF)
+                            first_line(error), RETRY_BACKOFF)
                 self._postpone(dead, now)
                 due = [entry for entry in due if not entry.dead]
                 if not due:
@@ -268,7 +308,7 @@ class RedeliveryTracker:
                                                      KAFKA_START_TIMEOUT)
             producer.commit_transaction(KAFKA_START_TIMEOUT)
         except KafkaException as error:
-            kerror = clients.kafka_error(error)
+            kerror = kafka_error(error)
             if kerror is not None and kerror.fatal():
                 raise
             log.warning("Redelivery of %d message(s) failed (%s); trying again in %gs", len(due),
@@ -276,7 +316,7 @@ class RedeliveryTracker:
             try:
                 producer.abort_transaction(KAFKA_START_TIMEOUT)
             except KafkaException as abort_error:
-                aerror = clients.kafka_error(abort_error)
+                aerror = kafka_error(abort_error)
                 if aerror is not None and aerror.fatal():
                     raise
             self._postpone(due, now)

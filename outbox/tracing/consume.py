@@ -33,7 +33,8 @@ class QueueTracer:
         self.queue, self.topic, self.group = queue, topic, group
         self._tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
 
-    def started(self, message: Any, earlier: list[str]) -> Any:
+    def started(self, ref: tuple[int, int], message_id: str, deliveries: int, raw_headers: Any,
+                earlier: list[str]) -> Any:
         """The span of this delivery (not current yet); `earlier`: traceparents of the earlier ones."""
         links = []
         for number, traceparent in enumerate(earlier[-MAX_LINKS:], start=max(1, len(earlier) - MAX_LINKS + 1)):
@@ -46,13 +47,13 @@ class QueueTracer:
             "messaging.operation.name": "process",
             "messaging.destination.name": self.topic,
             "messaging.consumer.group.name": self.group,
-            "messaging.message.id": message.id,
-            "messaging.destination.partition.id": str(message.ref[0]),
-            "messaging.kafka.offset": message.ref[1],
+            "messaging.message.id": message_id,
+            "messaging.destination.partition.id": str(ref[0]),
+            "messaging.kafka.offset": ref[1],
             "outbox.queue.name": self.queue,
-            "outbox.queue.deliveries": message.deliveries,
+            "outbox.queue.deliveries": deliveries,
         }
-        return self._tracer.start_span(f"process {self.queue}", context=extract(message._raw_headers),
+        return self._tracer.start_span(f"process {self.queue}", context=extract(raw_headers),
                                        kind=SpanKind.CONSUMER, attributes=attributes, links=links)
 
     @staticmethod

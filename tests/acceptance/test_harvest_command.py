@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "DJANGO_SETTINGS_MODULE": "project.settings", **(env or {})},
-                          timeout=timeout)
+from tests.support.commands import ROOT, manage
 
 
 def test_print_config_redacts_secrets():
@@ -64,3 +54,32 @@ def test_check_fails_with_an_error_code_on_a_bad_setting(tmp_path):
 def test_check_passes_on_the_example_project():
     result = manage("check", "--fail-level", "WARNING")
     assert result.returncode == 0, result.stderr
+
+
+def test_an_unknown_database_names_itself_and_the_aliases_there_are():
+    result = manage("harvest", "--database", "nope")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "CommandError: --database: must name an entry of DATABASES, got 'nope' (DATABASES has 'default')"]
+
+
+def test_print_config_of_an_invalid_configuration_prints_it_then_fails_even_with_skip_checks(tmp_path):
+    (tmp_path / "invalid_settings.py").write_text(
+        "from project.settings import *  # noqa\n"
+        "OUTBOX = {**OUTBOX, 'max_in_flight_records': 0, 'leader_topic': 'bad topic!'}\n")
+    result = manage("harvest", "--print-config", "--skip-checks",
+                    env={"DJANGO_SETTINGS_MODULE": "invalid_settings", "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["limits"]["max_in_flight_records"] == 0, "printed first"
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("CommandError: invalid configuration: ") and "max_in_flight_records: must be at least 1" \
+        in line and "leader_topic: must be a Kafka topic name" in line
+
+
+@pytest.mark.parametrize("command", ["harvest", "outbox_redeliver", "outbox_consume"])
+def test_a_name_with_a_control_character_is_refused_in_one_line(command):
+    extra = ["--queue", "q", "--handler", "tests.support.queue_handlers.record"] if command == "outbox_consume" else []
+    result = manage(command, "--name", "replica-1\nFORGED 2026-01-01 ERROR outbox: all is lost", *extra)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("CommandError: --name: must not contain control characters"), line

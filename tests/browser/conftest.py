@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
+from tests.support.screenshots import SCREENSHOTS
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-SCREENSHOTS = Path(__file__).resolve().parents[2] / ".artifacts" / "screenshots"
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ from django.utils import timezone
 from outbox.harvest.contract import ReplicaState
 from outbox.models import OutboxRecord
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess, QueueSample
-from tests.browser.conftest import SCREENSHOTS
 from tests.support.harness import wait_until
 from tests.support.history_rows import samples
+from tests.support.screenshots import SCREENSHOTS
 from tests.support.status_rows import held_record, status_row
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -115,6 +115,23 @@ def test_the_dashboard_charts_refresh_without_losing_the_operators_selection(liv
     shot(page, "dashboard-refreshed")
     page.reload()
     assert page.locator("#outbox-refresh").input_value() == "5", "a reload keeps the interval"
+    page.close()
+    connections.close_all()
+
+
+def test_the_replicas_table_tells_a_clean_stop_from_a_replica_gone(live_server, browser, monkeypatch):
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs an event loop
+    User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
+    status_row("replica-b", ReplicaState.LEADER, leader_id=uuid.uuid4(), throughput=1400.0)
+    status_row("replica-crashed", ReplicaState.STANDBY, seen=600)
+    status_row("replica-stopped", ReplicaState.STOPPED, seen=120, host="host-c")
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    login(page, f"{live_server.url}/admin/outbox/dashboard/")
+    rows = {row.locator("td").first.inner_text(): row.locator("td").nth(1).inner_text()
+            for row in page.locator("#replicas tbody tr").all()}
+    assert rows == {"replica-b": "leader", "replica-crashed": "gone (was standby)",
+                    "replica-stopped": "stopped cleanly"}
+    page.locator("#replicas").screenshot(path=SCREENSHOTS / f"dashboard-replicas-stopped-{VERSION}.png")
     page.close()
     connections.close_all()
 

@@ -7,22 +7,23 @@ import pytest
 from django.contrib.auth.models import User
 from django.db import connections
 
-from outbox.queue import api, conf
+from outbox.queue import api, app_settings
 from outbox.queue.models import DeadLetter
-from outbox.queue.status import StatusReporter, consumer_status, tracker_status
+from outbox.queue.status import QueueStatusReporter, consumer_status, tracker_status
 from outbox.queue.topics import ensure_topics
-from tests.browser.conftest import SCREENSHOTS
 from tests.support.harness import wait_until
 from tests.support.queue_harness import new_prefix, queue_settings, running_tracker
+from tests.support.screenshots import SCREENSHOTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
 
 def test_an_operator_watches_a_queue_and_requeues_a_dead_letter(live_server, browser, settings, monkeypatch):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs an event loop
     # A long redelivery timeout: no keep-alive delayed by Chromium on two cores causes a stray redelivery.
     settings.OUTBOX = {**settings.OUTBOX,
                        "queues": queue_settings(new_prefix(), status_gone_after=60, redelivery_timeout=30)}
-    config = conf.queue_config()
+    config = app_settings.queue_config()
     ensure_topics(config, 10)
     User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
     poison = api.send("emails", {"to": "nobody@example.com"}, headers=[("trace", "t-7")])
@@ -31,10 +32,11 @@ def test_an_operator_watches_a_queue_and_requeues_a_dead_letter(live_server, bro
     reporters = []
     with running_tracker(config, name="tracker-a") as tracker, \
             api.consumer("emails", name="emails-worker-1", max_deliveries=1) as consumer:
-        reporters.append(StatusReporter("tracker-a", "tracker", interval=0.3, snapshot=lambda: tracker_status(tracker),
-                                        totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered)))
-        reporters.append(StatusReporter("emails-worker-1", "consumer", queue="emails", interval=0.3,
-                                        snapshot=lambda: consumer_status(consumer, handler="shop.handlers.send")))
+        reporters.append(QueueStatusReporter(
+            "tracker-a", "tracker", interval=0.3, snapshot=lambda: tracker_status(tracker),
+            totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered)))
+        reporters.append(QueueStatusReporter("emails-worker-1", "consumer", queue="emails", interval=0.3,
+                                             snapshot=lambda: consumer_status(consumer, handler="shop.handlers.send")))
         for reporter in reporters:
             reporter.start()
         try:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.docker.require import unavailable
-from tests.services import docker_client
+from tests.support.docker_require import unavailable
+from tests.support.services import docker_client
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer
 
-from tests import services
-from tests.docker.require import unavailable
+from tests.support import services
+from tests.support.docker_require import unavailable
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""tests/services.py against a real Docker engine: containers from the images it has, else bin/services."""
+"""tests/support/services.py against a real Docker engine: containers from the images it has, else bin/services."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import psycopg
 import pytest
 from confluent_kafka import Consumer, Producer
 
-from tests import services
-from tests.docker.require import unavailable
+from tests.support import services
+from tests.support.docker_require import unavailable
 
 pytestmark = [pytest.mark.docker, pytest.mark.integration]
 

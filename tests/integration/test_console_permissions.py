@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from outbox.harvest.contract import ReplicaState
 from outbox.models import DeadLetter, OutboxRecord
-from outbox.queue import api, conf
+from outbox.queue import api, app_settings
 from outbox.queue.models import DeadLetter as QueueDeadLetter
 from outbox.queue.topics import ensure_topics
 from tests.support.history_rows import samples
@@ -135,7 +135,7 @@ def test_every_action(role, url, action, selected, done, world):
 @pytest.mark.parametrize("role", ROLES)
 def test_requeueing_a_queue_dead_letter(role, settings):
     settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix())}
-    ensure_topics(conf.queue_config(), 10)
+    ensure_topics(app_settings.queue_config(), 10)
     letter = QueueDeadLetter.objects.create(queue="emails", message_id=f"m-{role}", payload=b"{}", deliveries=5,
                                             last_delivered=timezone.now())
     client = client_for(role)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from outbox.queue import api, conf
+from outbox.queue import api, app_settings
 from outbox.queue.topics import ensure_topics
 from tests.support.harness import Process, Replica, replica_env, wait_until
 from tests.support.queue_harness import consumer_args, new_prefix, process_env, queue_settings
@@ -133,7 +133,7 @@ def test_a_real_prometheus_scrapes_a_harvester_and_a_consumer_and_alerts_when_no
         prometheus, database_url, bootstrap_servers, settings, tmp_path):
     prefix = new_prefix()
     settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(prefix)}
-    ensure_topics(conf.queue_config(), 10)
+    ensure_topics(app_settings.queue_config(), 10)
     harvester_port, consumer_port = free_port(), free_port()
     leader_topic = f"test-leader-{uuid.uuid4().hex[:8]}"
     env = replica_env(database_url, bootstrap_servers, leader_topic)

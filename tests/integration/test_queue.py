@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 from django.db import transaction
 
-from outbox.queue import api, conf
+from outbox.queue import api, app_settings
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError, Retry
 from outbox.queue.models import DeadLetter, InboxEntry, QueueCounter
@@ -46,13 +46,13 @@ def prefix(settings, bootstrap_servers):
     """OUTBOX["queues"] on a fresh topic pair (4 and 2 partitions), created before anyone uses it."""
     name = new_prefix()
     settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(name)}
-    ensure_topics(conf.queue_config(), 10)
+    ensure_topics(app_settings.queue_config(), 10)
     return name
 
 
 @pytest.fixture
 def config(prefix):
-    return conf.queue_config()
+    return app_settings.queue_config()
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
-from outbox.queue import api, conf
+from outbox.queue import api, app_settings
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess, QueueSample
-from outbox.queue.status import StatusReporter
+from outbox.queue.status import QueueStatusReporter
 from outbox.queue.topics import ensure_topics
 from tests.support.harness import wait_until
 from tests.support.queue_harness import new_prefix, queue_settings
@@ -111,7 +111,7 @@ def test_dead_letters_are_read_only(superuser_client, example):
 @pytest.mark.django_db(transaction=True)
 def test_requeue_sends_a_dead_letter_back_with_its_id_after_a_confirmation(superuser_client, settings):
     settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix())}
-    ensure_topics(conf.queue_config(), 10)
+    ensure_topics(app_settings.queue_config(), 10)
     letter = dead_letter("emails", "m-requeued", payload=b"again")
     form = {"action": "requeue_selected", "_selected_action": [letter.pk]}
     confirm = superuser_client.post(DEAD_LETTERS, form)
@@ -175,8 +175,8 @@ def test_the_tracker_samples_its_queues_and_prunes_old_samples():
     QueueSample.objects.create(at=timezone.now() - timedelta(days=2), process="gone", queue="emails")
     stats = {"queues": {"emails": {"in_progress": 2, "oldest_started": None}}, "redelivered": {"emails": 5},
              "dead_lettered": {"reports": 1}}
-    reporter = StatusReporter("tracker-x", "tracker", interval=0.05, snapshot=lambda: (2, stats),
-                              history_interval=0.05, history_retention=3600)
+    reporter = QueueStatusReporter("tracker-x", "tracker", interval=0.05, snapshot=lambda: (2, stats),
+                                   history_interval=0.05, history_retention=3600)
     reporter.start()
     try:
         wait_until(lambda: QueueSample.objects.filter(process="tracker-x").count() >= 4, 10, "two rounds of samples")
@@ -185,8 +185,8 @@ def test_the_tracker_samples_its_queues_and_prunes_old_samples():
     assert not QueueSample.objects.filter(process="gone").exists()
     rows = {(s.queue, s.in_progress, s.redelivered, s.dead_lettered) for s in QueueSample.objects.all()}
     assert rows == {("emails", 2, 5, 0), ("reports", 0, 0, 1)}
-    consumer = StatusReporter("consumer-x", "consumer", queue="emails", interval=0.05, snapshot=lambda: (0, {}),
-                              history_interval=0.05)
+    consumer = QueueStatusReporter("consumer-x", "consumer", queue="emails", interval=0.05, snapshot=lambda: (0, {}),
+                                   history_interval=0.05)
     consumer.start()
     wait_until(lambda: QueueProcess.objects.filter(name="consumer-x").exists(), 10, "the consumer's row")
     consumer.stop()

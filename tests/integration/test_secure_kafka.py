@@ -23,7 +23,7 @@ from django.test import Client
 
 from outbox import stash_many
 from outbox.models import HarvesterStatus
-from tests.acceptance.test_harvest_command import manage
+from tests.support.commands import manage
 from tests.support.harness import (
     Replica,
     assert_complete_and_ordered,

@@ -77,6 +77,17 @@ BAD_RECORDS = [
     ({"headers": {"outbox-id": "7"}}, "headers[0]"),
     ({"headers": [("", "v")]}, "headers[0]"),
     ({"headers": {"big": "x" * 70_000}}, "headers"),
+    # Not JSON (RFC 8259): consumers in Java, Go, JavaScript and Spark refuse or null these.
+    ({"value": {"price": float("nan")}}, "value"),
+    ({"value": [1, float("inf")]}, "value"),
+    ({"value": {"deep": {"deeper": [float("-inf")]}}}, "value"),
+    # Lone surrogates (text that went through a bad decoder) have no UTF-8 form.
+    ({"key": "k\ud800"}, "key"),
+    ({"value": "v\udfff"}, "value"),
+    ({"value": {"name": "\ud83d"}}, "value"),
+    ({"value": {"\ud800": 1}}, "value"),
+    ({"headers": [("trace\ud800", "v")]}, "headers[0] name"),
+    ({"headers": [("ok", "fine"), ("trace", "\udc80")]}, "headers[1] value"),
 ]
 
 
@@ -99,6 +110,17 @@ def test_limit_is_named_in_the_message():
         stash("orders", "k" * 1001)
     with transaction.atomic(), pytest.raises(InvalidRecord, match=r"at most 900000 bytes"):
         stash("orders", "k", "v" * 900_001)
+
+
+def test_nan_and_surrogates_are_named_in_one_line():
+    with transaction.atomic():
+        with pytest.raises(InvalidRecord, match=r"^value: must not contain NaN or Infinity: JSON \(RFC 8259\)"):
+            stash("orders", "k", {"price": float("nan")})
+        with pytest.raises(InvalidRecord, match=r"^records\[1\]\.key: must be valid Unicode: a lone surrogate "
+                                                r"'\\ud800' at character 1 has no UTF-8 form$"):
+            stash_many([{"topic": "orders", "key": "a"}, {"topic": "orders", "key": "k\ud800"}])
+        stash("orders", "still-usable")
+    assert keys() == ["still-usable"]
 
 
 def test_stash_many_validates_everything_before_writing():

@@ -1,5 +1,5 @@
-"""Each replica's status row: written while it runs, gone when it stops; long-gone rows are pruned. Its history
-samples: taken with the status row, pruned after history_retention, off with history_interval 0."""
+"""Each replica's status row: written while it runs, marked stopped when it stops cleanly; long-gone rows are
+pruned. Its history samples: taken with the status row, pruned after history_retention, off with history_interval 0."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def test_status_row_follows_the_replica_and_stale_rows_are_pruned(database_url, 
     finally:
         harvester.stop()
         harvester.wait(timeout=30)
-    assert not HarvesterStatus.objects.filter(name="status-replica").exists(), "a stopped replica removes its row"
+    stopped = HarvesterStatus.objects.get(name="status-replica")
+    assert stopped.state == "stopped" and stopped.leader_id is None and stopped.in_flight == 0, \
+        "a replica that stopped cleanly says so in its row, until it is pruned"
 
 
 def test_status_rows_can_be_turned_off(database_url, bootstrap_servers):

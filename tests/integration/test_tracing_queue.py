@@ -12,18 +12,32 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from outbox import stash
 from outbox.models import OutboxRecord
-from outbox.queue import api
+from outbox.queue import api, app_settings
 from outbox.queue.errors import Retry
 from outbox.queue.runner import HandlerRunner
+from outbox.queue.topics import ensure_topics
 from outbox.tracing.publish import OtelPublishTracer
 from project.shop.handlers import confirm_order
 from project.shop.models import Order
-from tests.integration.test_queue import config, ended, prefix  # noqa: F401 (fixtures)
 from tests.support import tracing
 from tests.support.harness import wait_until
-from tests.support.queue_harness import running_harvester, running_tracker
+from tests.support.queue_harness import new_prefix, queue_settings, running_harvester, running_tracker
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def config(settings, bootstrap_servers):
+    """OUTBOX["queues"] on a fresh topic pair, created before anyone uses it."""
+    settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix())}
+    ensure_topics(app_settings.queue_config(), 10)
+    return app_settings.queue_config()
+
+
+def ended(tracker, queue: str, count: int) -> bool:
+    """The tracker read `count` End markers of `queue` and holds nothing of it in progress."""
+    view = tracker.snapshot
+    return view.ends.get(queue, 0) >= count and queue not in view.queues
 
 
 @pytest.fixture
@@ -42,7 +56,7 @@ def run_handler(consumer, handler, until, what: str, **options) -> None:
         runner.join()
 
 
-def test_the_handler_runs_in_a_span_whose_parent_is_the_senders(config, spans):  # noqa: F811
+def test_the_handler_runs_in_a_span_whose_parent_is_the_senders(config, spans):
     with trace.get_tracer("test").start_as_current_span("sign up") as sender:
         message_id = api.send("welcome", {"user": 7})
     inside = []
@@ -69,7 +83,7 @@ def test_the_handler_runs_in_a_span_whose_parent_is_the_senders(config, spans): 
         tracing.traceparent_of(process))
 
 
-def test_a_redelivery_is_a_new_span_linked_to_the_earlier_ones(config, spans):  # noqa: F811
+def test_a_redelivery_is_a_new_span_linked_to_the_earlier_ones(config, spans):
     with trace.get_tracer("test").start_as_current_span("sign up") as sender:
         api.send("flaky", {"user": 8})
 
@@ -98,7 +112,7 @@ def test_a_redelivery_is_a_new_span_linked_to_the_earlier_ones(config, spans):  
 
 
 def test_one_trace_covers_the_order_view_the_outbox_wait_the_publish_and_the_queue_handler(
-        config, database_url, bootstrap_servers, spans, capsys):  # noqa: F811
+        config, database_url, bootstrap_servers, spans, capsys):
     response = Client(HTTP_HOST="127.0.0.1").post("/", {"item": "kettle", "quantity": 1})
     assert response.status_code == 302
     order = Order.objects.get(item="kettle")

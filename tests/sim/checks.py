@@ -58,3 +58,12 @@ def check_nothing_lost(kafka: MemoryBroker, table: MemoryTable) -> None:
         if (row_id not in kafka.published and row_id not in table.rows and row_id not in table.removed_by_operator
                 and row_id not in table.parked):
             raise Violation(f"record {row_id} is neither in Kafka nor in the table")
+
+
+def check_batches_fit(kafka: MemoryBroker, steady_from: float) -> None:
+    """With a topic limit known to the replicas, no batch goes out that the topic refuses for its size:
+    such a refusal fails every key's records in the batch (and a gapless producer as a whole)."""
+    late = [(at, topic) for at, topic in kafka.size_refusals if at >= steady_from]
+    if late:
+        at, topic = late[0]
+        raise Violation(f"{len(late)} batch(es) refused for their size by topic {topic}, the first at t={at:.3f}")

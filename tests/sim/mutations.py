@@ -2,9 +2,11 @@
 
     python -m tests.sim.mutations            # for each bug, the first seeds that catch it
     python -m tests.sim.mutations --check    # only the seeds listed in CAUGHT_BY (what CI runs)
+    python -m tests.sim.mutations --queue    # the queue's only (--only TEXT: those whose name has TEXT)
 
 Each mutation is a small change to the real core or driver (a subclass) or to the simulated table's
 SQL; the runs use one record per key in flight, goharvest's mode, where the stricter order applies.
+The queue's mutations (tests/sim/queue_mutations.py) run in the queue's simulator.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from outbox.harvest.driver import Driver
 from outbox.harvest.lanes import EntryState, Lane, Lanes
 from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
+from outbox.harvest.topics import UNLIMITED
+from tests.sim import queue_scenario
+from tests.sim.queue_mutations import QUEUE_MUTATIONS
 from tests.sim.scenario import Options, quiet, run
 
 # -- the core's parts -------------------------------------------------------------------------
@@ -138,6 +143,32 @@ class RestartForgetsInFlight(Driver):
         super().delivered(record_id, error)
 
 
+class IgnoresTopicLimits(Driver):
+    """Produces without asking for the topics' max.message.bytes (as before it was learned)."""
+
+    def _send(self, command: cmd.Send) -> None:
+        io = self.io
+        asked = io.topic_limit
+        io.topic_limit = lambda _topic: UNLIMITED
+        try:
+            super()._send(command)
+        finally:
+            io.topic_limit = asked
+
+
+class BatchesNotFitted(Driver):
+    """Knows the topics' limits, but keeps the producer's batch size (holds only records too big alone)."""
+
+    def _send(self, command: cmd.Send) -> None:
+        io = self.io
+        fit = io.fit_batches
+        io.fit_batches = lambda _limit: True
+        try:
+            super()._send(command)
+        finally:
+            io.fit_batches = fit
+
+
 MUTATIONS: dict[str, Options] = {
     "barrier lowered on the ack instead of after the purge": Options(core_factory=with_part(lanes=BarrierOnAck),
                                                                      per_key=1),
@@ -157,6 +188,11 @@ MUTATIONS: dict[str, Options] = {
     "records sent past a refused record of their key": Options(driver_factory=SendsPastARefusal, per_key=4),
     # Several per key in flight: a refused batch is fatal there, so producers are replaced often.
     "a producer restart that forgets what was in flight": Options(driver_factory=RestartForgetsInFlight, per_key=4),
+    # A topic with a small max.message.bytes (topics.py): batches that do not fit it are refused whole.
+    "records produced without reading the topic's limit": Options(driver_factory=IgnoresTopicLimits, per_key=4,
+                                                                  topic_limits=True),
+    "batches not fitted to the topic's limit": Options(driver_factory=BatchesNotFitted, per_key=4,
+                                                       topic_limits=True),
 }
 
 #: Seeds that catch each mutation, as `python -m tests.sim.mutations` found them. A change to the
@@ -165,23 +201,42 @@ MUTATIONS: dict[str, Options] = {
 CAUGHT_BY: dict[str, list[int]] = {
     "barrier lowered on the ack instead of after the purge": [1, 2, 4],
     "a leader id reused": [1, 2, 3],
-    "no fencing on missing heartbeats": [6, 38, 39],
+    "no fencing on missing heartbeats": [6, 23, 38],
     "ids not yet visible skipped (no gaps kept)": [2, 3, 4],
     "a gap forgotten before its writers ended": [2, 3, 4],
-    "a failed record resent before the refresh": [5, 14, 15],
-    "settling skipped on revoke": [117, 172, 527],
-    "a mark error taken as a mark that found nothing": [2, 3, 7],
-    "records sent past a refused record of their key": [399, 440, 539],
-    "a producer restart that forgets what was in flight": [16, 24, 38],
+    "a failed record resent before the refresh": [15, 16, 24],
+    "settling skipped on revoke": [118, 515],
+    "a mark error taken as a mark that found nothing": [2, 6, 7],
+    "records sent past a refused record of their key": [1, 2, 3],
+    "a producer restart that forgets what was in flight": [8, 15, 16],
+    "records produced without reading the topic's limit": [4, 6, 8],
+    "batches not fitted to the topic's limit": [4, 6, 8],
+    # The queue (tests/sim/queue_mutations.py).
+    "a tracker that takes the last stable offset for the end of its partition": [289, 451, 598],
+    "a tracker that redelivers before reading its partition to the end": [40, 102, 138],
+    "a tracker that ignores KeepAlives": [2, 4, 5],
+    "dead-lettering one delivery early": [1, 2, 6],
+    "a tracker that commits past messages in progress": [1, 2, 4],
+    "the End marker sent before the handler's transaction committed (the inbox)": [2, 5, 6],
+    "a consumer that commits its offsets before writing the Start markers": [1, 2, 3],
+    "a consumer that reads on when max_in_progress messages are held": [1, 3, 4],
+    "a consumer that commits other queues' offsets in partitions taken from it": [99, 243, 1234],
 }
+
+
+def run_mutant(name: str, seed: int) -> str | None:
+    """The violation the mutation `name` causes on `seed`, or None."""
+    if name in QUEUE_MUTATIONS:
+        return queue_scenario.run(seed, QUEUE_MUTATIONS[name]).violation
+    return run(seed, MUTATIONS[name]).violation
 
 
 def hunt(name: str, seeds: range, want: int) -> list[tuple[int, str]]:
     found = []
     for seed in seeds:
-        result = run(seed, MUTATIONS[name])
-        if not result.ok:
-            found.append((seed, result.violation))
+        violation = run_mutant(name, seed)
+        if violation is not None:
+            found.append((seed, violation))
             if len(found) >= want:
                 break
     return found
@@ -192,12 +247,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--check", action="store_true", help="only run the seeds listed in CAUGHT_BY")
     parser.add_argument("--seeds", type=int, default=2000, help="seeds to search (default 2000)")
     parser.add_argument("--want", type=int, default=3, help="seeds to find per mutation (default 3)")
+    parser.add_argument("--only", default="", help="only the mutations whose name contains this")
+    parser.add_argument("--queue", action="store_true", help="only the queue's mutations")
     args = parser.parse_args(argv)
     quiet()
+    queue_scenario.quiet()
     missed = 0
-    for name in MUTATIONS:
+    for name in [*([] if args.queue else MUTATIONS), *QUEUE_MUTATIONS]:
+        if args.only not in name:
+            continue
         if args.check:
-            caught = [(seed, run(seed, MUTATIONS[name]).violation) for seed in CAUGHT_BY[name]]
+            caught = [(seed, run_mutant(name, seed)) for seed in CAUGHT_BY[name]]
             caught = [(seed, violation) for seed, violation in caught if violation]
         else:
             caught = hunt(name, range(1, args.seeds + 1), args.want)

@@ -26,6 +26,7 @@ from outbox.harvest.driver import Driver
 from outbox.harvest.memory.broker import Group, Member, MemoryBroker, MemoryProducer
 from outbox.harvest.memory.table import MemoryStore, MemoryTable
 from outbox.harvest.memory.world import SimWorld, Violation
+from outbox.harvest.topics import UNLIMITED, batch_size_for
 
 
 @dataclass
@@ -48,11 +49,55 @@ class SimIO:
 
     def __init__(self, replica: SimReplica) -> None:
         self._replica = replica
-        self.producer: MemoryProducer = replica.new_producer()
+        self.batch_limit = UNLIMITED
+        self.producer: MemoryProducer = self._new_producer()
         self._retiring: list[MemoryProducer] = []
+        #: Topics' max.message.bytes as this replica last read them (the broker's `max_message_bytes`),
+        #: read a moment after first asked for, again every topic_limits_interval and after a refusal.
+        self._limits: dict[str, int] = {}
+        self._reading: set[str] = set()
 
     def now(self) -> float:
         return self._replica.world.now
+
+    def _new_producer(self) -> MemoryProducer:
+        producer = self._replica.new_producer()
+        if self.batch_limit < UNLIMITED:
+            producer.batch_bytes = batch_size_for(self.batch_limit)
+        return producer
+
+    def topic_limit(self, topic: str) -> int | None:
+        if topic not in self._limits:
+            self._read_limit(topic)
+        return self._limits.get(topic)
+
+    def _read_limit(self, topic: str) -> None:
+        """An admin request for the topic's configuration, answered a moment later."""
+        replica = self._replica
+        if topic in self._reading:
+            return
+        self._reading.add(topic)
+
+        def answered() -> None:
+            self._reading.discard(topic)
+            if replica.crashed:
+                return
+            self._limits[topic] = replica.kafka.max_message_bytes.get(topic, UNLIMITED)
+            replica.world.after(replica.limits.topic_limits_interval, lambda: self._read_limit(topic))
+        replica.world.after(replica.world.latency(0.001, 0.02), answered)
+
+    def fit_batches(self, limit: int) -> bool:
+        if limit >= self.batch_limit:
+            return True
+        if len(self.producer) or self._retiring:
+            return False
+        self.batch_limit = limit
+        self.producer = self._new_producer()
+        return True
+
+    def refused_for_size(self, topic: str | None) -> None:
+        for name in [topic] if topic is not None else list(self._limits):
+            self._read_limit(name)
 
     def submit(self, session: str, job: Callable[[Store], None]) -> None:
         replica = self._replica
@@ -62,7 +107,7 @@ class SimIO:
         old = self.producer
         old.purge()
         self._retiring.append(old)
-        self.producer = self._replica.new_producer()
+        self.producer = self._new_producer()
         self._replica.world.after(0.001, self._serve_retiring)
 
     def _serve_retiring(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults
-from outbox.harvest.memory.table import HUGE, POISON, POISONS, MemoryTable, TableFaults
+from outbox.harvest.memory.table import HUGE, POISON, MemoryTable, TableFaults
 from outbox.harvest.memory.world import SimWorld, Violation
+from outbox.harvest.topics import record_size
 from tests.sim import checks
 from tests.sim.replica import Log, SimReplica
 
@@ -51,6 +53,8 @@ class Options:
     per_key: int | None = None
     #: Whether the database fence works (None: the seed decides; off models PgBouncer in transaction mode).
     db_fence: bool | None = None
+    #: Whether the records' topic has a small max.message.bytes (None: the seed decides).
+    topic_limits: bool | None = None
 
 
 def limits_for(world: SimWorld, per_key: int) -> Limits:
@@ -61,7 +65,7 @@ def limits_for(world: SimWorld, per_key: int) -> Limits:
         purge_interval=(0.0, 0.005, 0.05)[throttle % 3],  # from a draw already made: the seeds stay as they were
         max_in_flight_per_key=per_key, mark_query_records=world.rng.randint(3, 40),
         held_check_interval=0.5, held_retry_after=3.0, fence_retry_interval=1.0,
-        min_metrics_interval=5.0, status_interval=0.0,
+        min_metrics_interval=5.0, status_interval=0.0, topic_limits_interval=2.0,
     )
 
 
@@ -94,6 +98,24 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
     if len(groups) == 2 and len(replicas) == 1:
         spawn("g2", rng.uniform(0, 1.0))
 
+    # -- a topic limit: batches must be built to fit it, and a record too big for it held -------------
+    # Drawn from a generator of its own, so the seeds of runs without one keep their schedules.
+    sizes = random.Random(seed * 7919 + 17)
+    topic_limit = None
+    limit_steady_from = 0.0  # from then on, no batch may be refused for its size
+    if options.topic_limits if options.topic_limits is not None else sizes.random() < 0.25:
+        typical = record_size("k10", "v", [("outbox-id", "100"), ("outbox-create-time", "2026-01-01T00:00:00Z")])
+        topic_limit = typical * sizes.randint(2, 4)  # a few records a batch, where the producer would put 8
+        kafka.max_message_bytes[checks.TOPIC] = topic_limit
+        if sizes.random() < 0.5:
+            # Lowered while the replicas run: they learn it from a refused batch or their next read.
+            kafka.max_message_bytes[checks.TOPIC] = 10 * topic_limit
+            lowered, lowered_at = {checks.TOPIC: topic_limit}, sizes.uniform(1.0, FAULTS_END)
+            world.at(lowered_at, lambda: kafka.max_message_bytes.update(lowered))
+            # Every replica reads it again within topic_limits_interval, at once after a refusal; one
+            # paused or cut off from Kafka then may still have bigger batches on their way.
+            limit_steady_from = FAULTS_END + 10.0 + 2 * limits.topic_limits_interval
+
     # -- writers: each key's records are causal (the next is written after the last committed) ----
     keys = [f"k{i}" for i in range(rng.randint(1, 12))]
     total = rng.randint(40, 250)
@@ -111,6 +133,8 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
         value = "v"
         if poison_count and len(poison_ids) < poison_count and world.chance(0.02):
             value = rng.choice((POISON, HUGE))  # refused by the broker, or by the producer at produce()
+            if topic_limit is not None and sizes.random() < 0.5:
+                value = "B" * topic_limit  # fits the producer, not the topic: held before it is produced
         row = table.insert(key, value)
         # Commits land out of id order across keys; now and then one takes a long while, and now and
         # then a writer rolls back (its id is never seen: a gap that must be let go of).
@@ -119,7 +143,8 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
             written["n"] -= 1  # written again
             world.after(commit_in, lambda: (table.rollback(row), write(key)))
             return
-        if value in POISONS:
+        if value != "v":  # POISON, HUGE, or too large for the topic's limit
+            table.poison.add(row.id)
             poison_ids.append(row.id)
 
         def commit() -> None:
@@ -217,7 +242,9 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
 
     world.at(FAULTS_END, watch)
     def summary() -> str:
-        return (f"seed {seed}: {len(groups)} group(s){'' if table.db_fence else ' (no db fence)'}, {per_key} per key, "
+        limit = f", topic limit {topic_limit} bytes" if topic_limit else ""
+        return (f"seed {seed}: {len(groups)} group(s){'' if table.db_fence else ' (no db fence)'}{limit}, "
+                f"{per_key} per key, "
                 f"{len(keys)} key(s), {total} records, "
                 f"{kafka.partitions} partition(s), {len(poison_ids)} poison ({operator}), park_after={park_after}")
     try:
@@ -228,6 +255,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
         checks.check_leader_ids(log)
         checks.check_nothing_lost(kafka, table)
         checks.check_drained(table)
+        checks.check_batches_fit(kafka, limit_steady_from)
     except AssertionError as violation:  # a Violation, or an invariant the core asserts itself
         return Result(seed, False, f"t={world.now:.3f}: {violation}", summary(), world.trace)
     published = len(kafka.messages(checks.TOPIC))

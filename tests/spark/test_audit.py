@@ -15,13 +15,11 @@ import sys
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import psycopg
 import pytest
-from confluent_kafka import Producer
 from django.core.management import call_command
 from django.db import transaction
 
@@ -29,53 +27,17 @@ from outbox import stash_many
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.harvester import Harvester
 from outbox.models import OutboxRecord
-from outbox.pipeline import cli
-from tests.spark_session import shared_session
+from tests.support.audit import ROOT, Ledgered, audit, harvested, in_order, newest_by_reference, produce
+from tests.support.spark_session import shared_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 REQUIRED_KEYS = {"messages", "distinct_ids", "duplicates", "reversals", "missing", "latency_ms"}
 
 
 @pytest.fixture(scope="session")
 def spark():
     return shared_session()
-
-
-def harvested(partition: int, key: str, outbox_id: int | None, *, created: str | None = "now",
-              value: str | None = "v") -> dict:
-    """A message as the harvester sends it; `outbox_id=None` / `created=None` leave a header out."""
-    headers = [("source", "test")]
-    if outbox_id is not None:
-        headers.append(("outbox-id", str(outbox_id)))
-    if created == "now":
-        created = (datetime.now(UTC) - timedelta(milliseconds=50)).isoformat(timespec="microseconds")
-        created = created.replace("+00:00", "Z")
-    if created is not None:
-        headers.append(("outbox-create-time", created))
-    return {"partition": partition, "key": key, "value": value, "headers": headers}
-
-
-def produce(bootstrap: str, topic: str, messages: list[dict]) -> None:
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
-    for message in messages:
-        producer.produce(topic, key=message["key"], value=message["value"], headers=message["headers"],
-                         partition=message["partition"])
-    assert producer.flush(30) == 0
-
-
-def in_order(partition: int, key: str, *ids: int) -> list[dict]:
-    return [harvested(partition, key, outbox_id) for outbox_id in ids]
-
-
-def audit(spark, bootstrap: str, out: Path, *args: str) -> tuple[int, dict, str, str]:
-    """Run the audit in-process; returns (exit status, report, stdout, stderr)."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    code = cli.main(["--bootstrap-servers", bootstrap, "--out", str(out), *args], stdout=stdout, stderr=stderr)
-    report_file = out / "report.json"
-    report = json.loads(report_file.read_text()) if report_file.exists() else {}
-    return code, report, stdout.getvalue(), stderr.getvalue()
 
 
 def test_clean_ordered_streams_count_nothing(spark, bootstrap_servers, new_topic, tmp_path):
@@ -306,6 +268,8 @@ def test_unreachable_kafka_exits_2_with_one_line(tmp_path):
     ["--topics", "t", "--out", "x", "--sink", "x/sink"],                   # --sink would replace the report
     ["--topics", "t", "--out", "x", "--sink", "s", "--latest", "s"],
 ])
+
+
 @pytest.mark.parametrize("command", [["manage.py", "outbox_audit"], ["-m", "outbox.pipeline"]])
 def test_bad_arguments_exit_2_with_one_line(command, args):
     result = run_command(*command, *args)
@@ -390,6 +354,8 @@ def test_a_connector_for_another_spark_version_exits_2_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("command", [["manage.py", "outbox_audit", "--help"], ["-m", "outbox.pipeline", "--help"],
                                      ["manage.py", "outbox_audit", "--topics", "t", "--out", "x"]])
+
+
 def test_without_pyspark_one_line_names_the_extra(tmp_path, command):
     fake = tmp_path / "pyspark"  # shadows the installed pyspark, as if it were not installed
     fake.mkdir()
@@ -408,48 +374,6 @@ def test_missing_jars_exit_2_saying_how_to_fetch_them(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "bin/services up" in lines[0], result.stderr
-
-
-def newest_by_reference(messages: list[dict], *, tombstones: str = "delete") -> dict[str, tuple[str, int | None]]:
-    """The latest-state table computed in plain Python, walking each key's messages in offset order.
-
-    A message becomes its key's newest when it has no outbox id, or an id higher than any the key
-    had; per key the partition where it reached its highest id wins; tombstones drop the key
-    (`tombstones="mark"`: keep it, value None).
-    """
-    walked: dict[tuple[int, str], tuple[dict, int | None]] = {}
-    for message in sorted(messages, key=lambda m: (m["partition"], m["offset"])):
-        place = (message["partition"], message["key"])
-        newest, highest = walked.get(place, (None, None))
-        outbox_id = message["outbox_id"]
-        if outbox_id is None or highest is None or outbox_id > highest:
-            newest = message
-            highest = outbox_id if outbox_id is not None else highest
-        walked[place] = (newest, highest)
-    chosen: dict[str, tuple[tuple, dict]] = {}
-    for (partition, key), (newest, highest) in walked.items():
-        rank = (highest is not None, highest or 0, partition)
-        if key not in chosen or rank > chosen[key][0]:
-            chosen[key] = (rank, newest)
-    return {key: (newest["value"], newest["outbox_id"]) for key, (_, newest) in chosen.items()
-            if newest["value"] is not None or tombstones == "mark"}
-
-
-class Ledgered:
-    """Messages produced to one topic, remembered with their offsets for the reference."""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self.bootstrap, self.topic = bootstrap, topic
-        self.sent: list[dict] = []
-
-    def send(self, *messages: tuple[int, str, int | None, str | None]) -> None:
-        batch = []
-        for partition, key, outbox_id, value in messages:
-            offset = sum(1 for m in self.sent if m["partition"] == partition)
-            self.sent.append({"partition": partition, "offset": offset, "key": key, "outbox_id": outbox_id,
-                              "value": value})
-            batch.append(harvested(partition, key, outbox_id, value=value))
-        produce(self.bootstrap, self.topic, batch)
 
 
 def latest_table(spark, path: Path, topic: str) -> dict[str, tuple[str, int | None]]:

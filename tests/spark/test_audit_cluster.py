@@ -18,9 +18,9 @@ from pathlib import Path
 import pyspark
 import pytest
 
-from tests.services import free_port
-from tests.spark.test_audit import ROOT, audit, harvested, in_order, produce
-from tests.spark_session import shared_session
+from tests.support.audit import ROOT, audit, harvested, in_order, produce
+from tests.support.services import free_port
+from tests.support.spark_session import shared_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -106,8 +106,16 @@ def test_a_standalone_cluster_gives_the_local_report(spark, standalone_master, b
 def test_delta_tables_on_a_standalone_cluster_match_the_reference(spark, standalone_master, bootstrap_servers,
                                                                   new_topic, tmp_path):
     """Follow mode with Delta tables, the executors on the cluster writing them: a WRITE, then a MERGE."""
-    from tests.spark.test_audit import Ledgered, newest_by_reference
-    from tests.spark.test_audit_delta import FIRST, first_ids, history, micro_batches, spark_latest, spark_sink
+    from tests.support.audit import (
+        FIRST,
+        Ledgered,
+        first_ids,
+        history,
+        micro_batches,
+        newest_by_reference,
+        spark_latest,
+        spark_sink,
+    )
 
     topic = new_topic("audit-cluster-delta")
     messages = Ledgered(bootstrap_servers, topic)

@@ -21,29 +21,22 @@ import pytest
 from deltalake import DeltaTable as RustDeltaTable
 from deltalake import QueryBuilder
 
-from tests.spark.test_audit import ROOT, Ledgered, audit, newest_by_reference
-from tests.spark_session import shared_session
+from tests.support.audit import (
+    FIRST,
+    ROOT,
+    SECOND,
+    Ledgered,
+    audit,
+    first_ids,
+    history,
+    micro_batches,
+    newest_by_reference,
+    spark_latest,
+    spark_sink,
+)
+from tests.support.spark_session import shared_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
-
-#: (partition, key, outbox id, value): repeats, a reversal, tombstones, no ids, a key in two partitions.
-FIRST = (
-    (0, "a", 1, "a1"), (0, "a", 2, "a2"), (0, "a", 2, "a2"),
-    (0, "b", 3, "b3"), (0, "b", 4, None),
-    (1, "c", 5, "c5"), (1, "c", 7, "c7"), (1, "c", 6, "c6"),
-    (1, "d", None, "d-plain"), (1, "d", 8, "d8"),
-    (2, "e", 9, "e9"), (2, "e", None, "e-plain"),
-    (3, "f", 10, "f10"), (2, "f", 12, "f12"),
-)
-SECOND = (
-    (0, "a", 1, "a1"), (0, "b", 3, "b3"),           # late repeats: never newest, never bring b back
-    (1, "c", 11, "c11"), (1, "d", None, "d-plain-2"), (2, "e", 13, "e13"),
-    (3, "g", 14, "g14"), (3, "g", 15, None),        # created and deleted in one micro-batch
-    (0, "h", 16, None),                             # a tombstone for a key never seen
-    (0, "b", 17, "b17"),                            # a new record after the tombstone
-    (3, "f", 18, "f18"),                            # f moves back to partition 3
-    (2, "f", 12, "f12"),                            # a repeat in the old one
-)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +48,6 @@ def delta(*args: str) -> list[str]:
     return [*args, "--format", "delta"]
 
 
-def spark_latest(spark, path: Path) -> dict[str, tuple[str | None, int | None]]:
-    rows = spark.read.format("delta").load(str(path)).collect()
-    assert len(rows) == len({row["key"] for row in rows}), "one row per key"
-    return {row["key"]: (row["value"], row["outbox_id"]) for row in rows}
-
-
 def rust_rows(path: Path, columns: str) -> list[dict]:
     """The table as the `deltalake` package reads it (no JVM): through its SQL engine, which applies the
     deletion vectors a MERGE leaves (its to_pyarrow_table() refuses tables that have them)."""
@@ -70,31 +57,6 @@ def rust_rows(path: Path, columns: str) -> list[dict]:
 
 def rust_latest(path: Path) -> dict[str, tuple[str | None, int | None]]:
     return {row["key"]: (row["value"], row["outbox_id"]) for row in rust_rows(path, "key, value, outbox_id")}
-
-
-def first_ids(sent: list[dict]) -> dict[int, tuple[str, str | None]]:
-    """Every outbox id once, with the key and value it was published with (a repeat carries the same)."""
-    found: dict[int, tuple[str, str | None]] = {}
-    for message in sent:
-        if message["outbox_id"] is not None:
-            found.setdefault(message["outbox_id"], (message["key"], message["value"]))
-    return found
-
-
-def spark_sink(spark, path: Path) -> dict[int, tuple[str, str | None]]:
-    rows = spark.read.format("delta").load(str(path)).collect()
-    assert len(rows) == len({row["outbox_id"] for row in rows}), "each id once"
-    return {row["outbox_id"]: (row["key"], row["value"]) for row in rows}
-
-
-def history(spark, path: Path) -> list[tuple[str, str]]:
-    """(operation, userMetadata) of every commit, oldest first."""
-    rows = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").orderBy("version").collect()
-    return [(row["operation"], row["userMetadata"]) for row in rows]
-
-
-def micro_batches(*ids: int) -> list[str]:
-    return [f"outbox-audit micro-batch {batch}" for batch in ids]
 
 
 def test_batch_tables_open_in_spark_and_without_a_jvm(spark, bootstrap_servers, new_topic, tmp_path):

@@ -11,9 +11,8 @@ import pytest
 from outbox.pipeline import audit, delta_table, sink
 from outbox.pipeline import latest as latest_state
 from outbox.pipeline.state import StateStore
-from tests.spark.test_audit import newest_by_reference
-from tests.spark.test_audit_frames import frame, message
-from tests.spark_session import shared_session
+from tests.support.audit import frame, message, newest_by_reference
+from tests.support.spark_session import shared_session
 
 pytestmark = pytest.mark.spark
 

@@ -7,34 +7,15 @@ import datetime as dt
 import pytest
 
 from outbox.pipeline import audit
-from tests.spark_session import shared_session
+from tests.support.audit import CREATED, SENT, frame, message
+from tests.support.spark_session import shared_session
 
 pytestmark = pytest.mark.spark
-
-RAW_SCHEMA = ("key binary, value binary, topic string, partition int, offset long, timestamp timestamp, "
-              "timestampType int, headers array<struct<key:string,value:binary>>")
-SENT = dt.datetime(2026, 1, 1, 0, 0, 1, tzinfo=dt.UTC)
-CREATED = "2026-01-01T00:00:00.900000Z"  # 100 ms before SENT
 
 
 @pytest.fixture(scope="session")
 def spark():
     return shared_session()
-
-
-def message(offset, key, outbox_id, *, topic="t", partition=0, created=CREATED, sent=SENT, value="v",
-            headers=None):
-    """A Kafka source row as the harvester's message would arrive; None leaves a header out."""
-    found = [(name, text.encode()) for name, text in (headers or [])]
-    if outbox_id is not None:
-        found.append(("outbox-id", str(outbox_id).encode()))
-    if created is not None:
-        found.append(("outbox-create-time", created.encode()))
-    return (key.encode(), None if value is None else value.encode(), topic, partition, offset, sent, 0, found)
-
-
-def frame(spark, rows):
-    return audit.normalize(spark.createDataFrame(rows, RAW_SCHEMA))
 
 
 def figures(spark, *batches, ledger=None):
@@ -65,6 +46,8 @@ def test_normalize_reads_headers_and_latency(spark):
     (7, None, "no outbox-create-time header"),
     (7, "yesterday", "outbox-create-time is not a timestamp: yesterday"),
 ])
+
+
 def test_normalize_keeps_messages_with_bad_headers(spark, outbox_id, created, problem):
     rows = frame(spark, [message(0, "k", outbox_id, created=created)]).collect()
     assert len(rows) == 1
@@ -92,6 +75,8 @@ def test_repeats_are_duplicates_not_reversals(spark):
     ((0, 1, 1, 2), 0, 1),
     ((0, 2, 1, 1, 3, 2), 1, 2),  # the second 1 repeats the reversal: one reversal only
 ])
+
+
 def test_a_reversal_is_a_first_occurrence_below_a_higher_id(spark, ids, reversals, duplicates):
     found = figures(spark, ids_in_order("k", *ids))
     assert (found.topics["t"]["reversals"], found.topics["t"]["duplicates"]) == (reversals, duplicates)
@@ -103,6 +88,8 @@ def test_a_reversal_is_a_first_occurrence_below_a_higher_id(spark, ids, reversal
     ((0, 1, 2), (0, 1), 0, 2),
     ((0, 1, 2, 1), (2, 3), 0, 2),
 ])
+
+
 def test_the_rule_holds_across_batches(spark, first, second, reversals, duplicates):
     found = figures(spark, ids_in_order("k", *first), ids_in_order("k", *second, start=len(first)))
     assert (found.topics["t"]["reversals"], found.topics["t"]["duplicates"]) == (reversals, duplicates)

@@ -91,7 +91,8 @@ class Cluster:
 
     def up(self) -> None:
         """Start the cluster, or whichever of its nodes are down, and wait until all brokers answer."""
-        result = self.services("up", *self.flags)
+        # --kafka-only: the session's Postgres (an external DATABASE_URL too) is not this fixture's to touch.
+        result = self.services("up", *self.flags, "--kafka-only")
         if result.returncode != 0:
             raise RuntimeError(f"bin/services up {' '.join(self.flags)} failed: "
                                f"{(result.stderr or result.stdout).strip()}")

@@ -10,9 +10,11 @@ from datetime import timedelta
 import pytest
 from django.core import checks
 from django.test import override_settings
+from psycopg.conninfo import conninfo_to_dict
 
 from outbox import conf
-from outbox.harvest.config import HarvestConfig, Limits, redact_dsn
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.redaction import redact_dsn
 
 
 def test_derived_limits_follow_goharvest():
@@ -41,13 +43,25 @@ def test_table_names_refused(table):
 
 
 @pytest.mark.parametrize(("dsn", "expected"), [
-    ("postgres://u:s3cret@h:5432/db", "postgres://u:***@h:5432/db"),
-    ("host=h password=s3cret dbname=d", "host=h password=*** dbname=d"),
-    ("host=h password='s3 cret' dbname=d", "host=h password=*** dbname=d"),
-    ("postgres://u@h/db", "postgres://u@h/db"),
+    ("postgres://u:s3cret@h:5432/db", {"user": "u", "password": "***", "host": "h", "port": "5432", "dbname": "db"}),
+    ("host=h password=s3cret dbname=d", {"host": "h", "password": "***", "dbname": "d"}),
+    ("host=h password='s3 cret' dbname=d", {"host": "h", "password": "***", "dbname": "d"}),
+    ("postgres://u@h/db?sslpassword=s3cret&sslmode=require",
+     {"user": "u", "host": "h", "dbname": "db", "sslpassword": "***", "sslmode": "require"}),
+    ("postgresql:///db?host=/run&password=s3cret", {"host": "/run", "dbname": "db", "password": "***"}),
 ])
-def test_dsn_passwords_are_redacted(dsn, expected):
-    assert redact_dsn(dsn) == expected
+def test_dsn_secrets_are_redacted(dsn, expected):
+    redacted = redact_dsn(dsn)
+    assert "s3" not in redacted and conninfo_to_dict(redacted) == expected
+
+
+@pytest.mark.parametrize("dsn", ["postgres://u@h/db", "host=h dbname=d sslmode=require"])
+def test_dsn_without_secrets_is_shown_as_written(dsn):
+    assert redact_dsn(dsn) == dsn
+
+
+def test_unparseable_dsn_is_masked_whole():
+    assert redact_dsn("host=h password='s3cret") == "***"
 
 
 def test_redacted_config_hides_every_secret():
@@ -75,6 +89,7 @@ def test_default_settings_pass_the_checks():
 @pytest.mark.parametrize(("outbox", "code"), [
     ({"max_in_flight_recods": 5}, "outbox.E002"),
     ({"max_in_flight_records": 0}, "outbox.E004"),
+    ({"heartbeat_timeout": 1201}, "outbox.E004"),
     ({"heartbeat_timeout": "5s"}, "outbox.E003"),
     ({"max_value_bytes": -1}, "outbox.E003"),
     ({"listen": "yes"}, "outbox.E003"),
@@ -185,3 +200,10 @@ def test_a_retired_setting_is_accepted_with_a_warning_that_it_does_nothing():
         messages = checks.run_checks(tags=["outbox"])
     assert [(m.id, m.level) for m in messages] == [("outbox.W004", checks.WARNING)]
     assert "rescan_interval" in messages[0].msg and "no longer does anything" in messages[0].msg
+
+
+def test_a_long_heartbeat_timeout_keeps_the_derived_socket_timeout_within_librdkafka_s_range():
+    # Found by test_fuzz_settings.py: heartbeat_timeout 151 made socket.timeout.ms 302,000 (librdkafka's
+    # most is 300,000), refused as a setting nobody had set, in a message of two lines.
+    assert outbox_errors(heartbeat_timeout=151) == []
+    assert outbox_errors(heartbeat_timeout=1200) == []

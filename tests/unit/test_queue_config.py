@@ -11,7 +11,7 @@ from django.core import checks
 from django.test import override_settings
 
 from outbox.errors import InvalidRecord
-from outbox.queue import api, conf, markers
+from outbox.queue import api, app_settings, markers
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.errors import Retry
 from outbox.queue.markers import Kind, Marker
@@ -24,7 +24,7 @@ def queue_checks(queues: object) -> list[tuple[str, str]]:
 
 def test_defaults_derive_from_the_project_and_the_redelivery_timeout():
     with override_settings(OUTBOX={"base_kafka_config": {"bootstrap.servers": "k:1", "sasl.password": "pw"}}):
-        config = conf.queue_config()
+        config = app_settings.queue_config()
     assert (config.topic, config.markers_topic) == ("project-queue", "project-queue-markers")
     assert config.consumer_group("emails") == "project-queue-emails"
     assert config.tracker_group == "project-queue-tracker"
@@ -37,7 +37,7 @@ def test_per_queue_limits_start_from_the_shared_ones():
     queues = {"max_deliveries": 2, "redelivery_timeout": timedelta(minutes=1),
               "per_queue": {"reports": {"redelivery_timeout": 600, "max_in_progress": 1}}}
     with override_settings(OUTBOX={"queues": queues}):
-        config = conf.queue_config()
+        config = app_settings.queue_config()
     assert config.limits_for("emails") == QueueLimits(redelivery_timeout=60.0, max_deliveries=2)
     reports = config.limits_for("reports")
     assert (reports.redelivery_timeout, reports.keep_alive_interval, reports.max_in_progress,
@@ -147,7 +147,8 @@ def test_retry_delay_is_checked():
 
 
 def test_the_queue_engine_imports_no_django():
-    code = ("import sys, outbox.queue.consumer, outbox.queue.tracker, outbox.queue.producer, outbox.queue.tracking; "
+    code = ("import sys, outbox.queue.consumer, outbox.queue.tracker, outbox.queue.producer, "
+            "outbox.queue.tracker_state; "
             "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""tests/services.py's choices, against a stand-in Docker engine: which images, and when bin/services.
+"""tests/support/services.py's choices, against a stand-in Docker engine: which images, and when bin/services.
 
 The same branches run against a real engine in tests/docker/.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from tests import services
+from tests.support import services
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,5 +7,9 @@ interfaces as in production.
 
 - world.py: time, scheduled actions and chance (SimWorld: seeded; LiveWorld: the wall clock);
 - table.py: the outbox table, its sessions and fence, and MemoryStore (the Store protocol);
-- broker.py: topics, idempotent producers, the leader election's consumer group.
+- broker.py: topics, idempotent producers, the leader election's consumer group;
+- groups.py and consumer.py: consumer groups over whole topics (assignment, rebalances,
+  generations, committed offsets) and a consumer in one, with confluent-kafka's interface;
+- transactions.py: a transactional producer (read_committed visibility, the group's fence).
+The queue's simulator runs its consumers and trackers on the last three.
 """

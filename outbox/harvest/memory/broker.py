@@ -6,7 +6,8 @@ What the harvester relies on, and what goes wrong with it, is modelled; the wire
 - it writes each partition in sequence: the broker appends a batch only if it is the next one
   expected from that producer session (so a partition's log holds a prefix of what was sent),
   refuses a whole batch that holds a poison record (the producer itself refuses a huge one at
-  produce()), may lose a batch's acknowledgement (the batch is
+  produce()) or that is larger than its topic's `max_message_bytes` (a producer's batches are at most
+  its `batch_bytes`, as librdkafka's batch.size), may lose a batch's acknowledgement (the batch is
   written; librdkafka retries it and the broker answers "duplicate"), or fails it for a while;
 - with `gapless` (several records of a key in flight) a refused batch is a fatal error: nothing
   after it is written, and every record in the producer fails; without it (one in flight per key),
@@ -14,11 +15,16 @@ What the harvester relies on, and what goes wrong with it, is modelled; the wire
   written;
 - purging a producer fails everything in it at once; batches already on the wire land or not,
   decided at that moment (a modelling simplification);
+- a transaction's records take their offsets when produced and become visible to read_committed
+  consumers when it commits (transactions.py); a partition's last stable offset stops at the first
+  record of a transaction still open; every message has a timestamp (the broker's append time for
+  topics created with `log_append_time`, as the queue's markers topic is);
 - the group coordinator gives partition 0 of the leader topic to one live member; a member it has
   not heard from for the session timeout is dropped and the partition moves (the dropped member
   learns it is lost only when it can poll again); a member leaving gracefully is revoked first; a
   member joining may be given partition 0 (`Group.move_chance`): the owner is revoked, and nobody
-  is assigned until the owner's revoke callback has returned (or the owner is dropped).
+  is assigned until the owner's revoke callback has returned (or the owner is dropped). Consumer
+  groups over whole topics, with offsets, generations and rebalances, are groups.py's.
 """
 
 from __future__ import annotations
@@ -29,17 +35,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, KafkaError, KafkaException
 
 from outbox.harvest import contract
 from outbox.harvest.memory.table import HUGE, POISON
 from outbox.harvest.memory.world import World
+from outbox.harvest.topics import RECORD_BATCH_OVERHEAD, record_size
 
 PERMANENT = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large")
 TIMED_OUT = KafkaError(KafkaError._MSG_TIMED_OUT, "Local: Message timed out", retriable=True)
 PURGED = KafkaError(KafkaError._PURGE_QUEUE, "Local: Purged in queue")
 FATAL = KafkaError(KafkaError._FATAL, "Local: Fatal error", fatal=True)
 FENCED = KafkaError(KafkaError.PRODUCER_FENCED, "Broker: producer fenced", fatal=True)
+#: The brokers' wall clock at the world's time 0 (2026-01-01 UTC), for message timestamps.
+BROKER_EPOCH = 1_767_225_600.0
+
+
+def batch_size(messages: list[Pending]) -> int:
+    """A batch's size as the broker measures it (record format v2, uncompressed)."""
+    return RECORD_BATCH_OVERHEAD + sum(record_size(m.key, m.value, m.headers or ()) - RECORD_BATCH_OVERHEAD
+                                       for m in messages)
 
 
 def _encode(value: Any) -> bytes | None:
@@ -49,16 +64,22 @@ def _encode(value: Any) -> bytes | None:
 class StoredMessage:
     """A message in a topic's log, with confluent_kafka.Message's accessors."""
 
-    __slots__ = ("_error", "_headers", "_key", "_offset", "_partition", "_topic", "_value", "producer", "record_id",
-                 "replica", "time")
+    __slots__ = ("_error", "_headers", "_key", "_offset", "_partition", "_timestamp_type", "_topic", "_value",
+                 "control", "producer", "record_id", "replica", "time", "txn")
 
     def __init__(self, topic: str, partition: int, offset: int, key: Any, value: Any, headers: Any,
-                 *, producer: int = 0, replica: str = "", time: float = 0.0, error: KafkaError | None = None) -> None:
+                 *, producer: int = 0, replica: str = "", time: float = 0.0, error: KafkaError | None = None,
+                 txn: Any = None, control: bool = False, log_append_time: bool = False) -> None:
         self._topic, self._partition, self._offset = topic, partition, offset
         self._key, self._value = _encode(key), _encode(value)
         self._headers = [(k, _encode(v)) for k, v in headers or []]
         self._error = error
         self.producer, self.replica, self.time = producer, replica, time
+        #: The transaction that wrote it (transactions.Transaction), None outside one.
+        self.txn = txn
+        #: A transaction's commit or abort marker: takes an offset, never returned to a consumer.
+        self.control = control
+        self._timestamp_type = TIMESTAMP_LOG_APPEND_TIME if log_append_time else TIMESTAMP_CREATE_TIME
         found = self.header(contract.HEADER_ID)
         #: The outbox id the harvester put in its header (None for messages that have none).
         self.record_id = int(found) if found is not None else None
@@ -83,6 +104,14 @@ class StoredMessage:
 
     def error(self) -> KafkaError | None:
         return self._error
+
+    def timestamp(self) -> tuple[int, int]:
+        """(type, milliseconds since the epoch): the time it was appended (or produced: the same here)."""
+        return self._timestamp_type, round((BROKER_EPOCH + self.time) * 1000)
+
+    @property
+    def aborted(self) -> bool:
+        return self.txn is not None and self.txn.state == "aborted"
 
     def header(self, name: str) -> str | None:
         """The first header of that name, as text."""
@@ -143,6 +172,20 @@ class MemoryBroker:
         self._expected: dict[tuple[int, int, str, int], int] = {}
         self._fenced_epochs: dict[int, int] = {}
         self.groups: dict[str, Group] = {}
+        #: Topics' max.message.bytes (a topic not named here takes any batch).
+        self.max_message_bytes: dict[str, int] = {}
+        #: When a batch was refused for its size, and its topic.
+        self.size_refusals: list[tuple[float, str]] = []
+        #: Consumer groups over whole topics (groups.py), by group id.
+        self.consumer_groups: dict[str, Any] = {}
+        #: Topics whose timestamps are the broker's append time (message.timestamp.type=LogAppendTime).
+        self.log_append_time: set[str] = set()
+        #: (topic, partition) -> {open transaction: offset of its first record there}.
+        self.open_transactions: dict[tuple[str, int], dict[Any, int]] = {}
+        #: Told what becomes visible and what offsets groups commit (the simulator's checks).
+        self.watchers: list[Any] = []
+        #: Transactions left open this long are aborted by the broker (None: each producer's transaction.timeout.ms).
+        self.transaction_timeout: float | None = None
 
     def log(self, topic: str, partitions: int | None = None) -> list[list[StoredMessage]]:
         """A topic's partitions (created, empty, when first asked for)."""
@@ -153,6 +196,16 @@ class MemoryBroker:
     def messages(self, topic: str) -> list[StoredMessage]:
         """A topic's messages, partition by partition."""
         return [message for partition in self.topics.get(topic, []) for message in partition]
+
+    def create_topic(self, topic: str, partitions: int, *, log_append_time: bool = False) -> None:
+        self.log(topic, partitions)
+        if log_append_time:
+            self.log_append_time.add(topic)
+
+    def stable_end(self, topic: str, partition: int) -> int:
+        """The last stable offset: read_committed consumers read no further (an open transaction's first record)."""
+        opened = self.open_transactions.get((topic, partition))
+        return min(opened.values()) if opened else len(self.log(topic)[partition])
 
     def partition_of(self, topic: str, key: Any) -> int:
         return zlib.crc32(_encode(key) or b"") % len(self.log(topic))
@@ -167,13 +220,17 @@ class MemoryBroker:
         return self.groups[name]
 
     def append(self, topic: str, partition: int, key: Any, value: Any, headers: Any, *, producer: int = 0,
-               replica: str = "") -> StoredMessage:
+               replica: str = "", txn: Any = None, control: bool = False) -> StoredMessage:
         log = self.log(topic)[partition]
         message = StoredMessage(topic, partition, len(log), key, value, headers, producer=producer, replica=replica,
-                                time=self.world.now)
+                                time=self.world.now, txn=txn, control=control,
+                                log_append_time=topic in self.log_append_time)
         log.append(message)
         if message.record_id is not None:
             self.published.add(message.record_id)
+        if txn is None and not control and self.watchers:
+            for watcher in self.watchers:
+                watcher.visible([message])
         return message
 
     def accept(self, producer: MemoryProducer, batch: Batch) -> str:
@@ -181,6 +238,10 @@ class MemoryBroker:
         if batch.epoch < self._fenced_epochs.get(producer.id, 0):
             return "fenced"
         if any(m.value == POISON for m in batch.messages):
+            return "refused"
+        limit = self.max_message_bytes.get(batch.topic)
+        if limit is not None and batch_size(batch.messages) > limit:
+            self.size_refusals.append((self.world.now, batch.topic))
             return "refused"
         key = (producer.id, batch.epoch, batch.topic, batch.partition)
         expected = self._expected.get(key, 0)
@@ -212,6 +273,8 @@ class MemoryProducer:
         self.can_reach = can_reach
         #: While True, nothing is transmitted until release() (a test's control over acknowledgements).
         self.hold = False
+        #: librdkafka's batch.size: a batch holds its first message and more only while they fit.
+        self.batch_bytes: int | None = None
         self.epoch = 0
         self.queues: dict[tuple[str, int], deque[Pending]] = {}
         self.inflight: dict[tuple[str, int], deque[Batch]] = {}
@@ -305,7 +368,10 @@ class MemoryProducer:
             if len(inflight) >= 5 or not self.can_reach():
                 continue
             count = min(len(queue), self.world.rng.randint(1, 8))
-            messages = [queue.popleft() for _ in range(count)]
+            messages = [queue.popleft()]
+            while len(messages) < count and (self.batch_bytes is None
+                                             or batch_size([*messages, queue[0]]) <= self.batch_bytes):
+                messages.append(queue.popleft())
             seq = self._next_seq.get(where, 0)
             for i, message in enumerate(messages):
                 if message.seq < 0:

@@ -16,18 +16,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 
 class Violation(AssertionError):
     """An invariant broke; the message says which, with the simulated time and what was seen."""
 
 
-@dataclass(order=True)
-class _Event:
-    time: float
-    seq: int
-    action: Callable[[], None] = field(compare=False)
+#: A scheduled action: (time, sequence number, action), ordered by time, then by scheduling order.
+_Event = tuple[float, int, Callable[[], None]]
 
 
 class World:
@@ -46,7 +42,7 @@ class World:
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         self._seq += 1
-        heapq.heappush(self._queue, _Event(max(when, self.now), self._seq, action))
+        heapq.heappush(self._queue, (max(when, self.now), self._seq, action))
 
     def after(self, delay: float, action: Callable[[], None]) -> None:
         self.at(self.now + delay, action)
@@ -79,13 +75,12 @@ class SimWorld(World):
 
     def run_until(self, end: float, done: Callable[[], bool] | None = None) -> None:
         queue = self._queue
-        while queue and queue[0].time <= end:
-            event = heapq.heappop(queue)
-            self._now = event.time
-            event.action()
+        while queue and queue[0][0] <= end:
+            self._now, _, action = heapq.heappop(queue)
+            action()
             if done is not None and done():
                 return
-        self._now = max(self._now, end) if not queue or queue[0].time > end else self._now
+        self._now = max(self._now, end) if not queue or queue[0][0] > end else self._now
 
 
 class LiveWorld(World):
@@ -109,5 +104,5 @@ class LiveWorld(World):
         """Run every action whose time has come, including those that these schedule for now."""
         with self.lock:
             queue = self._queue
-            while queue and queue[0].time <= self.now:
-                heapq.heappop(queue).action()
+            while queue and queue[0][0] <= self.now:
+                heapq.heappop(queue)[2]()

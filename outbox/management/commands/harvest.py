@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
-import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from outbox import conf
+from outbox import conf, logs
 from outbox.embedded import create_harvester
-from outbox.harvest.config import Limits
+from outbox.harvest.config import Limits, name_problem
 from outbox.harvest.harvester import HarvestError
+from outbox.harvest.redaction import scrub
+from outbox.stopping import on_stop_signals
 
 
 class Command(BaseCommand):
@@ -48,17 +48,26 @@ class Command(BaseCommand):
         overrides = {name: options.get(name) for name in conf.LIMIT_NAMES}
         overrides.update(table=options["table"], database=options["database"], leader_topic=options["leader_topic"],
                          leader_group=options["leader_group"], name=options["name"], listen=options["listen"])
-        problems = conf.settings_problems()
-        if problems:
-            raise CommandError("invalid OUTBOX setting: " + "; ".join(map(str, problems)))
+        if options["database"] is not None and (problem := conf.alias_problem(options["database"])):
+            raise CommandError(f"--database: {problem}")
+        if options["name"] is not None and (problem := name_problem(options["name"])):
+            raise CommandError(f"--name: {problem}")
         try:
             config = conf.harvest_config(**overrides)
         except (TypeError, ValueError) as error:
-            raise CommandError(f"invalid configuration: {error}") from None
+            raise CommandError(scrub(f"invalid configuration: {error}", conf.secret_values())) from None
         if options["print_config"]:
+            # Printed even when invalid (that is when it is wanted), then the problems, and a failure.
             self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
+            problems = conf.problems(**overrides)
+            if problems:
+                raise CommandError(scrub("invalid configuration: " + "; ".join(map(str, problems)),
+                                         conf.secret_values()))
             return
-        self._configure_logging(options["verbosity"])
+        problems = conf.settings_problems()
+        if problems:
+            raise CommandError(scrub("invalid OUTBOX setting: " + "; ".join(map(str, problems)), conf.secret_values()))
+        logs.configure_logging(options["verbosity"])
         registry = instruments = None
         if options["metrics_port"] is not None:
             try:
@@ -88,28 +97,10 @@ class Command(BaseCommand):
             logging.getLogger("outbox").info("Metrics on http://%s:%d/metrics", options["metrics_address"],
                                              options["metrics_port"])
 
-        def request_stop(signum: int, _frame: Any) -> None:
-            logging.getLogger("outbox").info("%s received: stopping", signal.Signals(signum).name)
-            harvester.stop()
-
-        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            while not harvester.wait(timeout=0.5):
-                pass
-        except HarvestError as error:
-            raise CommandError(str(error)) from None
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    @staticmethod
-    def _configure_logging(verbosity: int) -> None:
-        """Make the harvester's log visible when the project has not configured the `outbox` logger."""
-        logger = logging.getLogger("outbox")
-        if logger.hasHandlers():
-            return
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel({0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG))
+        with on_stop_signals(harvester.stop):
+            try:
+                while not harvester.wait(timeout=0.5):
+                    pass
+            except HarvestError as error:
+                raise CommandError(str(error)) from None
 

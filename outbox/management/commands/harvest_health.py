@@ -9,12 +9,15 @@ line warns when something holds the database's horizon back (outbox.horizon).
 from __future__ import annotations
 
 import socket
+from datetime import UTC
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import DatabaseError
 
 from outbox import conf, horizon
+from outbox.harvest.events import rate_text
+from outbox.reasons import first_line
 from outbox.states import Facts, parked_count
 
 
@@ -53,7 +56,7 @@ class Command(BaseCommand):
             facts = Facts.read(conf.database_alias())
             parked = parked_count(conf.database_alias())
         except DatabaseError as error:
-            return False, f"cannot read harvester status: {str(error).strip().splitlines()[0]}"
+            return False, f"cannot read harvester status: {first_line(error)}"
         found = facts.replicas
         if name:
             scope, matches = f"replica {name!r}", lambda r: r.name == name
@@ -65,8 +68,15 @@ class Command(BaseCommand):
         counts = f"{len(facts.held)} held, {parked} parked"
         live = [r for r in found.live if matches(r)]
         if not live:
-            seen = max((r.last_seen for r in found.gone if matches(r)), default=None)
-            when = f"last seen {(facts.now - seen).total_seconds():.0f}s ago" if seen else "never seen"
+            last = max((r for r in [*found.gone, *found.stopped] if matches(r)), key=lambda r: r.last_seen,
+                       default=None)
+            if last is None:
+                when = "never seen"
+            elif last in found.stopped:
+                when = (f"{last.name} stopped cleanly at {last.last_seen.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC, "
+                        f"{(facts.now - last.last_seen).total_seconds():.0f}s ago")
+            else:
+                when = f"{last.name} last seen {(facts.now - last.last_seen).total_seconds():.0f}s ago"
             return False, f"no live harvester for {scope} ({when}; gone after {gone_after:g}s); {counts}"
         blocked = [r for r in found.blocked if matches(r)]
         if blocked:
@@ -79,5 +89,5 @@ class Command(BaseCommand):
         age = (facts.now - best.last_seen).total_seconds()
         detail = f"{best.name} is {best.state}"
         if best in found.leaders:
-            detail += f" ({best.throughput:.0f} records/s, {best.in_flight} in flight)"
+            detail += f" ({rate_text(best.throughput)} records/s, {best.in_flight:,} in flight)"
         return True, f"{detail}, seen {age:.1f}s ago; {len(live)} live replica(s) for {scope}; {counts}"

@@ -17,7 +17,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox import conf
 from outbox.harvest import partitions
-from outbox.harvest.store import StoreError, describe_dsn, first_line, table_name
+from outbox.harvest.store import StoreError, describe_dsn, table_name
+from outbox.reasons import first_line
 from outbox.states import replicas
 
 

@@ -17,14 +17,15 @@ from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
 from outbox.errors import InvalidRecord
-from outbox.harvest.config import default_name
-from outbox.queue import api, cli, conf, metrics, store
+from outbox.queue import api, app_settings, cli, metrics, store
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.models import InboxEntry
 from outbox.queue.runner import Handler, HandlerRunner
-from outbox.queue.status import StatusReporter, consumer_status
+from outbox.queue.status import QueueStatusReporter, consumer_status
 from outbox.queue.tracing import consumer_tracer
+from outbox.reasons import first_line
+from outbox.stopping import on_stop_signals
 
 log = logging.getLogger("outbox.queue")
 #: How often the inbox is pruned of rows older than inbox_retention.
@@ -56,12 +57,13 @@ class Command(BaseCommand):
         cli.add_common_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        problems = conf.problems()
+        name = cli.replica_name(options["name"])
+        problems = app_settings.problems()
         if problems:
-            raise CommandError("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems)))
+            raise CommandError(cli.masked("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems))))
         queue, workers = options["queue"], options["workers"]
         handler = self._handler(options["handler"])
-        config = conf.queue_config()
+        config = app_settings.queue_config()
         try:
             api.validate_queue(queue)
         except InvalidRecord as error:
@@ -76,7 +78,9 @@ class Command(BaseCommand):
             raise CommandError(f"--workers: must be from 1 to max_in_progress ({limits.max_in_progress}), got "
                                f"{workers}; raise --max-in-progress to run more")
         if options["inbox"] and options["database"] not in connections:
-            raise CommandError(f"--database: {options['database']!r} is not in DATABASES")
+            there = ", ".join(repr(alias) for alias in connections.settings) or "none"
+            raise CommandError(f"--database: must name an entry of DATABASES, got {options['database']!r} "
+                               f"(DATABASES has {there})")
         if options["inbox"]:
             try:
                 store.require_tables(InboxEntry, using=options["database"])
@@ -84,7 +88,6 @@ class Command(BaseCommand):
                 raise CommandError(str(error)) from None
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
-        name = options["name"] or default_name()
         consumer = QueueConsumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments(),
                                  tracer=consumer_tracer(config, queue))
         try:
@@ -92,14 +95,15 @@ class Command(BaseCommand):
         except QueueError as error:
             raise CommandError(str(error)) from None
         runner = HandlerRunner(consumer, handler, workers=workers, inbox=options["inbox"], using=options["database"])
-        reporter = StatusReporter(name, "consumer", queue=queue, interval=conf.setting("status_interval"),
-                                  snapshot=lambda: consumer_status(consumer, runner, options["handler"]))
+        reporter = QueueStatusReporter(name, "consumer", queue=queue,
+                                       interval=app_settings.setting("status_interval"),
+                                       snapshot=lambda: consumer_status(consumer, runner, options["handler"]))
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
                               lambda: metrics.consumer_gauges(queue, name, lambda: consumer.in_progress))
             runner.start()
             reporter.start()
-            with cli.on_stop_signals(runner.stop):
+            with on_stop_signals(runner.stop):
                 next_prune = time.monotonic()
                 while not runner.join(timeout=0.5):
                     if options["inbox"] and time.monotonic() >= next_prune:
@@ -126,9 +130,9 @@ class Command(BaseCommand):
     @staticmethod
     def _prune(using: str) -> None:
         try:
-            deleted = store.prune_inbox(conf.setting("inbox_retention"), using)
+            deleted = store.prune_inbox(app_settings.setting("inbox_retention"), using)
         except DatabaseError as error:
-            log.warning("Could not prune the inbox: %s", str(error).strip().splitlines()[0])
+            log.warning("Could not prune the inbox: %s", first_line(error))
             return
         if deleted:
             log.info("Pruned %d inbox row(s)", deleted)

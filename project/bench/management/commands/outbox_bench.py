@@ -64,6 +64,8 @@ class Command(BaseCommand):
         drain.add_argument("--keys", type=int, action="append", help="distinct keys (repeat for several runs; "
                                                                       "default 10000 and 10)")
         drain.add_argument("--partitions", type=int, default=8, help="partitions of the benchmark topic")
+        drain.add_argument("--max-message-bytes", type=int, metavar="BYTES",
+                           help="the benchmark topic's max.message.bytes (default: the broker's)")
         drain.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args",
                            help="extra flag for manage.py harvest, e.g. --harvest-arg=--mark-query-records=500")
 
@@ -175,13 +177,14 @@ class Command(BaseCommand):
     # -- drain ----------------------------------------------------------------------------------
 
     def bench_drain(self, records: int, keys: list[int] | None, partitions: int, harvest_args: list[str],
-                    **_: Any) -> None:
+                    max_message_bytes: int | None = None, **_: Any) -> None:
         self._require_empty_outbox()
-        self.stdout.write(f"drain benchmark: {records:,} records, topic with {partitions} partitions, "
+        limit = f", max.message.bytes {max_message_bytes:,}" if max_message_bytes else ""
+        self.stdout.write(f"drain benchmark: {records:,} records, topic with {partitions} partitions{limit}, "
                           f"harvest flags {harvest_args or 'default'}")
         for key_count in keys or [10_000, 10]:
             self._vacuum()  # every run starts from a table without the last run's dead tuples
-            topic = self._create_topic(f"bench-drain-{key_count}", partitions)
+            topic = self._create_topic(f"bench-drain-{key_count}", partitions, max_message_bytes)
             began = time.perf_counter()
             pump(records=records, keys=key_count, topic=topic)
             self.stdout.write(f"  keys={key_count:<6} backlog of {records:,} written in "
@@ -564,10 +567,13 @@ class Command(BaseCommand):
                 {"bootstrap.servers": conf.harvest_config().base_kafka_config["bootstrap.servers"]})
         return self._admin_client
 
-    def _create_topic(self, prefix: str, partitions: int) -> str:
+    def _create_topic(self, prefix: str, partitions: int, max_message_bytes: int | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         # LogAppendTime: a message's timestamp is when the broker appended it, i.e. about when it was acked.
-        topic = NewTopic(name, num_partitions=partitions, config={"message.timestamp.type": "LogAppendTime"})
+        config = {"message.timestamp.type": "LogAppendTime"}
+        if max_message_bytes:
+            config["max.message.bytes"] = str(max_message_bytes)
+        topic = NewTopic(name, num_partitions=partitions, config=config)
         self._admin().create_topics([topic])[name].result(timeout=30)
         return name
 

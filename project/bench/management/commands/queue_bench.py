@@ -36,7 +36,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.test import override_settings
 
-from outbox.queue import api, conf, markers
+from outbox.queue import api, app_settings, markers
 from outbox.queue.topics import ensure_topics
 from project.settings import queue_names
 
@@ -214,7 +214,7 @@ class Command(BaseCommand):
 
         def __enter__(self) -> Any:
             self.override.enable()
-            config = conf.queue_config()
+            config = app_settings.queue_config()
             ensure_topics(config, 10)
             return config
 

@@ -13,11 +13,29 @@ As in kafka-mq-go, three structures per partition:
 Heap entries are never updated in place: a newer entry supersedes an older one (the version)
 and stale entries are dropped when they reach the head.
 
+The tracker is caught up when it has read everything the partition holds: its consumer's
+position has reached the high watermark librdkafka last fetched (`read_to`, every round). Under
+steady traffic that is most rounds (librdkafka's end-of-partition event then never comes: it
+needs a fetch that waited fetch.wait.max.ms for nothing); after a transaction's last marker its
+control record keeps the position one short until the partition is quiet and that event moves
+it on. And never while a transaction is left open (a consumer or tracker died inside it): a
+read_committed consumer gets nothing past its first record, KeepAlives and End markers written
+after it included, until the broker aborts it (transaction.timeout.ms).
+
 The deadline clock is the timestamp of the last marker read. When the partition is caught up
-(the consumer reported the end of the log) and quiet, it advances with the local monotonic
-clock from the moment that marker was read; while the tracker is behind (replaying after a
-restart), it does not, so a message whose End marker is still unread is never redelivered just
-because replaying takes time. (kafka-mq-go extrapolates after a fixed quiet period instead.)
+and quiet, it advances with the local monotonic clock from the moment that marker was read;
+while the tracker is behind (replaying after a restart, stopped by an open transaction, or
+reading a busy partition), it does not, so a message whose End marker or KeepAlive is still
+unread is never redelivered just because reading takes time: a deadline passes only by the
+timestamps of markers read, and a marker hidden past them was written after them.
+(kafka-mq-go extrapolates after a fixed quiet period instead.)
+
+And nothing is handed out for redelivery until the partition is rebuilt: read up to the high
+watermark first known after it was assigned. The previous owner's redeliveries end with End
+markers before that point; a deadline passed by the markers read so far proves nothing about
+them, and handing out before reading them redelivers the same delivery twice. Behind an open
+transaction, rebuilding waits for the broker to abort it. (Once rebuilt, no other tracker can
+write an End marker in the partition: the group's generation fences them.)
 """
 
 from __future__ import annotations
@@ -75,6 +93,7 @@ class PartitionTracker:
     _last_timestamp: float | None = None
     _seen_at: float = 0.0
     _caught_up: bool = False
+    _rebuild_to: int | None = None
     _rebuilt: bool = False
     _clock_floor: float = -math.inf
 
@@ -112,18 +131,25 @@ class PartitionTracker:
         self._seen_at = now
         self._caught_up = False
 
-    def reached_end(self) -> None:
-        """The consumer read to the end of the partition (its high watermark, or last stable offset)."""
-        self._caught_up = self._rebuilt = True
+    def read_to(self, position: int | None, high_watermark: int | None) -> None:
+        """Every round, after the markers read: the consumer's position (the offset it returns next)
+        and the partition's high watermark as last fetched; None when not known (not caught up)."""
+        if position is None or high_watermark is None or high_watermark < 0:
+            self._caught_up = False
+            return
+        if self._rebuild_to is None:
+            self._rebuild_to = high_watermark
+        self._caught_up = position >= high_watermark
+        self._rebuilt = self._rebuilt or position >= self._rebuild_to
 
     @property
     def caught_up(self) -> bool:
-        """At the end of the log as far as the tracker knows (until the next marker is read)."""
+        """Everything the partition holds has been read (as of the last round)."""
         return self._caught_up
 
     @property
     def rebuilt(self) -> bool:
-        """Read to the end at least once since the partition was assigned: the state is whole."""
+        """Read up to the high watermark first known after the partition was assigned: the state is whole."""
         return self._rebuilt
 
     def logical_now(self, now: float) -> float | None:
@@ -135,10 +161,15 @@ class PartitionTracker:
         return self._clock_floor
 
     def due(self, now: float) -> list[Due]:
-        """Messages whose deadline has passed, each handed out once; they stay in progress until ended."""
+        """Messages whose deadline has passed, each handed out once; they stay in progress until ended.
+
+        Nothing before the partition is rebuilt: a message whose deadline passed by the markers
+        read so far may have been redelivered by the previous owner already, its End marker not
+        read yet (or hidden behind an open transaction).
+        """
         t = self.logical_now(now)
         found: list[Due] = []
-        if t is None:
+        if t is None or not self._rebuilt:
             return found
         heap = self._by_deadline
         while heap and heap[0][0] <= t:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL_DATABASE_URL = "postgres://outbox:outbox@127.0.0.1:5432/outbox"
 LOCAL_BOOTSTRAP = "127.0.0.1:9092"
 KAFKA_VERSION = re.search(r"<kafka\.version>(.+)</kafka\.version>",

@@ -1,0 +1,179 @@
+"""The in-memory Kafka the queue's simulator runs on: transactions, read_committed, groups and their fence.
+
+Each test states a behaviour of real Kafka (and librdkafka) the queue's correctness depends on, so
+the simulator cannot pass by modelling a friendlier broker.
+"""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError, KafkaException, TopicPartition
+
+from outbox.harvest.memory.broker import BROKER_EPOCH, MemoryBroker
+from outbox.harvest.memory.consumer import MemoryConsumer
+from outbox.harvest.memory.transactions import TransactionalProducer
+from outbox.harvest.memory.world import SimWorld
+
+GROUP = {"group.id": "g", "isolation.level": "read_committed", "enable.partition.eof": True,
+         "session.timeout.ms": 3000}
+
+
+@pytest.fixture
+def world():
+    return SimWorld(7)
+
+
+@pytest.fixture
+def broker(world):
+    broker = MemoryBroker(world)
+    broker.create_topic("t", 2)
+    broker.create_topic("m", 1, log_append_time=True)
+    return broker
+
+
+def joined(world, broker, *consumers, topics=("t",)):
+    for consumer in consumers:
+        consumer.subscribe(list(topics))
+    world.run_until(world.now + 1.0)
+    for consumer in consumers:
+        assert consumer.poll(0) is None  # serves the assignment; at the end of an empty partition
+    world.run_until(world.now + 0.5)
+    for consumer in consumers:
+        first = consumer.poll(0)  # reports the end once it sat there for fetch.wait.max.ms
+        assert first is not None and first.error().code() == KafkaError._PARTITION_EOF
+    return consumers
+
+
+def read_all(consumer):
+    return [(m.partition(), m.offset()) for m in consumer.consume(100, 0) if m.error() is None]
+
+
+def test_a_transaction_is_invisible_until_committed_and_holds_back_what_follows(world, broker):
+    (consumer,) = joined(world, broker, MemoryConsumer(broker, GROUP), topics=("m",))
+    producer = TransactionalProducer(broker, {"transactional.id": "x"})
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.produce("m", value=b"start", key=b"q")
+    broker.append("m", 0, b"q", b"keepalive", None)  # after the open transaction's first record
+    assert consumer.consume(10, 0) == [], "nothing past the last stable offset (its end was reported already)"
+    assert consumer.get_watermark_offsets(TopicPartition("m", 0), cached=True) == (0, 2)
+    producer.commit_transaction()
+    assert read_all(consumer) == [(0, 0), (0, 1)], "both visible once committed; the control record is skipped"
+    assert broker.log("m")[0][2].control
+
+
+def test_an_aborted_transaction_is_never_read(world, broker):
+    (consumer,) = joined(world, broker, MemoryConsumer(broker, GROUP), topics=("m",))
+    producer = TransactionalProducer(broker, {"transactional.id": "x"})
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.produce("m", value=b"start", key=b"q")
+    producer.abort_transaction()
+    broker.append("m", 0, b"q", b"end", None)
+    assert read_all(consumer) == [(0, 2)]
+
+
+def test_a_transaction_left_open_is_aborted_by_the_broker_after_its_timeout(world, broker):
+    (consumer,) = joined(world, broker, MemoryConsumer(broker, GROUP), topics=("m",))
+    producer = TransactionalProducer(broker, {"transactional.id": "x", "transaction.timeout.ms": 5000})
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.produce("m", value=b"start", key=b"q")  # ... and its process dies
+    broker.append("m", 0, b"q", b"keepalive", None)
+    world.run_until(world.now + 4.9)
+    assert read_all(consumer) == []
+    world.run_until(world.now + 0.2)
+    assert read_all(consumer) == [(0, 1)]
+
+
+def test_the_end_of_a_partition_is_reported_only_when_quiet_and_moves_the_position_past_a_control_record(
+        world, broker):
+    """As librdkafka 2.16 does against Kafka 4.1.1 (measured): no end-of-partition event under steady
+    traffic; after a transaction, position() stays at its control record until that event."""
+    (consumer,) = joined(world, broker, MemoryConsumer(broker, GROUP), topics=("m",))
+    producer = TransactionalProducer(broker, {"transactional.id": "x"})
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.produce("m", value=b"start", key=b"q")
+    producer.commit_transaction()
+    assert read_all(consumer) == [(0, 0)]
+    tp = TopicPartition("m", 0)
+    assert consumer.position([tp])[0].offset == 1 and consumer.get_watermark_offsets(tp) == (0, 2)
+    for _ in range(20):  # a marker every 0.25 s
+        world.run_until(world.now + 0.25)
+        broker.append("m", 0, b"q", b"keepalive", None)
+        assert all(record.error() is None for record in consumer.consume(10, 0))
+        assert consumer.position([tp])[0].offset == consumer.get_watermark_offsets(tp)[1]
+    world.run_until(world.now + 0.6)
+    (end,) = consumer.consume(10, 0)
+    assert end.error().code() == KafkaError._PARTITION_EOF and end.offset() == 22
+
+
+def test_markers_carry_the_brokers_append_time(world, broker):
+    world.run_until(12.5)
+    message = broker.append("m", 0, b"q", b"v", None)
+    assert message.timestamp() == (TIMESTAMP_LOG_APPEND_TIME, round((BROKER_EPOCH + 12.5) * 1000))
+
+
+def test_offsets_sent_with_a_stale_generation_are_refused_and_the_transaction_must_abort(world, broker):
+    first, second = MemoryConsumer(broker, GROUP, name="a"), MemoryConsumer(broker, GROUP, name="b")
+    joined(world, broker, first)
+    metadata = first.consumer_group_metadata()
+    second.subscribe(["t"])  # a rebalance: a new generation the first member has not learnt yet
+    world.run_until(world.now + 0.3)
+    producer = TransactionalProducer(broker, {"transactional.id": "x"})
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.produce("m", value=b"start", key=b"q")
+    with pytest.raises(KafkaException) as refused:
+        producer.send_offsets_to_transaction([TopicPartition("t", 0, 5)], metadata)
+    assert refused.value.args[0].txn_requires_abort() and not refused.value.args[0].fatal()
+    producer.abort_transaction()
+    assert broker.consumer_groups["g"].committed == {}
+
+
+def test_a_partition_moves_only_after_its_owner_revoked_it(world, broker):
+    revoked = []
+    first = MemoryConsumer(broker, GROUP, name="a")
+    first.subscribe(["t"], on_revoke=lambda consumer, tps: revoked.append([tp.partition for tp in tps]))
+    world.run_until(1.0)
+    first.poll(0)
+    assert sorted(tp.partition for tp in first.assignment()) == [0, 1]
+    second = MemoryConsumer(broker, GROUP, name="b")
+    second.subscribe(["t"])
+    world.run_until(2.0)
+    second.poll(0)
+    assert second.assignment() == [], "not until the owner's revoke callback returned"
+    first.poll(0)
+    assert len(revoked) == 1 and len(revoked[0]) == 1
+    world.run_until(3.0)
+    second.poll(0)
+    assert [tp.partition for tp in second.assignment()] == revoked[0]
+
+
+def test_a_member_paused_past_its_session_is_dropped_and_notices_only_after_it_resumes(world, broker):
+    running = {"a": True}
+    lost = []
+    zombie = MemoryConsumer(broker, GROUP, name="a", alive=lambda: running["a"])
+    zombie.subscribe(["t"], on_lost=lambda consumer, tps: lost.append(len(tps)))
+    other = MemoryConsumer(broker, GROUP, name="b")
+    world.run_until(1.0)
+    zombie.poll(0)
+    other.subscribe(["t"])
+    world.run_until(2.0)
+    zombie.poll(0)
+    world.run_until(3.0)
+    other.poll(0)
+    running["a"] = False
+    world.run_until(8.0)
+    other.poll(0)
+    assert len(other.assignment()) == 2, "the paused member's partition moved"
+    running["a"] = True
+    zombie.poll(0)
+    assert lost == [] and len(zombie.assignment()) == 1, "a zombie for a moment"
+    with pytest.raises(KafkaException) as refused:
+        zombie.commit(offsets=[TopicPartition("t", 0, 1)], asynchronous=False)
+    assert refused.value.args[0].code() == KafkaError.UNKNOWN_MEMBER_ID
+    world.run_until(world.now + 0.1)
+    zombie.poll(0)
+    assert lost == [1] and zombie.assignment() == []

@@ -1,0 +1,118 @@
+"""`bin/services` leaves nothing behind that makes the next `up` fail, and touches no server it did not start."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def services(tmp_path, monkeypatch):
+    loader = importlib.machinery.SourceFileLoader("bin_services_layouts", str(ROOT / "bin" / "services"))
+    spec = importlib.util.spec_from_loader("bin_services_layouts", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    monkeypatch.setattr(module, "STATE", tmp_path)
+    return module
+
+
+class FakeStorageTool:
+    """kafka-storage format: writes meta.properties with the id it is given (as the real one does)."""
+
+    def __init__(self) -> None:
+        self.formatted: list[tuple[str, str]] = []
+
+    def __call__(self, cmd, **_kwargs):
+        cluster_id = cmd[cmd.index("-t") + 1]
+        data = Path(cmd[cmd.index("-c") + 1]).parent / "data"
+        (data / "meta.properties").write_text(f"node.id=1\ncluster.id={cluster_id}\n")
+        self.formatted.append((data.parent.name, cluster_id))
+        return SimpleNamespace(communicate=lambda: ("", None), returncode=0)
+
+
+def layout(services, monkeypatch, secure=False):
+    cluster = services.KafkaCluster(3, secure)
+    tool = FakeStorageTool()
+    monkeypatch.setattr(services.subprocess, "Popen", tool)
+    cluster.home.mkdir(parents=True)
+    cluster.write_configs(cluster.credentials())
+    return cluster, tool
+
+
+def test_a_node_formatted_for_another_cluster_is_formatted_again_and_said(services, monkeypatch, capsys):
+    cluster, tool = layout(services, monkeypatch)
+    cluster.cluster_id_file.write_text("H8eu1XjZTZG78XWdObi2pA")
+    stale = cluster.nodes[1]
+    (stale.data / "meta.properties").write_text("cluster.id=AAAAAAAAAAAAAAAAAAAAAA\n")
+    (stale.data / "__cluster_metadata-0").mkdir()
+    cluster.format(cluster.nodes, {})
+    assert sorted(tool.formatted) == [(f"node-{n}", "H8eu1XjZTZG78XWdObi2pA") for n in (1, 2, 3)]
+    assert not (stale.data / "__cluster_metadata-0").exists()
+    assert "node 2 was formatted for cluster AAAAAAAAAAAAAAAAAAAAAA, not H8eu1XjZTZG78XWdObi2pA: formatting it " \
+           "again" in capsys.readouterr().out
+
+
+def test_a_lost_cluster_id_file_takes_the_id_the_nodes_agree_on(services, monkeypatch, capsys):
+    cluster, tool = layout(services, monkeypatch)
+    for node in cluster.nodes[:2]:
+        (node.data / "meta.properties").write_text("cluster.id=H8eu1XjZTZG78XWdObi2pA\n")
+    cluster.format(cluster.nodes, {})
+    assert tool.formatted == [("node-3", "H8eu1XjZTZG78XWdObi2pA")], "the formatted nodes are kept"
+    assert cluster.cluster_id_file.read_text() == "H8eu1XjZTZG78XWdObi2pA"
+    assert "is missing: taking H8eu1XjZTZG78XWdObi2pA" in capsys.readouterr().out
+
+
+def test_what_a_failed_format_left_is_cleared_before_formatting(services, monkeypatch):
+    cluster, tool = layout(services, monkeypatch)
+    junk = cluster.nodes[0].data / "bootstrap.checkpoint"
+    junk.write_text("half written")
+    cluster.format(cluster.nodes, {})
+    assert not junk.exists() and len(tool.formatted) == 3
+
+
+def test_lost_credentials_of_a_formatted_secure_layout_make_it_anew(services, monkeypatch, capsys):
+    cluster, _tool = layout(services, monkeypatch, secure=True)
+    (cluster.nodes[0].data / "meta.properties").write_text("cluster.id=H8eu1XjZTZG78XWdObi2pA\n")
+    cluster.credentials_file.unlink()
+    made = cluster.credentials()
+    assert set(made) == {"admin", "outbox"} and cluster.credentials_file.exists()
+    assert not (cluster.nodes[0].data / "meta.properties").exists()
+    assert "formatting them again" in capsys.readouterr().out
+
+
+def test_a_postgres_on_another_port_is_not_taken_for_ours(services, monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgres://outbox:outbox@127.0.0.1:55999/outbox")
+    ours = services.Postgres()
+    ours.data.mkdir(parents=True)
+    (ours.data / "postmaster.pid").write_text("1234\n/data\n1700000000\n5432\n/run\n127.0.0.1\n")
+    monkeypatch.setattr(services, "reachable", lambda host, port, timeout=1.0: True)
+    assert not ours.owns_running_cluster(), "our cluster runs on 5432; 55999 is somebody else's"
+    (ours.data / "postmaster.pid").write_text("1234\n/data\n1700000000\n55999\n/run\n127.0.0.1\n")
+    assert ours.owns_running_cluster()
+
+
+def test_kafka_only_touches_no_postgres_and_no_tools(services, monkeypatch):
+    touched = []
+
+    def refuse(self, *args):
+        raise AssertionError(f"{type(self).__name__} was touched")
+
+    for name in ("Postgres", "Chromium", "Prometheus", "SparkJars"):
+        monkeypatch.setattr(getattr(services, name), "up", refuse)
+    monkeypatch.setattr(services.KafkaCluster, "up", lambda self: touched.append(self.name))
+    monkeypatch.setattr(services.KafkaCluster, "status", lambda self: self.name)
+    assert services.main(["up", "--brokers", "3", "--kafka-only"]) == 0
+    assert touched == ["kafka-3"]
+
+
+def test_wheel_postgres_runs_on_its_own_port_unless_told(services, monkeypatch):
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    assert services.WheelPostgres(18).port == 5418
+    monkeypatch.setenv("DATABASE_URL", "postgres://outbox:outbox@127.0.0.1:55418/outbox")
+    assert services.WheelPostgres(18).port == 55418
