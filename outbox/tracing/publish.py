@@ -147,8 +147,9 @@ class OtelPublishTracer:
             [(context, _)] = contexts.values()
             parent = trace.set_span_in_context(NonRecordingSpan(context))
         else:
-            links = [Link(context, {"messaging.message.id": str(record_id)})
-                     for context, record_id in contexts.values()]
+            # No attributes on the links: each would be a locked dict of its own, kept with the span
+            # until exported, and a drain's batches carry up to 128 links each.
+            links = [Link(context) for context, _ in contexts.values()]
         span = self._tracer.start_span(f"send {first.topic}", context=parent, kind=SpanKind.PRODUCER,
                                        attributes=attributes, links=links, start_time=start)
         return _Batch(span, len(records))
