@@ -185,6 +185,8 @@ class HarvestConfig:
     dead_letter_table: str | None = "outbox_dead_letter"
     #: Also publish parked records here (None: the table only).
     dead_letter_topic: str | None = None
+    #: Parked records older than this (seconds) are deleted (None: kept until an operator acts).
+    dead_letter_retention: float | None = 30 * 86400.0
     #: Park a held record after it failed this many times on its own (None: hold it until an
     #: operator acts; holding keeps its key's order, parking trades it for liveness).
     park_after: int | None = None
@@ -234,6 +236,10 @@ class HarvestConfig:
         if not _is_number(self.history_retention) or self.history_retention <= 0:
             found.append(Problem("E004", "history_retention", f"must be a positive number of seconds, "
                                                               f"got {self.history_retention!r}"))
+        retention = self.dead_letter_retention
+        if retention is not None and (not _is_number(retention) or retention <= 0):
+            found.append(Problem("E004", "dead_letter_retention", f"must be a positive number of seconds or None, "
+                                                                  f"got {retention!r}"))
         if not isinstance(self.listen, bool):
             found.append(Problem("E003", "listen", f"must be True or False, got {self.listen!r}"))
         if isinstance(self.limits, Limits):
@@ -301,6 +307,7 @@ class HarvestConfig:
             "history_retention": self.history_retention,
             "dead_letter_table": self.dead_letter_table,
             "dead_letter_topic": self.dead_letter_topic,
+            "dead_letter_retention": self.dead_letter_retention,
             "park_after": self.park_after,
             "limits": dataclasses.asdict(self.limits),
         }

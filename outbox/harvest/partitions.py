@@ -165,14 +165,23 @@ def keep(conn: psycopg.Connection, table: str) -> KeepResult:
     """One pass: partitions ahead of the id sequence; drained ones (every partition wholly below the
     one being written, with no live row) truncated and dropped. `conn` is in autocommit mode."""
     result = KeepResult([], [], [])
-    ranges = [p for p in partitions(conn, table) if not p.default]
+    every = partitions(conn, table)
+    ranges = [p for p in every if not p.default]
     bounded = [p for p in ranges if p.hi is not None and p.lo is not None]
     if not bounded:
         return result
     size = bounded[-1].hi - bounded[-1].lo
     last = conn.execute(LAST_ID, {"table": table_name(table)}).fetchone()[0] or 0
     top = bounded[-1].hi
-    while top <= last + AHEAD * size:
+    if top <= last:
+        # The ids overtook every partition (a burst faster than KEEP_INTERVAL could follow): the DEFAULT
+        # partition holds them, and no partition can be made over its rows. Start again just past the last id.
+        default = next((p for p in every if p.default), None)
+        restarted = _restart(conn, table, default, size) if default is not None else None
+        if restarted is not None:
+            result.created.append(f"{restarted - size}-{restarted - 1}")
+            top, last = restarted, restarted - size - 1
+    while last < top <= last + AHEAD * size:
         try:
             with conn.transaction():
                 conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
@@ -185,7 +194,10 @@ def keep(conn: psycopg.Connection, table: str) -> KeepResult:
             break
         result.created.append(f"{top}-{top + size - 1}")
         top += size
-    for partition in partitions(conn, table):
+    now = partitions(conn, table)
+    # The highest range partition is never dropped, only truncated: its bounds give the next one's width.
+    highest = max((p.hi for p in now if not p.default and p.hi is not None), default=None)
+    for partition in now:
         if partition.default:
             # Ids beyond the partitions went here (a burst faster than the partitions ahead were made):
             # emptied, its files are truncated like a drained partition's, and it stays.
@@ -194,12 +206,30 @@ def keep(conn: psycopg.Connection, table: str) -> KeepResult:
             continue
         if partition.hi is None or partition.hi > last:
             continue  # the partition being written (or ahead): ids in it may still come
-        truncated, dropped = _drain(conn, partition)
+        truncated, dropped = _drain(conn, partition, drop=partition.hi != highest)
         if truncated:
             result.truncated.append(partition.name)
         if dropped:
             result.dropped.append(partition.name)
     return result
+
+
+def _restart(conn: psycopg.Connection, table: str, default: Partition, size: int) -> int | None:
+    """Make a partition from just past the last id, under a lock on the DEFAULT partition so no row enters it
+    meanwhile (every id it holds was then taken before the sequence is read); returns its upper bound, or
+    None when a writer holds the DEFAULT partition (next pass)."""
+    try:
+        with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+            conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(sql.SQL(default.name)))
+            last = conn.execute(LAST_ID, {"table": table_name(table)}).fetchone()[0] or 0
+            _create(conn, table, last + 1, last + 1 + size)
+            return last + 1 + size
+    except psycopg.errors.LockNotAvailable:
+        return None
+    except psycopg.Error as error:
+        log.warning("Could not make a partition of %s past its last id: %s", table, first_line(error))
+        return None
 
 
 def _drain(conn: psycopg.Connection, partition: Partition, *, drop: bool = True) -> tuple[bool, bool]:

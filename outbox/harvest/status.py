@@ -27,6 +27,7 @@ from psycopg import sql
 
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
+from outbox.harvest.retention import DeadLetterRetention
 from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
 from outbox.reasons import first_line
 
@@ -155,6 +156,7 @@ class StatusReporter(threading.Thread):
         self._history_on: bool | None = None if self._history_table and self._history_interval else False
         self._history_failing = False
         self._next_sample = 0.0
+        self.retention = DeadLetterRetention(config)
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._failing = False
@@ -196,6 +198,7 @@ class StatusReporter(threading.Thread):
             if row is not None:
                 self._on_backlog(int(row[0]))
             self._add_sample(conn, params, len(snapshot.held))
+            self.retention.run(conn, snapshot.state is ReplicaState.LEADER)
             if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since:
                 self._say_who_leads(conn, snapshot)
             self._say_if_group_shared(conn)

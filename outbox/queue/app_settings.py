@@ -44,11 +44,13 @@ DEFAULTS: dict[str, Any] = {
     "history_retention": 24 * 3600.0,
     # Inbox rows (manage.py outbox_consume --inbox) older than this are deleted.
     "inbox_retention": 7 * 24 * 3600.0,
+    # Dead letters older than this are deleted by the trackers (None: kept until an operator acts).
+    "dead_letter_retention": 30 * 24 * 3600.0,
 }
 KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 _SECONDS = {"redelivery_timeout", "keep_alive_interval", "poll_interval", "status_interval", "status_gone_after",
-            "inbox_retention", "history_interval", "history_retention"}
+            "inbox_retention", "history_interval", "history_retention", "dead_letter_retention"}
 
 
 def raw_settings() -> Any:
@@ -99,6 +101,11 @@ def problems() -> list[Problem]:
         value = setting(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             found.append(Problem("E004", key, f"must be a positive number of seconds, got {value!r}"))
+    retention = setting("dead_letter_retention")
+    if retention is not None and (isinstance(retention, bool) or not isinstance(retention, int | float)
+                                  or retention <= 0):
+        found.append(Problem("E004", "dead_letter_retention",
+                             f"must be a positive number of seconds or None, got {retention!r}"))
     interval = setting("history_interval")
     if isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0:
         found.append(Problem("E004", "history_interval", f"must be a number of seconds, 0 or more, got {interval!r}"))

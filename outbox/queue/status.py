@@ -19,6 +19,8 @@ from outbox.queue.tracker import RedeliveryTracker
 from outbox.reasons import first_line
 
 log = logging.getLogger(__name__)
+#: How often a tracker deletes expired dead letters (seconds).
+DEAD_LETTER_PRUNE_INTERVAL = 60.0
 
 #: () -> (messages in progress, stats for the row)
 Snapshot = Callable[[], tuple[int, dict[str, Any]]]
@@ -31,13 +33,15 @@ class QueueStatusReporter(threading.Thread):
 
     def __init__(self, name: str, kind: str, *, interval: float, snapshot: Snapshot, queue: str = "",
                  totals: Totals | None = None, history_interval: float = 0.0,
-                 history_retention: float = 24 * 3600.0) -> None:
+                 history_retention: float = 24 * 3600.0, dead_letter_retention: float | None = None) -> None:
         super().__init__(name="queue-status", daemon=True)
         self.process_name, self.kind, self.queue = name, kind, queue
         self._interval, self._snapshot, self._totals = interval, snapshot, totals
         # A tracker's stats carry each queue's figures: they are sampled into the history (the charts).
         self._history_interval, self._history_retention = history_interval, history_retention
         self._next_sample = 0.0
+        # A tracker also deletes dead letters older than dead_letter_retention (None: never), once a minute.
+        self._dead_letter_retention, self._next_prune = dead_letter_retention, 0.0
         self._since = datetime.now(UTC)
         self._halt = threading.Event()
         self._counted: tuple[dict[str, int], dict[str, int]] = ({}, {})
@@ -69,6 +73,7 @@ class QueueStatusReporter(threading.Thread):
                                in_progress=in_progress, stats=stats)
             self._count()
             self._sample(stats)
+            self._prune_dead_letters()
         except DatabaseError as error:
             if not self._failing:
                 log.warning("Status row of %s not written: %s (retrying every %gs)", self.process_name,
@@ -78,6 +83,15 @@ class QueueStatusReporter(threading.Thread):
         if self._failing:
             log.info("Status row of %s written again", self.process_name)
         self._failing = False
+
+    def _prune_dead_letters(self) -> None:
+        if self.kind != "tracker" or self._dead_letter_retention is None or time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + DEAD_LETTER_PRUNE_INTERVAL
+        deleted = store.prune_dead_letters(self._dead_letter_retention)
+        if deleted:
+            log.info("Deleted %d dead letter(s) older than %gs (dead_letter_retention)", deleted,
+                     self._dead_letter_retention)
 
     def _sample(self, stats: dict[str, Any]) -> None:
         """Every history_interval: a tracker's in progress, redelivered and dead-lettered per queue."""

@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
+from django.db.models import Model
 from django.utils import timezone
 
 from outbox.queue import models
@@ -23,7 +24,7 @@ from outbox.reasons import first_line
 #: Status rows not seen for this long are deleted by whichever process notices.
 STATUS_PRUNE_AFTER = timedelta(hours=1)
 #: Inbox rows are deleted in batches of this many, so a prune never holds a long lock.
-INBOX_PRUNE_BATCH = 10_000
+PRUNE_BATCH = 10_000
 
 COUNT = """
 INSERT INTO {table} (queue, redelivered, dead_lettered, updated) VALUES (%s, %s, %s, now())
@@ -99,14 +100,24 @@ def claim(queue: str, message_id: str, using: str = "default") -> bool:
 
 def prune_inbox(retention: float, using: str = "default") -> int:
     """Delete inbox rows older than `retention` seconds; returns how many."""
+    return _prune(models.InboxEntry, "processed", retention, using)
+
+
+def prune_dead_letters(retention: float, using: str = "default") -> int:
+    """Delete dead letters written more than `retention` seconds ago; returns how many."""
+    return _prune(models.DeadLetter, "created", retention, using)
+
+
+def _prune(model: type[Model], field: str, retention: float, using: str) -> int:
+    """Delete `model`'s rows whose `field` is older than `retention` seconds, a batch at a time."""
     before = timezone.now() - timedelta(seconds=retention)
     deleted = 0
     while True:
-        ids = list(models.InboxEntry.objects.using(using).filter(processed__lt=before)
-                   .values_list("pk", flat=True)[:INBOX_PRUNE_BATCH])
+        ids = list(model.objects.using(using).filter(**{f"{field}__lt": before})  # type: ignore[attr-defined]
+                   .values_list("pk", flat=True)[:PRUNE_BATCH])
         if not ids:
             return deleted
-        deleted += models.InboxEntry.objects.using(using).filter(pk__in=ids).delete()[0]
+        deleted += model.objects.using(using).filter(pk__in=ids).delete()[0]  # type: ignore[attr-defined]
 
 
 def write_status(name: str, kind: str, *, queue: str = "", started: datetime, in_progress: int,

@@ -163,14 +163,30 @@ def verdict(minutes: list[Minute], rate: float, rss_start: float) -> Verdict:
 
 
 def table_figures(conn: psycopg.Connection, table: str) -> tuple[int, float, float, int]:
-    """(live rows estimate, oldest row's age in seconds, table plus indexes in MiB, dead rows)."""
+    """(live rows estimate, oldest row's age in seconds, table plus indexes in MiB, dead rows), summed over
+    the partitions of a partitioned outbox (its parent holds no rows of its own)."""
     row = conn.execute(
-        "SELECT coalesce(n_live_tup, 0), coalesce(n_dead_tup, 0), pg_total_relation_size(relid) "
-        "FROM pg_stat_user_tables WHERE relname = %s", [table]).fetchone()
+        "SELECT coalesce(sum(s.n_live_tup), 0), coalesce(sum(s.n_dead_tup), 0), "
+        "       coalesce(sum(pg_total_relation_size(t.relid)), 0) "
+        "FROM pg_partition_tree(to_regclass(%s)) t JOIN pg_stat_user_tables s ON s.relid = t.relid "
+        "WHERE t.isleaf", [table]).fetchone()
     oldest = conn.execute(f'SELECT extract(epoch FROM now() - create_time) FROM "{table}" ORDER BY id LIMIT 1'
                           ).fetchone()
     live, dead, size = row if row else (0, 0, 0)
-    return int(live), float(oldest[0]) if oldest else 0.0, size / 2**20, int(dead)
+    return int(live), float(oldest[0]) if oldest else 0.0, float(size) / 2**20, int(dead)
+
+
+#: The tables the outbox and the queues keep besides the outbox itself, each with a retention.
+OTHER_TABLES = ("outbox_dead_letter", "outbox_harvester", "outbox_harvester_history", "outbox_queue_dead_letter",
+                "outbox_queue_inbox", "outbox_queue_process", "outbox_queue_history")
+
+
+def other_tables(conn: psycopg.Connection) -> str:
+    """Rows (estimated) and size of each table the soak does not write but the harvesters do."""
+    rows = conn.execute(
+        "SELECT relname, n_live_tup, pg_total_relation_size(relid) FROM pg_stat_user_tables "
+        "WHERE relname = ANY(%s) ORDER BY relname", [list(OTHER_TABLES)]).fetchall()
+    return ", ".join(f"{name} {live:,} rows {size / 2**20:.2f} MiB" for name, live, size in rows)
 
 
 def soak(*, dsn: str, bootstrap: str, topic: str, table: str, minutes: float, rate: float,
@@ -194,6 +210,7 @@ def soak(*, dsn: str, bootstrap: str, topic: str, table: str, minutes: float, ra
         meter = None
     processes = [psutil.Process(h.process.pid) for h in harvesters]
     old = OldTransaction(dsn)
+    say(f"  other tables at the start: {other_tables(meter_conn)}")
     began = time.monotonic()
     for writer in writers:
         writer.start()
@@ -248,6 +265,7 @@ def soak(*, dsn: str, bootstrap: str, topic: str, table: str, minutes: float, ra
             minute.purge_ms = 1000 * purge_s / purges if purges else 0.0
             results.append(minute)
             say(minute.line())
+        say(f"  other tables at the end: {other_tables(meter_conn)}")
     finally:
         stop.set()
         old.end()

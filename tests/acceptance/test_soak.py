@@ -31,6 +31,9 @@ def test_a_short_soak_with_an_old_transaction_says_every_minute_and_loses_nothin
     for figure in ("records/s", "p50", "p99", "backlog", "table", "dead", "harvester", "mark", "purge", "Postgres",
                    "[old transaction open]"):
         assert figure in minute, figure
+    for when in ("start", "end"):  # the tables with a retention of their own are measured too
+        other = next(line for line in lines if line.strip().startswith(f"other tables at the {when}:"))
+        assert "outbox_dead_letter" in other and "outbox_harvester_history" in other, other
     written = re.search(r"written ([\d,]+), read back ([\d,]+)", result.stdout)
     assert written and written.group(1) == written.group(2) == "18,000", result.stdout
     assert re.fullmatch(r"verdict: (PASS|FAIL)( \(.*\))?", lines[-1]), lines[-1]

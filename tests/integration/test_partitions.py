@@ -106,3 +106,48 @@ def test_the_command_converts_the_table_refuses_twice_and_lists_the_partitions(s
     assert lines[0].split()[:2] == ["partition", "ids"] and "(default)" in listing.getvalue()
     assert sum(1 for line in lines if line.startswith(f"{scratch}_p")) == partitions.AHEAD
     assert lines[-1].startswith("last id taken:")
+
+
+def test_a_burst_past_the_partitions_ahead_lands_in_the_default_partition_and_is_harvested(
+        database_url, bootstrap_servers, new_topic, scratch, monkeypatch):
+    """Ids beyond the partitions made ahead go to the DEFAULT partition; they are harvested in order like any
+    other; the keeper makes partitions ahead of the ids again at once, and once the burst is drained it
+    truncates the DEFAULT partition (which stays). Before, a keeper whose partitions were all overtaken and
+    dropped knew no width any more and left every later id to the DEFAULT partition."""
+    monkeypatch.setattr(partitions, "KEEP_INTERVAL", 0.3)
+    topic = new_topic("overflow")
+    with psycopg.connect(database_url, autocommit=True) as writer:
+        made = partitions.convert(writer, scratch, 1000)
+        default, ahead_end = made[-1].name, made[-2].hi
+        burst = [row[0] for row in writer.execute(INSERT.format(table=scratch), [topic, 3000]).fetchall()]
+        beyond = sum(1 for record_id in burst if record_id >= ahead_end)
+        assert beyond > 0 and writer.execute(f"SELECT count(*) FROM {default}").fetchone()[0] == beyond, \
+            "the ids past the partitions made ahead are in the DEFAULT partition"
+        # The ids overtook every partition: the next ones are made from just past the last id (none can be
+        # made over ids the DEFAULT partition holds), AHEAD of them as usual.
+        created = partitions.keep(writer, scratch).created
+        assert [int(bounds.split("-")[0]) for bounds in created] == [max(burst) + 1, max(burst) + 1001], created
+        leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+        harvester = Harvester(HarvestConfig(dsn=database_url, table=scratch, leader_topic=leader, leader_group=leader,
+                                            base_kafka_config={"bootstrap.servers": bootstrap_servers},
+                                            name="overflow", limits=Limits(heartbeat_timeout=2.0)))
+        harvester.start()
+        try:
+            wait_until(lambda: not writer.execute(f"SELECT EXISTS (SELECT 1 FROM {scratch})").fetchone()[0], 60,
+                       "the burst to drain, the DEFAULT partition's rows with it")
+            top = max(burst)
+            wait_until(lambda: any(p.lo is not None and p.lo > top for p in partitions.partitions(writer, scratch)
+                                   if not p.default), 30, "the leader to make partitions ahead of the ids again")
+            wait_until(lambda: writer.execute("SELECT pg_relation_size(%s::regclass)", [default]).fetchone()[0] == 0,
+                       30, "the leader to truncate the drained DEFAULT partition")
+            after = [row[0] for row in writer.execute(INSERT.format(table=scratch), [topic, 50]).fetchall()]
+            assert writer.execute(f"SELECT count(*) FROM {default}").fetchone()[0] == 0, \
+                "new ids go to the partitions made ahead, not the DEFAULT one"
+            wait_until(lambda: not writer.execute(f"SELECT EXISTS (SELECT 1 FROM {scratch})").fetchone()[0], 60,
+                       "the later records to drain")
+            assert partitions.partitions(writer, scratch)[-1].default, "the DEFAULT partition stays"
+        finally:
+            harvester.stop()
+            harvester.wait(timeout=30)
+    audit = read_topic(bootstrap_servers, topic, expected=len(burst) + len(after))
+    assert_complete_and_ordered(audit, burst + after, strict=False)

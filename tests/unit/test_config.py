@@ -168,6 +168,8 @@ def test_the_engine_sql_matches_the_models():
     ({"park_after": 0}, "outbox.E004", "OUTBOX['park_after'] must be a positive integer or None, got 0"),
     ({"history_retention": 0}, "outbox.E004",
      "OUTBOX['history_retention'] must be a positive number of seconds, got 0"),
+    ({"dead_letter_retention": -1}, "outbox.E004",
+     "OUTBOX['dead_letter_retention'] must be a positive number of seconds or None, got -1"),
     ({"history_interval": -1}, "outbox.E004", "OUTBOX['history_interval'] must be at least 0, got -1"),
     ({"dead_letter_topic": "no spaces"}, "outbox.E007", "OUTBOX['dead_letter_topic'] must be a Kafka topic name"),
     ({"mark_query_recods": 5}, "outbox.E002", "OUTBOX['mark_query_recods'] is not a known setting"),

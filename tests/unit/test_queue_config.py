@@ -74,6 +74,8 @@ def test_the_example_project_passes_its_checks():
      "per_queue['a'].redelivery_timeout"),
     ({"status_interval": 0}, "outbox_queue.E004", "status_interval: must be a positive number of seconds"),
     ({"history_retention": 0}, "outbox_queue.E004", "history_retention: must be a positive number of seconds"),
+    ({"dead_letter_retention": "a month"}, "outbox_queue.E004",
+     "dead_letter_retention: must be a positive number of seconds or None, got 'a month'"),
     ({"history_interval": -1}, "outbox_queue.E004", "history_interval: must be a number of seconds, 0 or more"),
 ])
 def test_a_bad_setting_is_a_check_error_naming_the_key_and_the_limit(queues, code, text):

@@ -59,7 +59,8 @@ class Command(BaseCommand):
                                        snapshot=lambda: tracker_status(tracker),
                                        totals=lambda: (tracker.snapshot.redelivered, tracker.snapshot.dead_lettered),
                                        history_interval=app_settings.setting("history_interval"),
-                                       history_retention=app_settings.setting("history_retention"))
+                                       history_retention=app_settings.setting("history_retention"),
+                                       dead_letter_retention=app_settings.setting("dead_letter_retention"))
         reporter.start()
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
