@@ -48,4 +48,6 @@ def describe(problem: Problem) -> str:
     """One line naming the setting: OUTBOX['max_in_flight_records'] must be at least 1, got 0 (secret
     values masked, should a message quote one)."""
     where = "OUTBOX" if problem.field == "OUTBOX" else f"OUTBOX[{problem.field!r}]"
+    if problem.field.startswith("cloudevents."):  # a key of the nested dict
+        where = f"OUTBOX['cloudevents'][{problem.field.split('.', 1)[1]!r}]"
     return scrub(f"{where} {problem.message}", conf.secret_values())

@@ -45,6 +45,11 @@ DJANGO_DEFAULTS: dict[str, Any] = {
     # The dashboard, harvest_health and the metrics say who holds the database's horizon back this long.
     "horizon_warn_after": 60.0,
     "spark_jars": None,  # the audit's Kafka connector jars: a folder or a list (see docs/audit.md)
+    # OpenTelemetry trace context at stash() and spans in the harvester and queue consumers, when
+    # opentelemetry-api is installed (docs/tracing.md); False: nothing is added or imported.
+    "tracing": True,
+    # CloudEvents binary mode for these topics (outbox/cloudevents.py): {"source", "types", "content_type"}
+    "cloudevents": None,
 }
 #: Settings that did something once and do nothing now: accepted, with a warning saying so.
 RETIRED_KEYS: dict[str, str] = {
@@ -119,6 +124,12 @@ def settings_problems() -> list[Problem]:
     if spark_jars is not None and not (isinstance(spark_jars, str) or (
             isinstance(spark_jars, list | tuple) and all(isinstance(item, str) for item in spark_jars))):
         found.append(Problem("E003", "spark_jars", f"must be a path or a list of paths, got {spark_jars!r}"))
+    tracing = raw.get("tracing", True)
+    if not isinstance(tracing, bool):
+        found.append(Problem("E015", "tracing", f"must be True or False, got {tracing!r}"))
+    from outbox.cloudevents import settings_problems as cloudevent_problems
+
+    found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))
     database = raw.get("database", DJANGO_DEFAULTS["database"])
     problem = alias_problem(database)
     if problem is not None:
@@ -172,6 +183,11 @@ def warnings() -> list[Problem]:
     for key, why in RETIRED_KEYS.items():
         if key in raw:
             found.append(Problem("W004", key, f"no longer does anything ({why}); remove it"))
+    from outbox.tracing.switch import otel_installed
+
+    if raw.get("tracing") is True and not otel_installed():
+        found.append(Problem("W005", "tracing", "is True but opentelemetry-api is not installed, so nothing is "
+                                                "traced: install django-outbox-harvest[otel]"))
     if config.table != OutboxRecord._meta.db_table:
         found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
                                               f"use the model's table {OutboxRecord._meta.db_table!r}"))

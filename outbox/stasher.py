@@ -13,29 +13,36 @@ from typing import Any
 
 from django.db import connections
 
-from outbox import conf
+from outbox import cloudevents, conf
 from outbox.errors import InvalidRecord, OutsideTransaction
 from outbox.harvest.contract import Record
 from outbox.models import OutboxRecord
+from outbox.tracing.propagation import add_headers, current_headers
+from outbox.tracing.switch import tracing_on
 from outbox.validation import clean
 
 #: Rows per INSERT statement in stash_many(); larger batches are split.
 BATCH_SIZE = 1000
-RECORD_FIELDS = frozenset({"topic", "key", "value", "headers"})
+RECORD_FIELDS = frozenset({"topic", "key", "value", "headers", "cloudevent"})
 
 
 def stash(topic: str, key: str, value: Any = None,
-          headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None, *, using: str | None = None) -> int:
+          headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None, *, using: str | None = None,
+          cloudevent: Mapping[str, str] | bool | None = None) -> int:
     """Write one record in the caller's transaction on database `using` (default OUTBOX["database"]);
     returns its outbox id.
 
     `value` is str, bytes (UTF-8), None (a tombstone), or a dict/list sent as JSON.
     `headers` is a mapping or a sequence of (name, value) string pairs; order and repeats are kept.
+    With OpenTelemetry on (docs/tracing.md), the current span's context is added to them.
+    `cloudevent` publishes the record as a CloudEvent (binary mode): a mapping with type, source,
+    id, subject, content_type; True for OUTBOX["cloudevents"]'s; None as that setting says for the topic.
     """
     using = using or conf.database_alias()
     _require_transaction(using)
     limits = _limits()
     row = clean(topic, key, value, headers, **limits)
+    _decorate(row, cloudevent, current_headers() if tracing_on() else None)
     return _insert(using, [row])[0]
 
 
@@ -48,7 +55,8 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None
     using = using or conf.database_alias()
     _require_transaction(using)
     limits = _limits()
-    rows = [_clean_mapping(record, index, limits) for index, record in enumerate(records)]
+    context = current_headers() if tracing_on() else None
+    rows = [_clean_mapping(record, index, limits, context) for index, record in enumerate(records)]
     ids: list[int] = []
     iterator = iter(rows)
     while batch := list(islice(iterator, BATCH_SIZE)):
@@ -56,19 +64,29 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None
     return ids
 
 
-def _clean_mapping(record: Any, index: int, limits: dict[str, int]) -> Record:
+def _clean_mapping(record: Any, index: int, limits: dict[str, int], context: list[tuple[str, str]] | None) -> Record:
     prefix = f"records[{index}]."
     if not isinstance(record, Mapping):
-        raise InvalidRecord(f"records[{index}]", f"must be a mapping with keys topic, key, value, headers, "
+        raise InvalidRecord(f"records[{index}]", f"must be a mapping with keys topic, key, value, headers, cloudevent, "
                                                  f"got {type(record).__name__}")
     unknown = set(record) - RECORD_FIELDS
     if unknown:
         raise InvalidRecord(f"records[{index}]", f"unknown field(s) {sorted(map(str, unknown))}; "
-                                                 f"allowed: topic, key, value, headers")
+                                                 f"allowed: topic, key, value, headers, cloudevent")
     for required in ("topic", "key"):
         if required not in record:
             raise InvalidRecord(f"{prefix}{required}", "is required")
-    return clean(record["topic"], record["key"], record.get("value"), record.get("headers"), prefix=prefix, **limits)
+    row = clean(record["topic"], record["key"], record.get("value"), record.get("headers"), prefix=prefix, **limits)
+    _decorate(row, record.get("cloudevent"), context, prefix)
+    return row
+
+
+def _decorate(row: Record, cloudevent: Any, context: list[tuple[str, str]] | None, prefix: str = "") -> None:
+    """Headers the outbox adds to a cleaned record: CloudEvents' and the trace context (read once a call)."""
+    if cloudevent is not None or cloudevents.configured():
+        cloudevents.add_headers(row, cloudevent, prefix)
+    if context:
+        add_headers(row, context)
 
 
 def _limits() -> dict[str, int]:

@@ -38,6 +38,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "project.tracing.RequestSpanMiddleware",  # a span per request when OpenTelemetry is installed (docs/tracing.md)
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -98,7 +99,15 @@ OUTBOX = {
     "horizon_warn_after": env.float("OUTBOX_HORIZON_WARN_AFTER", default=60.0),
     # outbox.queue: the topic pair and the consumer groups all start with this prefix.
     "queues": queue_names(env("OUTBOX_QUEUE_PREFIX", default="example-queue")),
+    # OpenTelemetry trace context and spans when opentelemetry-api is installed (docs/tracing.md).
+    "tracing": env.bool("OUTBOX_TRACING", default=True),
 }
+
+# An OpenTelemetry SDK for this example's processes: "console" or "discard" (project/otel.py); unset: none.
+if env("OUTBOX_EXAMPLE_OTEL", default=""):
+    from project import otel
+
+    otel.configure(env("OUTBOX_EXAMPLE_OTEL"))
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

@@ -25,6 +25,15 @@ HEADER_CREATE_TIME = "outbox-create-time"
 HEADER_DEAD_LETTER_REASON = "outbox-dead-letter-reason"
 HEADER_TOPIC = "outbox-topic"
 RESERVED_HEADERS = frozenset({HEADER_ID, HEADER_CREATE_TIME})
+#: CloudEvents' Kafka binary mode. A record with ce_specversion is published with ce_id (its outbox id)
+#: and ce_time (its create time) unless it has them already (outbox/cloudevents.py writes the others).
+CE_SPECVERSION = "ce_specversion"
+CE_ID = "ce_id"
+CE_TIME = "ce_time"
+CE_TYPE = "ce_type"
+CE_SOURCE = "ce_source"
+CE_SUBJECT = "ce_subject"
+CONTENT_TYPE = "content-type"
 
 
 class ReplicaState(enum.StrEnum):
@@ -216,6 +225,16 @@ WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
 def iso_utc(created: datetime) -> str:
     """The outbox-create-time header: ISO 8601 in UTC."""
     return created.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def cloudevent_headers(record_id: int, created_text: str, header_keys: list[str]) -> list[tuple[str, str]]:
+    """What a CloudEvent record (one with ce_specversion) still lacks: ce_id and ce_time."""
+    missing = []
+    if CE_ID not in header_keys:
+        missing.append((CE_ID, str(record_id)))
+    if CE_TIME not in header_keys:
+        missing.append((CE_TIME, created_text))
+    return missing
 
 
 def dead_letter_headers(record_id: int, create_time: datetime, topic: str, headers: list[tuple[str, str]],

@@ -33,6 +33,7 @@ from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import ProducerLike
 from outbox.harvest.store import StoreError
 from outbox.harvest.topics import UNLIMITED, fits, record_size, too_large
+from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger(__name__)
@@ -115,13 +116,21 @@ class Driver:
     only from the thread that runs turns."""
 
     def __init__(self, core: Core, io: EngineIO, *, instruments: Instruments | None = None,
-                 parked_by: str = "harvester") -> None:
+                 parked_by: str = "harvester", tracer: PublishTracer | None = None) -> None:
         self.core = core
         self.io = io
         self._instruments = instruments or Instruments()
         #: Every database job's round trip, by kind (dbtime.py): what the harvester waits on the database for.
         self.round_trips = RoundTrips()
         self._parked_by = parked_by
+        self._tracer = tracer
+        #: Tracer handles of failed records, by record id: put by the delivery thread before its report,
+        #: taken by the turn that hands the core the report (or by _send, for a record refused before it
+        #: was produced), and ended at the end of the turn after, so a Hold the core answers with is
+        #: recorded on them.
+        self._failed_spans: dict[int, Any] = {}
+        self._turn_failures: dict[int, Any] = {}
+        self._older_failures: dict[int, Any] = {}
         # Appended by other threads, taken in by turn() (deque appends and pops are thread-safe).
         self._inbox: deque[Result] = deque()
         self._deliveries: deque[tuple[int, KafkaError | None]] = deque()
@@ -150,11 +159,17 @@ class Driver:
         while deliveries or inbox:
             while deliveries:
                 record_id, error = deliveries.popleft()
+                if error is not None and self._failed_spans:
+                    span = self._failed_spans.pop(record_id, None)
+                    if span is not None:
+                        self._turn_failures[record_id] = span
                 core.on_delivered(record_id, None if error is None else delivery_error(error))
             while inbox:
                 inbox.popleft()(core)
         for command in core.take_commands():
             getattr(self, self._handlers[type(command)])(command)
+        if self._turn_failures or self._older_failures:
+            self._end_failed_spans()
         io.leadership(assigned=core.assigned, leading=core.leading)
         return core.next_deadline()
 
@@ -179,11 +194,20 @@ class Driver:
         # Keys whose record was refused or waits for its topic's limit: later ones must not go out ahead.
         stopped_keys: set[str] = set()
         held_back: list[int] = []
+        tracer = self._tracer
+        handles: dict[int, Any] = {}
+        if tracer is not None:
+            # Records whose topic's limit is still being read wait unsent: no span for them yet.
+            traced = [r for r in records if limits[r.topic] is not None]
+            if traced:
+                handles = dict(zip((r.id for r in traced), tracer.sending(traced), strict=True))
         for index, record in enumerate(records):
             limit = limits[record.topic]
             if record.key in stopped_keys or limit is None:
                 stopped_keys.add(record.key)
                 held_back.append(record.id)
+                if tracer is not None and record.id in handles:
+                    tracer.end(handles[record.id])
                 continue
             created = record.create_time
             if created != created_last:  # a stash_many() batch shares one timestamp: format it once
@@ -191,29 +215,50 @@ class Driver:
             headers = [(contract.HEADER_ID, str(record.id)), (contract.HEADER_CREATE_TIME, created_text)]
             if record.header_keys:
                 headers[:0] = zip(record.header_keys, record.header_values, strict=False)
+                if contract.CE_SPECVERSION in record.header_keys:
+                    headers.extend(contract.cloudevent_headers(record.id, created_text, record.header_keys))
             if limit < UNLIMITED and not fits(record.key, record.value, headers, limit):
                 # Held before it is produced: a refused batch would fail every key's records with it.
                 stopped_keys.add(record.key)
                 size = record_size(record.key, record.value, headers)
-                core.on_refused(record.id, DeliveryError("MSG_SIZE_TOO_LARGE", too_large(size, limit, record.topic),
-                                                         permanent=True))
+                failure = DeliveryError("MSG_SIZE_TOO_LARGE", too_large(size, limit, record.topic), permanent=True)
+                if tracer is not None:
+                    tracer.failed(handles[record.id], record.id, failure)
+                    self._turn_failures[record.id] = handles[record.id]  # ended after the Hold it may bring
+                core.on_refused(record.id, failure)
                 continue
+            if tracer is None:
+                on_delivery = functools.partial(delivered, record.id)
+            else:
+                on_delivery = functools.partial(self._on_traced_delivery, record.id, handles[record.id])
             try:
                 producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
-                                 on_delivery=functools.partial(delivered, record.id))
+                                 on_delivery=on_delivery)
             except BufferError:
                 # The producer's local queue is full: these go back to the front of their lanes.
+                if tracer is not None:
+                    for unsent in records[index:]:  # never produced: sent again later, traced again then
+                        if unsent.id in handles:
+                            tracer.end(handles[unsent.id])
                 core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                 return
             except KafkaException as error:
                 found = kafka_error(error)
+                failure = (delivery_error(found) if found is not None
+                           else DeliveryError("ERROR", str(error), permanent=True))
+                if tracer is not None:
+                    tracer.failed(handles[record.id], record.id, failure)
+                    self._turn_failures[record.id] = handles[record.id]  # ended after the Hold it may bring
                 if found is not None and found.fatal():
-                    core.on_producer_failed(delivery_error(found))
+                    if tracer is not None:
+                        for unsent in records[index + 1:]:
+                            if unsent.id in handles:
+                                tracer.end(handles[unsent.id])
+                    core.on_producer_failed(failure)
                     core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                     return
                 stopped_keys.add(record.key)
-                core.on_refused(record.id, delivery_error(found) if found is not None
-                                else DeliveryError("ERROR", str(error), permanent=True))
+                core.on_refused(record.id, failure)
         if held_back:
             core.on_backpressure(held_back)
 
@@ -221,6 +266,23 @@ class Driver:
         if error is not None and error.code() in SIZE_ERRORS:
             self.io.refused_for_size(None)  # one request reads every topic's limit again
         self.delivered(record_id, error)
+
+    def _on_traced_delivery(self, record_id: int, handle: Any, error: KafkaError | None, message: Any) -> None:
+        tracer = self._tracer
+        assert tracer is not None
+        if error is None:
+            tracer.acknowledged(handle, message)
+        else:
+            tracer.failed(handle, record_id, delivery_error(error))
+            self._failed_spans[record_id] = handle  # before the report, so the turn that takes it finds it
+        self._on_delivery(record_id, error, message)
+
+    def _end_failed_spans(self) -> None:
+        tracer = self._tracer
+        assert tracer is not None
+        for handle in self._older_failures.values():
+            tracer.end(handle)
+        self._older_failures, self._turn_failures = self._turn_failures, {}
 
     def _abort_sends(self, command: cmd.AbortSends) -> None:
         try:
@@ -315,6 +377,8 @@ class Driver:
             move = self._timed("park", lambda store: store.park(record, command.reason, command.attempts,
                                                                 self._parked_by, topic), int)
             parked = move(store)
+            if parked and self._tracer is not None:
+                self._tracer.parked(record, command.reason, command.attempts, topic)
             if parked:
                 log.warning("Parked record %d (key %r) in the dead-letter table after %d attempt(s): %s",
                             record.id, record.key, command.attempts, command.reason)
@@ -350,6 +414,9 @@ class Driver:
 
     def _hold(self, command: cmd.Hold) -> None:
         record_id = command.record_id
+        handle = self._turn_failures.get(record_id) or self._older_failures.get(record_id)
+        if handle is not None and self._tracer is not None:
+            self._tracer.held(handle, record_id, command.reason)
 
         def noted(core: Core, error: str) -> None:
             log.warning("Could not note the error on record %d: %s", record_id, error)

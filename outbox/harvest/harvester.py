@@ -37,6 +37,7 @@ from outbox.harvest.redaction import remember_secrets, scrub
 from outbox.harvest.runtime import ThreadedIO
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import StoreError
+from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line, kafka_reason
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Harvester:
 
     def __init__(self, config: HarvestConfig, *, connector: Connector | None = None,
                  on_event: Callable[[events.Event], None] | None = None, instruments: Instruments | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tracer: PublishTracer | None = None) -> None:
         self.config = config
         # Whatever logs or raises from here on masks this configuration's secrets (redaction.py).
         remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
@@ -81,7 +82,7 @@ class Harvester:
         self._core = Core(config.limits, park_after=config.park_after, now=clock())
         self._io = ThreadedIO(config, self._connector, clock, self._announce)
         self._driver = Driver(self._core, self._io, instruments=self._instruments,
-                              parked_by=f"harvester {config.name}")
+                              parked_by=f"harvester {config.name}", tracer=tracer)
         self._status: StatusReporter | None = None
         self._engine: threading.Thread | None = None
         self._started_at = datetime.now(UTC)

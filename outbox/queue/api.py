@@ -25,8 +25,11 @@ from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.producer import MessageTooLarge, QueueProducer
 from outbox.queue.topics import ensure_topics, topic_limit
+from outbox.queue.tracing import consumer_tracer
 from outbox.stasher import stash as outbox_stash
 from outbox.stasher import stash_many as outbox_stash_many
+from outbox.tracing.propagation import add_headers, current_headers
+from outbox.tracing.switch import tracing_on
 from outbox.validation import clean
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]] | None
@@ -50,6 +53,10 @@ def send_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None) -
     validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
     rows = [_clean(config, payload, headers, _where(index, payloads)) for index, payload in enumerate(payloads)]
+    context = current_headers() if tracing_on() else None
+    if context:
+        for row in rows:
+            add_headers(row, context)
     messages = [(row.value.encode(), list(zip(row.header_keys, map(str.encode, row.header_values), strict=True)))
                 for row in rows]
     if not messages:
@@ -103,7 +110,8 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
                         keep_alive_interval=keep_alive_interval, max_in_progress=max_in_progress,
                         max_deliveries=max_deliveries)
     return QueueConsumer(config, queue, limits=limits, name=name,
-                         instruments=instruments or metrics.default_instruments()).start()
+                         instruments=instruments or metrics.default_instruments(),
+                         tracer=consumer_tracer(config, queue)).start()
 
 
 def requeue(letter: Any) -> None:

@@ -23,6 +23,7 @@ Kafka client's poll; the simulator (tests/sim/) calls the same methods on its ow
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -78,7 +79,7 @@ def _without_errors(records: list[Any]) -> list[Any]:
 class Message:
     """One delivery of a queue message. Acknowledge it with ack(); until then it is kept alive."""
 
-    __slots__ = ("_consumer", "_delivery", "deliveries", "headers", "id", "key", "payload", "queue", "ref")
+    __slots__ = ("_consumer", "_delivery", "deliveries", "headers", "id", "key", "payload", "queue", "ref", "span")
 
     def __init__(self, consumer: QueueConsumer, delivery: Delivery) -> None:
         self._consumer = consumer
@@ -96,6 +97,8 @@ class Message:
         self.id: str = delivery.id
         #: 1 on the first delivery; redeliveries count up (max_deliveries ends the round).
         self.deliveries: int = delivery.deliveries
+        #: With tracing on, this delivery's OpenTelemetry span (ended when the message is settled); else None.
+        self.span: Any = consumer._spans.get(delivery.ref)
 
     @property
     def text(self) -> str:
@@ -128,7 +131,9 @@ class QueueConsumer:
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                  clock: Callable[[], float] = time.monotonic,
-                 create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics) -> None:
+                 create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics,
+                 tracer: Any = None) -> None:
+        """`tracer`: an outbox.tracing.consume.QueueTracer, to give each delivery a span (docs/tracing.md)."""
         try:
             self.queue = check_queue_name(queue)
         except ValueError as error:
@@ -139,6 +144,9 @@ class QueueConsumer:
         self._instruments = instruments or QueueInstruments()
         self._consumer_factory, self._producer_factory, self._clock = consumer_factory, producer_factory, clock
         self._create_topics = create_topics
+        self._tracer = tracer
+        #: Tracing on: each held delivery's span, by ref (the state machine knows nothing of them).
+        self._spans: dict[Ref, Any] = {}
         self._key = queue.encode()
         self._state = ConsumerState(self.queue, self.limits, clock())
         # One lock over the state; markers are sent under it, so a keep-alive never follows its
@@ -264,10 +272,13 @@ class QueueConsumer:
         with self._lock:
             for delivery, marker in self._state.release_buffered():
                 self._send_marker(delivery, marker)
+                self._finish_span(delivery, "released")
 
     def drop_held(self) -> None:
         with self._lock:
             left = self._state.drop_held()
+            for delivery in left:
+                self._finish_span(delivery, "unsettled")
         if left:
             log.warning("Closing with %d message(s) of queue %s unacknowledged: they are redelivered after the "
                         "redelivery timeout", len(left), self.queue)
@@ -314,6 +325,9 @@ class QueueConsumer:
             self._room.set()
             if marker is not None:
                 self._send_marker(delivery, marker)
+            if self._spans:
+                self._finish_span(delivery, "acked" if kind is Kind.END else "retried" if kind is Kind.KEEPALIVE
+                                  else "abandoned", delay if kind is Kind.KEEPALIVE else None)
         if kind is Kind.END:
             self._instruments.acked(self.queue, self._clock() - delivery.received_at)
         elif kind is Kind.KEEPALIVE:
@@ -418,10 +432,14 @@ class QueueConsumer:
             return report
 
         producer = self._starts
+        tracer = self._tracer
         try:
             producer.begin_transaction()
             for delivery in batch.deliveries:
-                value, headers = markers.encode(self._state.start_marker(delivery))
+                marker = self._state.start_marker(delivery)
+                if tracer is not None:
+                    marker = self._traced_start(delivery, marker)
+                value, headers = markers.encode(marker)
                 producer.produce(self.config.markers_topic, key=self._key, value=value, headers=headers,
                                  on_delivery=delivered(delivery.ref))
             producer.send_offsets_to_transaction(
@@ -429,6 +447,8 @@ class QueueConsumer:
                 self._consumer.consumer_group_metadata(), KAFKA_START_TIMEOUT)
             self._commit_transaction()
         except KafkaException as error:
+            for delivery in batch.deliveries:  # not started: their spans are dropped unfinished
+                self._spans.pop(delivery.ref, None)
             self._abort(error)
             self._seek_back(batch.rewind)  # read the batch again: nothing of it was started
             return Wait(ERROR_BACKOFF)
@@ -437,6 +457,26 @@ class QueueConsumer:
             self._state.batch_started(batch, partitions, self._clock())
             self._buffered.notify_all()
         return Wait()
+
+    # -- tracing (outbox/tracing/consume.py) -------------------------------------------------------
+
+    def _traced_start(self, delivery: Delivery, marker: Marker) -> Marker:
+        """Start the delivery's span; its Start marker carries the span's traceparent after the earlier
+        deliveries' (mq-trace-links), so a redelivery's span links to them all."""
+        earlier = markers.trace_links(delivery.raw_headers)
+        span = self._tracer.started(delivery.ref, delivery.id, delivery.deliveries, delivery.raw_headers, earlier)
+        self._spans[delivery.ref] = span
+        own = self._tracer.traceparent(span)
+        if not own:
+            return marker
+        headers = [(k, v) for k, v in marker.headers if k != markers.TRACE_LINKS_HEADER]
+        headers.append((markers.TRACE_LINKS_HEADER, ",".join([*earlier, own][-markers.MAX_TRACE_LINKS:]).encode()))
+        return dataclasses.replace(marker, headers=tuple(headers))
+
+    def _finish_span(self, delivery: Delivery, outcome: str, delay: float | None = None) -> None:
+        span = self._spans.pop(delivery.ref, None)
+        if span is not None:
+            self._tracer.finished(span, outcome, delay)
 
     def _commit_transaction(self) -> None:
         for attempt in range(3):

@@ -45,9 +45,11 @@ class Outcome(enum.Enum):
 
 
 def handle(message: Message, handler: Handler, inbox: Inbox | None = None) -> Outcome:
-    """Run `handler` on `message` (in the inbox's transaction, if any), then settle the message."""
+    """Run `handler` on `message` (in the inbox's transaction, if any), then settle the message.
+
+    With tracing on, the handler runs with the delivery's span current (docs/tracing.md)."""
     try:
-        outcome = _run(message, handler, inbox)
+        outcome = _run(message, handler, inbox) if message.span is None else _run_traced(message, handler, inbox)
     except Retry as retry:
         log.info("Handler asked to retry %r in %gs: %s", message, retry.delay, retry)
         message.retry(retry.delay)
@@ -59,6 +61,19 @@ def handle(message: Message, handler: Handler, inbox: Inbox | None = None) -> Ou
         return Outcome.FAILED
     message.ack()  # after the transaction committed, never inside it
     return outcome
+
+
+def _run_traced(message: Message, handler: Handler, inbox: Inbox | None) -> Outcome:
+    from outbox.tracing.consume import activate, handler_failed
+
+    with activate(message.span):
+        try:
+            return _run(message, handler, inbox)
+        except Retry:
+            raise  # asked for, not a failure
+        except Exception as error:
+            handler_failed(message.span, error)
+            raise
 
 
 def _run(message: Message, handler: Handler, inbox: Inbox | None) -> Outcome:

@@ -36,6 +36,11 @@ REF_HEADER = "mq-ref"
 REDELIVER_AFTER_HEADER = "mq-redeliver-after-ms"
 MAX_DELIVERIES_HEADER = "mq-max-deliveries"
 KEY_HEADER = "mq-key"
+#: Tracing on: the traceparents of a message's earlier deliveries' spans, comma-separated; kept by the
+#: Start marker and redeliveries so the next delivery's span links to them (outbox/tracing/consume.py).
+TRACE_LINKS_HEADER = "mq-trace-links"
+#: ... the newest this many.
+MAX_TRACE_LINKS = 16
 #: Header names reserved for the queue: applications may not set headers starting with this.
 RESERVED_PREFIX = "mq-"
 _MARKER_ONLY = frozenset({MARKER_HEADER, REF_HEADER, REDELIVER_AFTER_HEADER, MAX_DELIVERIES_HEADER, KEY_HEADER})
@@ -92,6 +97,12 @@ def header_text(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -
     return None
 
 
+def trace_links(headers: Iterable[tuple[str, bytes | None]] | None) -> list[str]:
+    """The traceparents of a message's earlier deliveries' spans (TRACE_LINKS_HEADER), oldest first."""
+    text = header_text(headers, TRACE_LINKS_HEADER)
+    return [part for part in text.split(",") if part] if text else []
+
+
 def deliveries_of(headers: Iterable[tuple[str, bytes | None]] | None) -> int:
     text = header_text(headers, DELIVERIES_HEADER)
     try:
@@ -103,7 +114,7 @@ def deliveries_of(headers: Iterable[tuple[str, bytes | None]] | None) -> int:
 def message_headers(headers: Iterable[tuple[str, bytes | None]] | None, *, message_id: str,
                     deliveries: int) -> list[tuple[str, bytes]]:
     """A queue record's headers: the application's own, then the id and the delivery count."""
-    kept = [(k, v or b"") for k, v in headers or () if not k.startswith(RESERVED_PREFIX)]
+    kept = [(k, v or b"") for k, v in headers or () if not k.startswith(RESERVED_PREFIX) or k == TRACE_LINKS_HEADER]
     kept.append((ID_HEADER, message_id.encode()))
     if deliveries > 1:
         kept.append((DELIVERIES_HEADER, str(deliveries).encode()))

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
@@ -100,11 +101,12 @@ def running_tracker(config: QueueConfig, name: str = "tracker") -> Iterator[Rede
 
 
 @contextlib.contextmanager
-def running_harvester(database_url: str, bootstrap: str) -> Iterator[Harvester]:
+def running_harvester(database_url: str, bootstrap: str, tracer: Any = None) -> Iterator[Harvester]:
     """A harvester of the test database's outbox, so stash()ed messages reach the queue topic."""
     leader = f"test-leader-{uuid.uuid4().hex[:8]}"
     harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap},
-                                        leader_topic=leader, leader_group=leader, limits=Limits(heartbeat_timeout=2.0)))
+                                        leader_topic=leader, leader_group=leader, limits=Limits(heartbeat_timeout=2.0)),
+                          tracer=tracer)
     harvester.start()
     try:
         yield harvester

@@ -23,6 +23,7 @@ from outbox.queue.errors import QueueError
 from outbox.queue.models import InboxEntry
 from outbox.queue.runner import Handler, HandlerRunner
 from outbox.queue.status import QueueStatusReporter, consumer_status
+from outbox.queue.tracing import consumer_tracer
 from outbox.reasons import first_line
 from outbox.stopping import on_stop_signals
 
@@ -87,7 +88,8 @@ class Command(BaseCommand):
                 raise CommandError(str(error)) from None
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
-        consumer = QueueConsumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments())
+        consumer = QueueConsumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments(),
+                                 tracer=consumer_tracer(config, queue))
         try:
             consumer.start()
         except QueueError as error:

@@ -44,7 +44,7 @@ from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.models import HarvesterSample, HarvesterStatus, OutboxRecord
 from outbox.stasher import stash, stash_many
-from project.bench import dbcost, soak
+from project.bench import dbcost, soak, tracing_bench
 from project.bench.management.commands.outbox_pump import pump
 
 BENCH_TOPIC = "outbox-bench"
@@ -129,6 +129,16 @@ class Command(BaseCommand):
                              help="debezium: port of the private Postgres cluster with logical decoding (default "
                                   "5433)")
 
+        tracing = sub.add_parser("tracing", help="what OpenTelemetry tracing costs stash() and a drain (on vs off)")
+        tracing.add_argument("--part", choices=["stash", "drain", "both"], default="both")
+        tracing.add_argument("--rows", type=int, default=20_000, help="stash rows a round (default 20000)")
+        tracing.add_argument("--batch", type=int, default=100, help="stash rows a transaction (default 100)")
+        tracing.add_argument("--records", type=int, default=200_000, help="drain backlog (default 200000)")
+        tracing.add_argument("--keys", type=int, default=10_000)
+        tracing.add_argument("--rounds", type=int, default=3)
+        tracing.add_argument("--partitions", type=int, default=8)
+        tracing.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+
         idle = sub.add_parser("idle", help="what an idle leader costs: mark queries per second and CPU")
         idle.add_argument("--seconds", type=float, default=30.0)
         idle.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
@@ -173,6 +183,15 @@ class Command(BaseCommand):
     @staticmethod
     def _many(records: list[dict[str, Any]], database: str) -> None:
         stash_many(records, using=database)
+
+    # -- tracing (project/bench/tracing_bench.py) -----------------------------------------------
+
+    def bench_tracing(self, part: str, rows: int, batch: int, records: int, keys: int, rounds: int, partitions: int,
+                      harvest_args: list[str], **_: Any) -> None:
+        if part in ("stash", "both"):
+            tracing_bench.bench_stash(self.stdout.write, rows, batch, rounds, "default")
+        if part in ("drain", "both"):
+            tracing_bench.bench_drain(self, records, keys, rounds, partitions, harvest_args)
 
     # -- drain ----------------------------------------------------------------------------------
 
@@ -643,8 +662,9 @@ class Command(BaseCommand):
 class HarvesterProcess:
     """`manage.py harvest` in a subprocess with a fresh leader topic; samples its RSS."""
 
-    def __init__(self, extra_args: Sequence[str]) -> None:
+    def __init__(self, extra_args: Sequence[str], env: dict[str, str] | None = None) -> None:
         leader = f"bench-leader-{uuid.uuid4().hex[:8]}"
+        self.env = {**os.environ, **env} if env else None
         self.args = [sys.executable, str(manage_py()), "harvest", "--leader-topic", leader, "--leader-group", leader,
                      "-v", "2" if os.environ.get("OUTBOX_BENCH_DEBUG") else "1", *extra_args]
         self.peak_rss = 0
@@ -652,7 +672,8 @@ class HarvesterProcess:
         self.lines: list[str] = []
 
     def __enter__(self) -> HarvesterProcess:
-        self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env=self.env)
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
         self._sampler = threading.Thread(target=self._sample, daemon=True)

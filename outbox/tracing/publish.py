@@ -1,0 +1,201 @@
+"""The harvester's spans, following OpenTelemetry's messaging conventions. Importing this module
+imports opentelemetry: only done when tracing is on.
+
+One span per batch of records a Send produces to one topic (not one per record: a span costs the
+engine about as much as publishing a record does, so per-record spans would halve a drain; see
+docs/benchmarks.md). At a steady trickle a batch is one record, and its span is the record's own.
+
+    send orders            PRODUCER
+      messaging.system=kafka, messaging.operation.type=send, messaging.destination.name=orders,
+      outbox.wait.duration (seconds from the oldest record's create time to the produce call);
+      one record: messaging.message.id (the outbox id), messaging.kafka.message.key, and once
+      acknowledged messaging.destination.partition.id and messaging.kafka.offset;
+      several: messaging.batch.message_count.
+      Parent: the trace context stash() stored in the records' headers when they all share one
+      (the common case of one request's records); otherwise a link to each distinct context.
+      A failed delivery: status ERROR, error.type and an `exception` event naming the record;
+      a hold after it: an `outbox.hold` event. Ends when every record of the batch is settled.
+    park orders            INTERNAL, child of the record's context, when a record is parked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
+
+from outbox.harvest.commands import DeliveryError
+from outbox.harvest.contract import Record
+from outbox.tracing.propagation import extract
+
+TRACER_NAME = "outbox.harvest"
+#: Links kept on one span at most (OpenTelemetry's default span link limit).
+MAX_LINKS = 128
+_W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+class _Batch:
+    """One span and how many of its records are not settled yet."""
+
+    __slots__ = ("lock", "remaining", "single", "span")
+
+    def __init__(self, span: Any, remaining: int) -> None:
+        self.span, self.remaining, self.single = span, remaining, remaining == 1
+        self.lock = threading.Lock()
+
+
+class OtelPublishTracer:
+    """outbox.harvest.tracing.PublishTracer over OpenTelemetry's global (or a given) tracer provider."""
+
+    def __init__(self, tracer_provider: Any = None) -> None:
+        self._tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
+        fields = propagate.get_global_textmap().fields
+        #: With the default propagators, a record's context is read from its traceparent header directly
+        #: (the cheap path); other propagators (B3, Jaeger...) are asked for records that have their headers.
+        self._w3c = set(fields) <= _W3C_FIELDS
+        self._fields = frozenset(fields)
+
+    # -- PublishTracer ----------------------------------------------------------------------------
+
+    def sending(self, records: Sequence[Record]) -> Sequence[Any]:
+        if len(records) == 1 or all(r.topic == records[0].topic for r in records):
+            return [self._start(records)] * len(records)
+        by_topic: dict[str, list[int]] = {}
+        for index, record in enumerate(records):
+            by_topic.setdefault(record.topic, []).append(index)
+        handles: list[Any] = [None] * len(records)
+        for indexes in by_topic.values():
+            batch = self._start([records[i] for i in indexes])
+            for i in indexes:
+                handles[i] = batch
+        return handles
+
+    def acknowledged(self, handle: _Batch, message: Any) -> None:
+        if handle.single:
+            handle.span.set_attributes({"messaging.destination.partition.id": str(message.partition()),
+                                        "messaging.kafka.offset": message.offset()})
+        self.end(handle)
+
+    def failed(self, handle: _Batch, record_id: int, error: DeliveryError) -> None:
+        span = handle.span
+        span.set_attribute("error.type", error.code)
+        span.add_event("exception", {"exception.type": error.code, "exception.message": error.message,
+                                     "messaging.message.id": str(record_id),
+                                     "outbox.error.permanent": error.permanent})
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+
+    def held(self, handle: _Batch, record_id: int, reason: str) -> None:
+        handle.span.add_event("outbox.hold", {"messaging.message.id": str(record_id), "outbox.hold.reason": reason})
+
+    def end(self, handle: _Batch) -> None:
+        with handle.lock:
+            handle.remaining -= 1
+            done = handle.remaining == 0
+        if done:
+            handle.span.end()
+
+    def parked(self, record: Record, reason: str, attempts: int, topic: str | None) -> None:
+        attributes: dict[str, Any] = {
+            "messaging.system": "kafka",
+            "messaging.destination.name": record.topic,
+            "messaging.message.id": str(record.id),
+            "messaging.kafka.message.key": record.key,
+            "outbox.park.reason": reason,
+            "outbox.park.attempts": attempts,
+        }
+        if topic is not None:
+            attributes["outbox.dead_letter.topic"] = topic
+        with self._tracer.start_as_current_span(f"park {record.topic}", context=self._context_of(record),
+                                                kind=SpanKind.INTERNAL, attributes=attributes) as span:
+            span.set_status(Status(StatusCode.ERROR, f"parked after {attempts} attempt(s): {reason}"))
+
+    # -- the span of a batch ----------------------------------------------------------------------
+
+    def _start(self, records: Sequence[Record]) -> _Batch:
+        first = records[0]
+        start = time.time_ns()
+        attributes: dict[str, Any] = {"messaging.system": "kafka", "messaging.operation.type": "send",
+                                      "messaging.destination.name": first.topic}
+        if len(records) == 1:
+            attributes["messaging.message.id"] = str(first.id)
+            attributes["messaging.kafka.message.key"] = first.key
+        else:
+            attributes["messaging.batch.message_count"] = len(records)
+        oldest = min((r.create_time for r in records if r.create_time is not None), default=None)
+        if oldest is not None:
+            attributes["outbox.wait.duration"] = max(0.0, start / 1e9 - oldest.timestamp())
+        contexts: dict[Any, tuple[SpanContext, int]] = {}
+        for record in records:
+            if record.header_keys and len(contexts) < MAX_LINKS:
+                self._add_context(record, contexts)
+        parent = None
+        links: list[Link] = []
+        if len(contexts) == 1:
+            [(context, _)] = contexts.values()
+            parent = trace.set_span_in_context(NonRecordingSpan(context))
+        else:
+            # No attributes on the links: each would be a locked dict of its own, kept with the span
+            # until exported, and a drain's batches carry up to 128 links each.
+            links = [Link(context) for context, _ in contexts.values()]
+        span = self._tracer.start_span(f"send {first.topic}", context=parent, kind=SpanKind.PRODUCER,
+                                       attributes=attributes, links=links, start_time=start)
+        return _Batch(span, len(records))
+
+    def _add_context(self, record: Record, contexts: dict[Any, tuple[SpanContext, int]]) -> None:
+        """Add the record's stash-time span context to `contexts` (keyed so that repeats are parsed once)."""
+        keys = record.header_keys
+        if self._w3c:
+            if "traceparent" not in keys:
+                return
+            values = record.header_values
+            tracestate = values[keys.index("tracestate")] if "tracestate" in keys else None
+            key = (values[keys.index("traceparent")], tracestate)
+            if key not in contexts:
+                context = parse_traceparent(*key)
+                if context is not None:
+                    contexts[key] = (context, record.id)
+            return
+        if self._fields.isdisjoint(keys):
+            return
+        context = trace.get_current_span(self._context_of(record)).get_span_context()
+        if context.is_valid and (context.trace_id, context.span_id) not in contexts:
+            contexts[(context.trace_id, context.span_id)] = (context, record.id)
+
+    @staticmethod
+    def _context_of(record: Record) -> Any:
+        return extract(zip(record.header_keys, record.header_values, strict=False)) if record.header_keys else None
+
+
+def parse_traceparent(traceparent: str, tracestate: str | None = None) -> SpanContext | None:
+    """A remote SpanContext from a W3C traceparent (version 00 and later versions' first four fields),
+    or None if it is malformed or all zeros."""
+    parts = traceparent.strip().split("-")
+    if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16 \
+            or len(parts[3]) != 2 or (parts[0] == "00" and len(parts) != 4):
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    state = None
+    if tracestate:
+        try:
+            state = TraceState.from_header([tracestate])
+        except ValueError:
+            state = None
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 0xFF), trace_state=state)
