@@ -7,9 +7,11 @@ from __future__ import annotations
 import re
 from io import StringIO
 
+import psycopg
 import pytest
 from django.core.management import CommandError, call_command
 
+from outbox import conf
 from project.bench import debezium, logical_cluster
 from project.bench.dbcost import Cost, Statements
 from project.bench.side_by_side import Workload
@@ -116,9 +118,11 @@ def test_the_private_cluster_takes_the_projects_settings_and_logical_decoding():
     (["--rounds", "0"], "--rounds: must be at least 1, got 0"),
     (["--duration", "0.5"], "--duration: must be at least 1, got 0.5"),
     (["--rate", "-5"], "--rate and --unrelated-rate: must be positive"),
-    (["--pg-port", "5432"], "--pg-port: 5432 is the project's own Postgres"),
+    (["--pg-port", "OWN"], "--pg-port: OWN is the project's own Postgres"),
 ])
 def test_the_command_refuses_bad_figures_in_one_line_naming_the_option(args, said):
+    own = str(psycopg.conninfo.conninfo_to_dict(conf.harvest_config().dsn).get("port") or 5432)  # DATABASE_URL's
+    args, said = [own if arg == "OWN" else arg for arg in args], said.replace("OWN", own)
     with pytest.raises(CommandError, match=re.escape(said)):
         call_command("outbox_bench", "compare", "--peer", "debezium", *args, stdout=StringIO())
 
