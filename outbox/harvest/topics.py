@@ -176,10 +176,10 @@ class TopicLimits:
         previous = self._known.get(topic)
         if isinstance(answer, int):
             self._settle(topic, answer, now + self.refresh_interval)
-            if previous is not None and previous != answer:
+            if previous not in (None, UNLIMITED) and previous != answer:
                 log.warning("Topic %s: max.message.bytes changed from %s to %s bytes", topic,
                             _bytes(previous), _bytes(answer))
-            elif previous is None:
+            elif previous != answer:  # first read, or first since it was created or became readable
                 log.debug("Topic %s: max.message.bytes is %s bytes", topic, _bytes(answer))
             return
         code = kafka_code(answer)
