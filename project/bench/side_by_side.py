@@ -117,6 +117,10 @@ class SideBySide:
     def _writer_dsn(self, relay: Relay) -> str:
         return self.cluster.dsn(WRITER, PASSWORD, self._database(relay))
 
+    def _writer_env(self, relay: Relay) -> dict[str, str]:
+        """A writer's environment: its DSN in DATABASE_URL, never on a command line `ps` shows."""
+        return {**os.environ, "DATABASE_URL": self._writer_dsn(relay)}
+
     def _topic(self, prefix: str) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         self.admin.create_topics([NewTopic(name, num_partitions=PARTITIONS)])[name].result(timeout=30)
@@ -134,14 +138,15 @@ class SideBySide:
         """The workload's writers, started together; returns the file of commit times once they are done."""
         times = self.tmp / f"{topic}.commits"
         records = int(workload.rate * duration)
-        writers = [subprocess.Popen([sys.executable, "-m", "project.bench.writer", "outbox", self._writer_dsn(relay),
+        env = self._writer_env(relay)
+        writers = [subprocess.Popen([sys.executable, "-m", "project.bench.writer", "outbox",
                                      "--topic", topic, "--records", str(records), "--rate", str(workload.rate),
                                      "--batch", str(max(1, int(workload.rate / 100))), "--out", str(times)],
-                                    cwd=ROOT)]
+                                    cwd=ROOT, env=env)]
         if workload.unrelated:
             writers.append(subprocess.Popen([sys.executable, "-m", "project.bench.writer", "unrelated",
-                                             self._writer_dsn(relay), "--rate", str(workload.unrelated),
-                                             "--duration", str(duration), "--batch", "50"], cwd=ROOT))
+                                             "--rate", str(workload.unrelated), "--duration", str(duration),
+                                             "--batch", "50"], cwd=ROOT, env=env))
         for writer in writers:
             if writer.wait() != 0:
                 raise RuntimeError(f"a writer failed with exit code {writer.returncode}")
@@ -240,8 +245,8 @@ class SideBySide:
         self.cluster.execute("CHECKPOINT")
         before = meter.read()
         began = time.time()
-        subprocess.run([sys.executable, "-m", "project.bench.writer", "backlog", self._writer_dsn(relay), "--topic",
-                        topic, "--records", str(records)], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "project.bench.writer", "backlog", "--topic", topic, "--records",
+                        str(records)], cwd=ROOT, env=self._writer_env(relay), check=True)
         written_at = time.time()
         written = meter.read()
         backends = RoleCpu(self.cluster.superuser_dsn(), relay.role)

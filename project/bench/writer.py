@@ -1,12 +1,14 @@
 """Writers for the side-by-side benchmark, each in a process of its own (so its CPU never competes with the
 measuring process's): psycopg only, plain SQL, as an application in any language would write.
 
-    python -m project.bench.writer outbox    DSN --topic T --records N --rate R --batch B --keys K --out FILE
-    python -m project.bench.writer backlog   DSN --topic T --records N --keys K
-    python -m project.bench.writer unrelated DSN --rate R --duration S --batch B
+    DATABASE_URL=DSN python -m project.bench.writer outbox --topic T --records N --rate R --batch B --keys K --out F
+    DATABASE_URL=DSN python -m project.bench.writer backlog --topic T --records N --keys K
+    DATABASE_URL=DSN python -m project.bench.writer unrelated --rate R --duration S --batch B
+
+The DSN comes from the environment, not the command line, where `ps` would show its password.
 
 `outbox` writes records at a steady rate, one INSERT a row, `batch` rows a transaction, and writes each
-transaction's ids and commit time to FILE (one `id time` line each); `backlog` writes as fast as it can,
+transaction's ids and commit time to F (one `id time` line each); `backlog` writes as fast as it can,
 1,000 rows a statement (as stash_many() does); `unrelated` inserts rows into the `unrelated` table at a
 steady rate, `batch` rows a statement, for `duration` seconds.
 """
@@ -14,6 +16,7 @@ steady rate, `batch` rows a statement, for `duration` seconds.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -83,7 +86,6 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m project.bench.writer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["outbox", "backlog", "unrelated"])
-    parser.add_argument("dsn")
     parser.add_argument("--topic", default="bench")
     parser.add_argument("--records", type=int, default=0)
     parser.add_argument("--rate", type=float, default=0.0)
@@ -92,6 +94,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--duration", type=float, default=0.0)
     parser.add_argument("--out", default="/dev/null")
     args = parser.parse_args(argv)
+    args.dsn = os.environ.get("DATABASE_URL") or parser.error("DATABASE_URL: not set (the database to write to)")
     if args.mode == "outbox":
         write_outbox(args.dsn, args.topic, args.records, args.rate, args.batch, args.keys, args.out)
     elif args.mode == "backlog":
