@@ -116,3 +116,21 @@ def test_wheel_postgres_runs_on_its_own_port_unless_told(services, monkeypatch):
     assert services.WheelPostgres(18).port == 5418
     monkeypatch.setenv("DATABASE_URL", "postgres://outbox:outbox@127.0.0.1:55418/outbox")
     assert services.WheelPostgres(18).port == 55418
+
+
+@pytest.mark.parametrize(("flags", "stopped"), [
+    (["--brokers", "3"], ["kafka-3"]),
+    (["--secure"], ["kafka-secure"]),
+    (["--brokers", "3", "--kafka-only"], ["kafka-3"]),
+    (["--postgres-only"], ["Postgres"]),
+])
+def test_down_stops_just_the_layout_it_names(services, monkeypatch, flags, stopped):
+    """`down --brokers 3` (the cluster tests' fixtures run it at the end of a session) stopped the default
+    Postgres too, and the session's last step, dropping the test database, found no server."""
+    downs = []
+    monkeypatch.setattr(services.Postgres, "down", lambda self: downs.append("Postgres"))
+    monkeypatch.setattr(services.Kafka, "down", lambda self: downs.append("Kafka"))
+    monkeypatch.setattr(services.KafkaCluster, "down", lambda self: downs.append(self.name))
+    monkeypatch.setattr(services.DockerEngine, "down", lambda self: downs.append("DockerEngine"))
+    assert services.main(["down", *flags]) == 0
+    assert downs == stopped
