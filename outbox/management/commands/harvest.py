@@ -15,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox import conf, logs
 from outbox.embedded import create_harvester
+from outbox.gc_tuning import tune_gc
 from outbox.harvest.config import Limits, name_problem
 from outbox.harvest.harvester import HarvestError
 from outbox.harvest.redaction import scrub
@@ -81,6 +82,7 @@ class Command(BaseCommand):
             registry = CollectorRegistry()
             instruments = PrometheusInstruments(registry)
         harvester = create_harvester(instruments=instruments, **overrides)
+        tune_gc()
         try:
             harvester.start()
         except HarvestError as error:
