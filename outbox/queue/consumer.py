@@ -23,7 +23,6 @@ Kafka client's poll; the simulator (tests/sim/) calls the same methods on its ow
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -39,6 +38,7 @@ from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
 from outbox.queue.consumer_state import ConsumerState, Delivery, Held, Plan, StartBatch
+from outbox.queue.delivery_spans import DeliverySpans, NoSpans
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, Ref
@@ -98,7 +98,7 @@ class Message:
         #: 1 on the first delivery; redeliveries count up (max_deliveries ends the round).
         self.deliveries: int = delivery.deliveries
         #: With tracing on, this delivery's OpenTelemetry span (ended when the message is settled); else None.
-        self.span: Any = consumer._spans.get(delivery.ref)
+        self.span: Any = consumer.spans.get(delivery.ref)
 
     @property
     def text(self) -> str:
@@ -144,9 +144,8 @@ class QueueConsumer:
         self._instruments = instruments or QueueInstruments()
         self._consumer_factory, self._producer_factory, self._clock = consumer_factory, producer_factory, clock
         self._create_topics = create_topics
-        self._tracer = tracer
-        #: Tracing on: each held delivery's span, by ref (the state machine knows nothing of them).
-        self._spans: dict[Ref, Any] = {}
+        #: Tracing on: each held delivery's span (delivery_spans.py).
+        self.spans: DeliverySpans | NoSpans = DeliverySpans(tracer) if tracer is not None else NoSpans()
         self._key = queue.encode()
         self._state = ConsumerState(self.queue, self.limits, clock())
         # One lock over the state; markers are sent under it, so a keep-alive never follows its
@@ -272,13 +271,13 @@ class QueueConsumer:
         with self._lock:
             for delivery, marker in self._state.release_buffered():
                 self._send_marker(delivery, marker)
-                self._finish_span(delivery, "released")
+                self.spans.finish(delivery, "released")
 
     def drop_held(self) -> None:
         with self._lock:
             left = self._state.drop_held()
             for delivery in left:
-                self._finish_span(delivery, "unsettled")
+                self.spans.finish(delivery, "unsettled")
         if left:
             log.warning("Closing with %d message(s) of queue %s unacknowledged: they are redelivered after the "
                         "redelivery timeout", len(left), self.queue)
@@ -325,8 +324,8 @@ class QueueConsumer:
             self._room.set()
             if marker is not None:
                 self._send_marker(delivery, marker)
-            if self._spans:
-                self._finish_span(delivery, "acked" if kind is Kind.END else "retried" if kind is Kind.KEEPALIVE
+            if self.spans:
+                self.spans.finish(delivery, "acked" if kind is Kind.END else "retried" if kind is Kind.KEEPALIVE
                                   else "abandoned", delay if kind is Kind.KEEPALIVE else None)
         if kind is Kind.END:
             self._instruments.acked(self.queue, self._clock() - delivery.received_at)
@@ -432,13 +431,10 @@ class QueueConsumer:
             return report
 
         producer = self._starts
-        tracer = self._tracer
         try:
             producer.begin_transaction()
             for delivery in batch.deliveries:
-                marker = self._state.start_marker(delivery)
-                if tracer is not None:
-                    marker = self._traced_start(delivery, marker)
+                marker = self.spans.start(delivery, self._state.start_marker(delivery))
                 value, headers = markers.encode(marker)
                 producer.produce(self.config.markers_topic, key=self._key, value=value, headers=headers,
                                  on_delivery=delivered(delivery.ref))
@@ -447,8 +443,7 @@ class QueueConsumer:
                 self._consumer.consumer_group_metadata(), KAFKA_START_TIMEOUT)
             self._commit_transaction()
         except KafkaException as error:
-            for delivery in batch.deliveries:  # not started: their spans are dropped unfinished
-                self._spans.pop(delivery.ref, None)
+            self.spans.drop(batch.deliveries)  # not started: their spans are dropped unfinished
             self._abort(error)
             self._seek_back(batch.rewind)  # read the batch again: nothing of it was started
             return Wait(ERROR_BACKOFF)
@@ -457,26 +452,6 @@ class QueueConsumer:
             self._state.batch_started(batch, partitions, self._clock())
             self._buffered.notify_all()
         return Wait()
-
-    # -- tracing (outbox/tracing/consume.py) -------------------------------------------------------
-
-    def _traced_start(self, delivery: Delivery, marker: Marker) -> Marker:
-        """Start the delivery's span; its Start marker carries the span's traceparent after the earlier
-        deliveries' (mq-trace-links), so a redelivery's span links to them all."""
-        earlier = markers.trace_links(delivery.raw_headers)
-        span = self._tracer.started(delivery.ref, delivery.id, delivery.deliveries, delivery.raw_headers, earlier)
-        self._spans[delivery.ref] = span
-        own = self._tracer.traceparent(span)
-        if not own:
-            return marker
-        headers = [(k, v) for k, v in marker.headers if k != markers.TRACE_LINKS_HEADER]
-        headers.append((markers.TRACE_LINKS_HEADER, ",".join([*earlier, own][-markers.MAX_TRACE_LINKS:]).encode()))
-        return dataclasses.replace(marker, headers=tuple(headers))
-
-    def _finish_span(self, delivery: Delivery, outcome: str, delay: float | None = None) -> None:
-        span = self._spans.pop(delivery.ref, None)
-        if span is not None:
-            self._tracer.finished(span, outcome, delay)
 
     def _commit_transaction(self) -> None:
         for attempt in range(3):

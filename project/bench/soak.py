@@ -162,14 +162,23 @@ def verdict(minutes: list[Minute], rate: float, rss_start: float) -> Verdict:
     return Verdict(not reasons, reasons)
 
 
+#: A plain table is its own leaf; a partitioned one's leaves are its partitions (pg_partition_tree lists
+#: nothing for a table that is not partitioned).
+TABLE_FIGURES = """
+WITH leaves AS (
+    SELECT relid FROM pg_partition_tree(to_regclass(%(table)s)) WHERE isleaf
+    UNION ALL
+    SELECT to_regclass(%(table)s) WHERE NOT EXISTS (
+        SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass(%(table)s)))
+SELECT coalesce(sum(s.n_live_tup), 0), coalesce(sum(s.n_dead_tup), 0), coalesce(sum(pg_total_relation_size(s.relid)), 0)
+FROM leaves JOIN pg_stat_user_tables s ON s.relid = leaves.relid
+"""
+
+
 def table_figures(conn: psycopg.Connection, table: str) -> tuple[int, float, float, int]:
     """(live rows estimate, oldest row's age in seconds, table plus indexes in MiB, dead rows), summed over
     the partitions of a partitioned outbox (its parent holds no rows of its own)."""
-    row = conn.execute(
-        "SELECT coalesce(sum(s.n_live_tup), 0), coalesce(sum(s.n_dead_tup), 0), "
-        "       coalesce(sum(pg_total_relation_size(t.relid)), 0) "
-        "FROM pg_partition_tree(to_regclass(%s)) t JOIN pg_stat_user_tables s ON s.relid = t.relid "
-        "WHERE t.isleaf", [table]).fetchone()
+    row = conn.execute(TABLE_FIGURES, {"table": table}).fetchone()
     oldest = conn.execute(f'SELECT extract(epoch FROM now() - create_time) FROM "{table}" ORDER BY id LIMIT 1'
                           ).fetchone()
     live, dead, size = row if row else (0, 0, 0)

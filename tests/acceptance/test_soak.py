@@ -31,6 +31,8 @@ def test_a_short_soak_with_an_old_transaction_says_every_minute_and_loses_nothin
     for figure in ("records/s", "p50", "p99", "backlog", "table", "dead", "harvester", "mark", "purge", "Postgres",
                    "[old transaction open]"):
         assert figure in minute, figure
+    size = re.search(r"table\s+([\d.]+) MiB", minute)
+    assert size and float(size.group(1)) > 0, f"the outbox's size is measured: {minute}"
     for when in ("start", "end"):  # the tables with a retention of their own are measured too
         other = next(line for line in lines if line.strip().startswith(f"other tables at the {when}:"))
         assert "outbox_dead_letter" in other and "outbox_harvester_history" in other, other
