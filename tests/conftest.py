@@ -122,13 +122,22 @@ def new_topic(bootstrap_servers: str) -> Callable[..., str]:
 
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
 
-    def create(prefix: str = "test", partitions: int = 4) -> str:
+    def create(prefix: str = "test", partitions: int = 4, config: dict[str, str] | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+        futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1,
+                                                config=config or {})])
         futures[name].result(timeout=30)
         return name
 
     return create
+
+
+@pytest.fixture
+def small_topic(new_topic: Callable[..., str]) -> str:
+    """A one-partition topic whose broker refuses batches over SMALL_TOPIC_BYTES (max.message.bytes)."""
+    from tests.support.harness import SMALL_TOPIC_BYTES
+
+    return new_topic("poison", partitions=1, config={"max.message.bytes": str(SMALL_TOPIC_BYTES)})
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import uuid
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient, NewTopic
 from django.db import transaction
 
 from outbox import stash_many
@@ -16,20 +15,11 @@ from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
 from outbox.models import DeadLetter
-from tests.support.harness import assert_complete_and_ordered, outbox_count, read_topic, wait_until
+from tests.support.harness import SMALL_TOPIC_BYTES, assert_complete_and_ordered, outbox_count, read_topic, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
-LIMIT_BYTES = 4096
 
-
-@pytest.fixture
-def small_topic(bootstrap_servers):
-    """A one-partition topic whose broker refuses batches over 4 KiB (max.message.bytes)."""
-    name = f"poison-{uuid.uuid4().hex[:10]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
-    admin.create_topics([NewTopic(name, 1, 1, config={"max.message.bytes": str(LIMIT_BYTES)})])[name].result(30)
-    return name
 
 
 def stash_with_poison(topic: str) -> tuple[int, list[int], list[int]]:
@@ -38,7 +28,7 @@ def stash_with_poison(topic: str) -> tuple[int, list[int], list[int]]:
     for i in range(60):
         records.append({"topic": topic, "key": f"k{i % 10}", "value": f"v{i}" * 20})
         if i == 5:
-            records.append({"topic": topic, "key": "bad", "value": "x" * (2 * LIMIT_BYTES)})
+            records.append({"topic": topic, "key": "bad", "value": "x" * (2 * SMALL_TOPIC_BYTES)})
         if i in (20, 40):
             records.append({"topic": topic, "key": "bad", "value": f"after-{i}"})
     with transaction.atomic():

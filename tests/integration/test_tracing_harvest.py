@@ -13,7 +13,6 @@ import pytest
 from cloudevents.core.bindings.kafka import KafkaMessage, from_binary
 from cloudevents.core.formats.json import JSONFormat
 from confluent_kafka import Consumer, KafkaError, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 from django.db import transaction
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
@@ -24,21 +23,12 @@ from outbox.harvest.harvester import Harvester
 from outbox.models import OutboxRecord
 from outbox.tracing.publish import OtelPublishTracer
 from tests.support import tracing
-from tests.support.harness import outbox_count, wait_until
+from tests.support.harness import SMALL_TOPIC_BYTES, outbox_count, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
-LIMIT_BYTES = 4096
 
-
-@pytest.fixture
-def small_topic(bootstrap_servers):
-    """A one-partition topic whose broker refuses batches over 4 KiB (max.message.bytes)."""
-    name = f"poison-{uuid.uuid4().hex[:10]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
-    admin.create_topics([NewTopic(name, 1, 1, config={"max.message.bytes": str(LIMIT_BYTES)})])[name].result(30)
-    return name
 
 
 @pytest.fixture
@@ -145,7 +135,7 @@ def test_a_failed_delivery_a_hold_and_a_park_are_recorded(database_url, bootstra
     topic = small_topic
     with trace.get_tracer("test").start_as_current_span("place order") as request, transaction.atomic():
         [good, bad] = stash_many([{"topic": topic, "key": "good", "value": "fine"},
-                                  {"topic": topic, "key": "bad", "value": "x" * (2 * LIMIT_BYTES)}])
+                                  {"topic": topic, "key": "bad", "value": "x" * (2 * SMALL_TOPIC_BYTES)}])
     started = harvester(database_url, bootstrap_servers, park_after=1)
     try:
         wait_until(lambda: outbox_count(database_url) == 0, 60, "the good record published, the bad one parked")

@@ -243,13 +243,11 @@ def run(seed: int, options: QueueOptions | None = None, *, trace: bool = False) 
     return Result(seed, True, None, text, world.trace)
 
 
-
 def run_quietly(seed: int) -> tuple[int, str | None, str]:
     """run(), for a pool of processes: (seed, violation or None, summary)."""
     replay.quiet()
     result = run(seed)
     return seed, result.violation, result.summary
-
 
 
 def main(argv: list[str]) -> int:

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 QUIET = logging.getLogger("tests.integration.librdkafka")
 QUIET.addHandler(logging.NullHandler())
 QUIET.propagate = False
+#: The small_topic fixture's max.message.bytes (tests/conftest.py): a record twice this is refused.
+SMALL_TOPIC_BYTES = 4096
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
