@@ -47,7 +47,8 @@ class ReleaseFence:
 class Mark:
     """Read up to `limit` rows with id > after, and the visible rows of the `gaps` (id ranges, lowest
     first), for the term of `leader_id`; answer on_marked() (with the outbox's writers seen just
-    before) or on_mark_failed(). Marking writes nothing: the term keeps what it has read in memory.
+    before, read only when there are gaps) or on_mark_failed(). Marking writes nothing: the term
+    keeps what it has read in memory.
     """
 
     leader_id: uuid.UUID

@@ -252,9 +252,9 @@ class Core:
         self.marking.notified()
         self.poison.notified()
 
-    def on_marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str] = frozenset()) -> None:
+    def on_marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str] | None = frozenset()) -> None:
         """The rows a Mark read, sorted by id, and the transactions writing to the outbox just before
-        (their virtual transaction ids)."""
+        (their virtual transaction ids; None: not read, as a mark without gaps does not)."""
         taken = self.marking.marked(mark, records, writers)
         for record in taken or ():
             self.lanes.take(record)
@@ -338,4 +338,5 @@ class Core:
             self.poison.check()
             lanes.dispatch()
             self.marking.mark()
-        lanes.flush_settling(fenced=phase in (Phase.ACTIVE, Phase.DRAINING))
+        lanes.flush_settling(fenced=phase in (Phase.ACTIVE, Phase.DRAINING),
+                             active=phase is Phase.ACTIVE and not self.leadership.force_remark)

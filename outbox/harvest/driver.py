@@ -354,7 +354,7 @@ class Driver:
     def _mark(self, command: cmd.Mark) -> None:
         instruments = self._instruments
 
-        def mark(store: Store) -> tuple[list[Record], frozenset[str]]:
+        def mark(store: Store) -> tuple[list[Record], frozenset[str] | None]:
             began = time.perf_counter()
             records, writers = store.mark(command.limit, command.after, command.gaps)
             instruments.marked(time.perf_counter() - began, len(records))

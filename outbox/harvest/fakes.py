@@ -260,7 +260,7 @@ class FakeStore(MemoryStore):
             self.fence_taken = False
 
     def mark(self, limit: int, after: int,
-             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str] | None]:
         with self.lock:
             if self.fail_marks:
                 self.fail_marks -= 1

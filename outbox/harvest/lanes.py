@@ -113,6 +113,12 @@ class Lanes:
         self._purging: list[Entry] | None = None
         self._purge_retry_at = now
         self._next_purge_at = now  # purges are coalesced: one at most every purge_interval
+        self._to_purge_since = now  # when the oldest of _to_purge was queued (purge_delay counts from it)
+        #: The last dispatch left something waiting for a record to settle (a key's slots, the throttle,
+        #: a solo record): purges then go every purge_interval, not after purge_delay.
+        self.settle_wanted = True
+        #: Keys with records queued behind their full slots: they wait for a purge.
+        self._blocked: set[str] = set()
         self._to_reset: list[Entry] = []
         self._resetting: list[Entry] | None = None
         self._reset_retry_at = now
@@ -142,7 +148,7 @@ class Lanes:
         if active and self.ready and self._paused_until > self.core.now:
             deadline = min(deadline, self._paused_until)
         if self._to_purge and self._purging is None:
-            deadline = min(deadline, max(self._purge_retry_at, self._next_purge_at))
+            deadline = min(deadline, self._purge_due(active))
         if self._to_reset and self._resetting is None:
             deadline = min(deadline, self._reset_retry_at)
         if self._sent and not self.aborted:
@@ -268,6 +274,7 @@ class Lanes:
             if not lane.unsettled:
                 del self.lanes[lane.key]
         self.ready.clear()
+        self._blocked.clear()
         self.queued = 0
         if self.solo is not None and self.solo.state is not EntryState.SENT:
             self.solo = None
@@ -289,6 +296,10 @@ class Lanes:
 
     def dispatch(self) -> None:
         """Send ready records while the throttle and each key's slots allow."""
+        self.settle_wanted = True  # until this dispatch finds nothing waiting on a settle
+        if self._blocked:  # keys freed meanwhile (settled, held, abandoned) no longer wait
+            self._blocked = {key for key in self._blocked if (lane := self.lanes.get(key)) is not None
+                             and lane.queued and self.slots(lane) <= 0}
         if self.core.leadership.force_remark or self.aborted or self.core.now < self._paused_until:
             return
         if self.solo is not None:
@@ -302,6 +313,8 @@ class Lanes:
             lane.ready = False
             if not lane.queued or self.slots(lane) <= 0 or self.lanes.get(lane.key) is not lane \
                     or (lane.waiting and not lane.retrying):
+                if lane.queued and self.slots(lane) <= 0:
+                    self._blocked.add(lane.key)  # ready again once one of its records settles
                 continue
             entry = lane.queued[0]
             if entry.rehold:
@@ -319,10 +332,14 @@ class Lanes:
             if lane.queued and self.slots(lane) > 0:
                 lane.ready = True
                 ready.append(lane)
+            elif lane.queued:
+                self._blocked.add(lane.key)
         if batch:
             self.core.command(cmd.Send(tuple(batch)))
         if self.solo is not None and not batch:
             self._send_solo()
+        # Lanes left ready: the throttle is full; a solo record waits for everything in flight to settle.
+        self.settle_wanted = bool(self._blocked) or bool(ready) or self.solo is not None
 
     def _send_solo(self) -> None:
         entry = self.solo
@@ -367,6 +384,8 @@ class Lanes:
         while index < len(unsettled) and unsettled[index].state is EntryState.ACKED:
             entry = unsettled[index]
             entry.purging = True
+            if not self._to_purge:
+                self._to_purge_since = self.core.now
             self._to_purge.append(entry)
             index += 1
         lane.purge_queued = index
@@ -415,6 +434,7 @@ class Lanes:
             lane.purge_queued -= 1
         if unsettled:
             self._purge_prefix(lane)
+        self._blocked.discard(lane.key)
         if lane.queued:
             self.make_ready(lane)
         elif not lane.unsettled and lane.held is None:
@@ -429,10 +449,21 @@ class Lanes:
         if not unsettled:
             self.busy.pop(lane.key, None)
 
-    def flush_settling(self, fenced: bool) -> None:
-        """Purge and reset what is due; `fenced`: each also checks that the fence is still held."""
+    def _purge_due(self, active: bool) -> float:
+        """When the records to purge go. At a steady rate nothing waits on most acknowledged records
+        (a key's next record goes out before its last is purged, up to max_in_flight_per_key): while
+        the term is active and nothing waits, they are purged together after purge_delay, which costs
+        the database one statement for many records instead of one for each wake."""
+        due = max(self._purge_retry_at, self._next_purge_at)
+        if active and not self.settle_wanted and len(self._to_purge) < self.limits.mark_query_records:
+            due = max(due, self._to_purge_since + self.limits.purge_delay)
+        return due
+
+    def flush_settling(self, fenced: bool, active: bool = False) -> None:
+        """Purge and reset what is due; `fenced`: each also checks that the fence is still held;
+        `active`: the term is active (not draining, revoked or stopping), so purges may wait (_purge_due)."""
         now = self.core.now
-        if self._to_purge and self._purging is None and now >= self._purge_retry_at and now >= self._next_purge_at:
+        if self._to_purge and self._purging is None and now >= self._purge_due(active):
             self._next_purge_at = now + self.limits.purge_interval
             self._purging, self._to_purge = self._to_purge, []
             self.core.command(cmd.Purge(tuple(e.record.id for e in self._purging), fenced))
@@ -452,6 +483,7 @@ class Lanes:
         log.warning("Purge of %d record(s) failed, retrying in %.1fs: %s", len(self._purging or ()),
                     self.limits.io_error_backoff, error)
         self._to_purge[:0] = self._purging or []
+        self._to_purge_since = self.core.now - self.limits.purge_delay  # retried at _purge_retry_at
         self._purging = None
         self._purge_retry_at = self.core.now + self.limits.io_error_backoff
 

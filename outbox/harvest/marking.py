@@ -97,8 +97,9 @@ class Marking:
                                 gaps=gaps)
         core.command(self.pending)
 
-    def marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str]) -> list[Record] | None:
-        """A mark's answer: the rows it read (sorted by id) and the outbox's writers seen just before.
+    def marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str] | None) -> list[Record] | None:
+        """A mark's answer: the rows it read (sorted by id) and the outbox's writers seen just before
+        (None: not read, which the store does only for a mark without gaps: then no gap is watched or forgotten).
         Returns the rows the term takes, in id order; None if the mark belongs to a term that is over."""
         core = self.core
         if mark is self.pending:
@@ -145,22 +146,24 @@ class Marking:
             previous = max(previous, record.id)
 
     def _resolve(self, looked: tuple[tuple[int, int], ...], found: list[Record], upto: int,
-                 writers: frozenset[str]) -> None:
+                 writers: frozenset[str] | None) -> None:
         """Gaps after a lookup of `looked` (up to id `upto`) that found `found`: ids found leave the
         gaps; a gap whose writers have all ended since it was watched, looked up now and not found, is
-        forgotten; a gap not watched yet is watched with the writers seen now."""
+        forgotten; a gap not watched yet is watched with the writers seen now. Without the writers (None)
+        nothing is watched or forgotten: only found ids leave the gaps."""
         present = {record.id for record in found}
         looked_ids = {(lo, hi) for lo, hi in looked}
         kept: list[Gap] = []
         for gap in self.gaps:
             was_looked = (gap.lo, gap.hi) in looked_ids and gap.lo <= upto
-            if was_looked and gap.watch is not None and gap.watched_at < self._marks and not (gap.watch & writers):
+            if was_looked and writers is not None and gap.watch is not None and gap.watched_at < self._marks \
+                    and not (gap.watch & writers):
                 # Its writers have all ended, and this lookup came after: what is not here never will be.
                 covered_hi = min(gap.hi, upto)
                 if covered_hi < gap.hi:
                     kept.append(Gap(covered_hi + 1, gap.hi, gap.watch, gap.watched_at))
                 continue
-            if gap.watch is None:
+            if gap.watch is None and writers is not None:
                 gap.watch, gap.watched_at = writers, self._marks
             if was_looked and present:
                 kept.extend(_split(gap, present, min(gap.hi, upto)))

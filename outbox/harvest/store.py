@@ -258,19 +258,23 @@ class PostgresStore:
         self.fence_pid = 0
 
     def mark(self, limit: int, after: int,
-             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str] | None]:
         """Read the rows a term takes next (contract.MARK, and GAPS when there are gaps), sorted by id,
-        and the outbox's writers seen just before (contract.WRITERS), in one round trip. Needs the fence."""
+        and the outbox's writers seen just before (contract.WRITERS), in one round trip. Needs the fence.
+
+        The writers are read only with gaps to look up (None otherwise): they only ever watch or forget
+        gaps the mark looks up (marking.py), and a pg_locks read costs the server a scan of its lock
+        table, on every wake of a steady writer."""
         try:
             conn = self._fence_connection()
             if not self._fence_held:
                 raise psycopg.OperationalError("the database fence was lost with its session")
             with conn.pipeline():
-                writers = conn.execute(contract.WRITERS, {"table_oid": self.table_oid}, prepare=True)
+                writers = conn.execute(contract.WRITERS, {"table_oid": self.table_oid}, prepare=True) if gaps else None
                 cursor = conn.execute(self._mark_sql, {"limit": limit, "after": after}, prepare=True)
                 found = conn.execute(self._gaps_sql, {"los": [lo for lo, _ in gaps], "his": [hi for _, hi in gaps],
                                                       "limit": limit}, prepare=True) if gaps else None
-            running = frozenset(row[0] for row in writers.fetchall())
+            running = frozenset(row[0] for row in writers.fetchall()) if writers is not None else None
             rows = cursor.fetchall()
             if found is not None:
                 rows.extend(found.fetchall())

@@ -61,6 +61,7 @@ def limits_for(world: SimWorld, per_key: int) -> Limits:
         io_error_backoff=0.05, min_poll_interval=0.1, heartbeat_timeout=1.0, queue_timeout=5.0,
         mark_backoff=0.02, idle_poll_interval=0.5, max_in_flight_records=throttle,
         purge_interval=(0.0, 0.005, 0.05)[throttle % 3],  # from a draw already made: the seeds stay as they were
+        purge_delay=(0.0, 0.03, 0.3)[(throttle // 3) % 3],  # likewise
         max_in_flight_per_key=per_key, mark_query_records=world.rng.randint(3, 40),
         held_check_interval=0.5, held_retry_after=3.0, fence_retry_interval=1.0,
         min_metrics_interval=5.0, status_interval=0.0, topic_limits_interval=2.0,

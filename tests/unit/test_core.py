@@ -80,7 +80,7 @@ class Driver:
         assert self.of(cmd.Mark), "a new term marks at once"
         return fence.leader_id
 
-    def marked(self, records: list[Record], writers: frozenset[str] = NO_WRITERS) -> list[cmd.Command]:
+    def marked(self, records: list[Record], writers: frozenset[str] | None = NO_WRITERS) -> list[cmd.Command]:
         self.core.on_marked(self.one(cmd.Mark), records, writers)
         return self.take()
 
@@ -123,6 +123,67 @@ def test_one_record_per_key_in_flight_and_the_slot_frees_only_when_the_purge_com
     d.deliver(1)
     assert d.sent() == [] and d.one(cmd.Purge).ids == (1,), "acknowledged: purge, nothing more sent"
     assert d.purged() and d.sent() == [2], "the purge committed: the key's next record goes"
+
+
+def test_acknowledged_records_nothing_waits_on_are_purged_together_after_purge_delay():
+    d = Driver(max_in_flight_per_key=4, purge_delay=0.1)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid), rec(3, "c", lid)])
+    assert d.sent() == [1, 2, 3]
+    d.deliver(1)
+    assert d.of(cmd.Purge) == [], "nothing waits on key a's slot: its purge waits for more"
+    assert d.core.lanes.deadline(100.0, True) == pytest.approx(0.1), "...for purge_delay after the first ack"
+    d.advance(0.05)
+    d.deliver(2, 3)
+    assert d.of(cmd.Purge) == []
+    d.advance(0.04)
+    assert d.of(cmd.Purge) == []
+    d.advance(0.011)
+    assert d.one(cmd.Purge).ids == (1, 2, 3), "one statement for the three"
+
+
+def test_a_purge_goes_at_once_when_a_record_waits_for_its_keys_slot():
+    d = Driver(max_in_flight_per_key=1, purge_delay=10.0)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid)])
+    d.deliver(2)
+    assert d.of(cmd.Purge) == [], "key b has nothing behind it"
+    d.mark_again()
+    d.marked([rec(3, "a", lid)])
+    assert d.one(cmd.Purge).ids == (2,), "3 waits for key a's slot: settling goes at once"
+    d.purged()
+    d.advance(0.01)
+    d.deliver(1)
+    assert d.one(cmd.Purge).ids == (1,)
+    assert d.purged() and d.sent() == [3]
+
+
+def test_a_purge_goes_at_once_when_the_throttle_is_full_or_the_term_ends():
+    d = Driver(max_in_flight_records=2, max_in_flight_per_key=4, purge_delay=10.0)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid), rec(3, "c", lid)])
+    assert d.sent() == [1, 2]
+    d.deliver(1)
+    assert d.one(cmd.Purge).ids == (1,), "3 waits for the throttle"
+    d.purged()
+    assert d.sent() == [3]
+    d.deliver(2)
+    assert d.of(cmd.Purge) == []
+    d.advance(0.01)
+    assert d.of(cmd.Purge) == [], "3 went: nothing waits"
+    d.core.stop()
+    d.take()
+    assert d.one(cmd.Purge).ids == (2,), "stopping: settle what is in flight at once"
+
+
+def test_a_purge_goes_at_once_when_a_marks_worth_is_acknowledged():
+    d = Driver(mark_query_records=3, max_in_flight_per_key=4, purge_delay=10.0)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid), rec(3, "c", lid)])
+    d.deliver(1, 2)
+    assert d.of(cmd.Purge) == []
+    d.deliver(3)
+    assert d.one(cmd.Purge).ids == (1, 2, 3)
 
 
 def test_the_throttle_caps_records_in_flight():
@@ -425,6 +486,22 @@ def test_a_full_mark_reads_on_at_once_from_the_highest_id_read():
     assert d.one(cmd.Mark).after == 2, "full: the next rows at once, above the highest id read"
     d.marked([rec(3, "c", lid), rec(4, "d", lid)])
     assert d.one(cmd.Mark).after == 4
+
+
+def test_a_mark_without_gaps_needs_no_writers_and_writers_not_read_forget_no_gap():
+    d = Driver(mark_query_records=10)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid)], writers=None)  # no gaps: the store reads no writers
+    mark = d.mark_again()
+    assert mark.gaps == ()
+    d.marked([rec(3, "b", lid)], writers=None)
+    assert d.mark_again().gaps == ((2, 2),)
+    d.marked([], writers=None)  # (a store would read them here; a missing answer must not forget 2)
+    assert d.mark_again().gaps == ((2, 2),), "not watched without writers"
+    d.marked([], writers=frozenset({"5/2"}))
+    d.mark_again()
+    d.marked([], writers=NO_WRITERS)
+    assert d.mark_again().gaps == (), "watched, then its writers ended: forgotten"
 
 
 def test_rows_found_in_gaps_come_before_newer_rows_and_fill_the_mark_first():

@@ -203,15 +203,16 @@ class MemoryTable:
     # -- the engine's statements ----------------------------------------------------------------
 
     def mark(self, session: Session, limit: int, after: int,
-             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
-        """contract.WRITERS, MARK and GAPS in one round trip: the writers first, then the rows."""
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str] | None]:
+        """contract.WRITERS, MARK and GAPS in one round trip: the writers first, then the rows. As the
+        store does, the writers are read only with gaps to look up (None otherwise)."""
         if not session.believes_fence:
             raise StatementFailed("the database fence was lost with its session")
 
-        def apply() -> tuple[list[Record], frozenset[str]]:
+        def apply() -> tuple[list[Record], frozenset[str] | None]:
             if self.db_fence and self.fence_holder is not session:
                 raise Violation(f"{session.owner} marked without holding the table's fence")
-            writers = frozenset(self.writers)
+            writers = frozenset(self.writers) if gaps else None
             visible = sorted((r for r in self.rows.values() if r.committed), key=lambda r: r.id)
             above = [r for r in visible if r.id > after][:limit]
             within = [r for r in visible if any(lo <= r.id <= hi for lo, hi in gaps)][:limit] if gaps else []
@@ -334,7 +335,7 @@ class MemoryStore:
         self._run(True, self.table.release_fence)
 
     def mark(self, limit: int, after: int,
-             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str]]:
+             gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str] | None]:
         return self._run(True, lambda s: self.table.mark(s, limit, after, gaps))  # type: ignore[return-value]
 
     def check_held(self, ids: Sequence[int]) -> dict[int, Record]:
