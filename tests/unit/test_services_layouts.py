@@ -123,6 +123,10 @@ def test_wheel_postgres_runs_on_its_own_port_unless_told(services, monkeypatch):
     (["--secure"], ["kafka-secure"]),
     (["--brokers", "3", "--kafka-only"], ["kafka-3"]),
     (["--postgres-only"], ["Postgres"]),
+    (["--kafka-only"], ["Kafka"]),
+    (["--postgres", "18"], ["WheelPostgres"]),
+    (["--postgres", "18", "--brokers", "3"], ["kafka-3", "WheelPostgres"]),
+    ([], ["kafka-3", "kafka-secure", "kafka-3-secure", "Kafka", "Postgres", "DockerEngine"]),
 ])
 def test_down_stops_just_the_layout_it_names(services, monkeypatch, flags, stopped):
     """`down --brokers 3` (the cluster tests' fixtures run it at the end of a session) stopped the default
@@ -132,5 +136,7 @@ def test_down_stops_just_the_layout_it_names(services, monkeypatch, flags, stopp
     monkeypatch.setattr(services.Kafka, "down", lambda self: downs.append("Kafka"))
     monkeypatch.setattr(services.KafkaCluster, "down", lambda self: downs.append(self.name))
     monkeypatch.setattr(services.DockerEngine, "down", lambda self: downs.append("DockerEngine"))
+    monkeypatch.setattr(services.WheelPostgres, "down", lambda self: downs.append("WheelPostgres"))
+    monkeypatch.setattr(services, "wheel_postgres_clusters", lambda: [])
     assert services.main(["down", *flags]) == 0
     assert downs == stopped
