@@ -174,9 +174,10 @@ def test_a_killed_consumers_messages_are_handled_by_another(share_settings, data
           f"SIGKILL (lock {LOCK:g} s, survivor's start included)")
 
 
-def test_a_bad_backend_setting_is_refused_with_the_field_named(settings, share_settings):
-    settings.OUTBOX = {**settings.OUTBOX, "queues": {**settings.OUTBOX["queues"],
-                                                     "per_queue": {"alpha": {"backend": "kip932"}}}}
+def test_a_bad_backend_setting_is_refused_with_the_field_named(settings):
+    """Any broker: the setting is refused before Kafka is asked anything."""
+    settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix(),
+                                                                   per_queue={"alpha": {"backend": "kip932"}})}
     errors = check_settings()
     assert [(e.id, e.msg.split(":")[0]) for e in errors] == [
         ("outbox_queue.E007", "OUTBOX['queues'] per_queue['alpha'].backend")]
