@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from outbox.harvest.kafka import KafkaUnavailable, admin_config
 from outbox.queue.config import QueueConfig, QueueLimits
-from outbox.queue.share_state import group_settings
+from outbox.queue.share_state import FAILURE_DETECTION, group_settings
 from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
@@ -59,17 +59,29 @@ def ensure_share_topic(config: QueueConfig, queue: str, timeout: float, admin: A
 
 
 def configure_group(config: QueueConfig, queue: str, limits: QueueLimits, timeout: float, admin: Any = None) -> None:
-    """Set the share group's start offset and lock duration (before anyone joins it; harmless after)."""
+    """Set the share group's start offset and lock duration (before anyone joins it; harmless after), then,
+    where the broker allows them, the shorter session timeout and heartbeat that notice a dead consumer sooner."""
     admin = admin or AdminClient(admin_config(config.base_kafka_config))
     group = config.share_group(queue)
-    entries = [ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
-               for name, value in group_settings(limits).items()]
-    resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
     try:
-        admin.incremental_alter_configs([resource], request_timeout=timeout)[resource].result()
+        _alter(admin, group, group_settings(limits), timeout)
     except KafkaException as error:
         reason = kafka_reason(error)
         if "share" in reason.lower() and ("unknown" in reason.lower() or "unsupported" in reason.lower()):
             raise ShareGroupsUnavailable(f"share group {group!r}: this Kafka has no share groups ({reason}); "
                                          f"the share backend needs Apache Kafka 4.2 or later") from None
         raise KafkaUnavailable(f"cannot configure share group {group!r}: {reason}") from None
+    try:
+        _alter(admin, group, FAILURE_DETECTION, timeout)
+    except KafkaException as error:
+        log.warning("Share group %s keeps the broker's session timeout (%s): a dead consumer's messages wait that "
+                    "long for another; lower group.share.min.session.timeout.ms and "
+                    "group.share.min.heartbeat.interval.ms on the brokers (docs/queue-backends.md)", group,
+                    kafka_reason(error))
+
+
+def _alter(admin: Any, group: str, settings: dict[str, str], timeout: float) -> None:
+    entries = [ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+               for name, value in settings.items()]
+    resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
+    admin.incremental_alter_configs([resource], request_timeout=timeout)[resource].result()
