@@ -145,6 +145,7 @@ def requeue(letter: Any) -> None:
     """Send a dead letter (outbox.queue.models.DeadLetter) back to its queue: same id and key, deliveries from 1."""
     config = app_settings.queue_config()
     headers = [(str(name), str(value).encode()) for name, value in letter.headers]
+    _ensure_share_topic(config, letter.queue)  # to the queue's backend now, whichever wrote the letter
     try:
         _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],
                                key=bytes(letter.key) if letter.key else None, ids=[letter.message_id])

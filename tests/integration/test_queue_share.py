@@ -22,7 +22,7 @@ from django.core.management.base import CommandError
 from outbox.queue import api, app_settings
 from outbox.queue.checks import check_settings
 from outbox.queue.errors import Retry
-from outbox.queue.models import DeadLetter
+from outbox.queue.models import DeadLetter, InboxEntry
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.share_consumer import ShareQueueConsumer
 from tests.support.harness import Process, wait_until
@@ -172,6 +172,50 @@ def test_a_killed_consumers_messages_are_handled_by_another(share_settings, data
     assert redelivered_after < LOCK + 20, "redelivered after the lock, not lost"  # a liveness bound, not a timing
     print(f"\nheld by the killed consumer: {len(held)}; all handled elsewhere {redelivered_after:.1f} s after the "
           f"SIGKILL (lock {LOCK:g} s, survivor's start included)")
+
+
+def test_the_inbox_acks_a_message_processed_before_without_running_the_handler(share_settings):
+    done_before, new = api.send("epsilon", "processed before"), api.send("epsilon", "new")
+    InboxEntry.objects.create(queue="epsilon", message_id=done_before)  # its effects committed, its ack lost
+    ran = []
+    consumer = api.consumer("epsilon")
+    runner = HandlerRunner(consumer, lambda message: ran.append(message.id), workers=2, inbox=True)
+    runner.start()
+    try:
+        wait_until(lambda: consumer.acked == 2, 60, "both messages acked")
+        assert ran == [new] and runner.skipped == 1
+        assert InboxEntry.objects.filter(queue="epsilon", message_id=new).exists()
+    finally:
+        runner.stop()
+        runner.join()
+        consumer.close()
+
+
+def test_sigterm_finishes_the_message_in_hand_and_nothing_is_lost(share_settings, database_url, bootstrap_servers,
+                                                                 tmp_path):
+    log_path = tmp_path / "events.log"
+    env = {**process_env(database_url, bootstrap_servers, share_settings, log_path, mode="sleep:1.5"),
+           "OUTBOX_QUEUE_BACKEND": "share"}
+    ids = set(api.send_many("zeta", [{"n": n} for n in range(6)]))
+    consumer = Process("stopped", "outbox_consume", ["--queue", "zeta", "--handler",
+                                                     "tests.support.queue_handlers.record", "--redelivery-timeout",
+                                                     str(LOCK), "--max-deliveries", "3"], env, tmp_path)
+    try:
+        first = wait_until(lambda: next((e for e in events(log_path) if e.event == "start"), None), 60,
+                           "the consumer to start handling a message")
+        consumer.signal(signal.SIGTERM)
+        assert consumer.wait(30) == 0, consumer.log()
+    finally:
+        consumer.kill()
+    done = {e.id for e in events(log_path) if e.event == "done"}
+    assert first.id in done, "the message in hand was finished before the process exited"
+    rest = set()
+    with api.consumer("zeta") as survivor:
+        while len(rest) < len(ids - done):
+            message = wait_until(lambda: survivor.receive(timeout=0.5), 30, "the messages the stopped one left")
+            rest.add(message.id)
+            message.ack()
+    assert rest == ids - done, "every message handled once: finished by the stopped consumer or left for another"
 
 
 def test_a_bad_backend_setting_is_refused_with_the_field_named(settings):
