@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from confluent_kafka import AcknowledgeType, KafkaError, KafkaException, ShareConsumer
+from confluent_kafka import AcknowledgeType, IllegalStateException, KafkaError, KafkaException, ShareConsumer
 
 from outbox.harvest.config import default_name
 from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
@@ -103,6 +103,7 @@ class ShareQueueConsumer:
             self._consumer = self._consumer_factory(clients.share_consumer_config(self.config, self.queue,
                                                                                   self.name, self.limits))
             self._consumer.subscribe([self.topic])
+            self._consumer.set_acknowledgement_commit_callback(self._acknowledgements_committed)
         except KafkaUnavailable as error:
             raise QueueError(str(error)) from None
         except KafkaException as error:
@@ -270,7 +271,10 @@ class ShareQueueConsumer:
             if settling.verdict.dead_letter and not written:
                 ack = Ack.RELEASE
             delivery = settling.delivery
-            self._consumer.acknowledge_offset(self.topic, delivery.ref[0], delivery.ref[1], _ACK_TYPES[ack])
+            try:
+                self._consumer.acknowledge_offset(self.topic, delivery.ref[0], delivery.ref[1], _ACK_TYPES[ack])
+            except IllegalStateException as error:  # no longer in flight: Kafka has it back, and redelivers it
+                log.warning("Could not acknowledge %s/%s (%s): Kafka redelivers it", self.queue, delivery.id, error)
             with self._lock:
                 self._state.sent(settling, dead_lettered=settling.verdict.dead_letter and written)
         if letters and written:
@@ -280,6 +284,13 @@ class ShareQueueConsumer:
         self._consumer.commit_async()
         with self._changed:
             self._changed.notify_all()
+
+    def _acknowledgements_committed(self, offsets: dict[Any, Any], error: KafkaException | None) -> None:
+        """The broker's answer to acknowledgements (on the poller's thread): a refused one is redelivered."""
+        if error is not None:
+            count = sum(len(found) for found in offsets.values())
+            log.warning("Kafka refused %d acknowledgement(s) of share queue %s (%s): those messages are redelivered",
+                        count, self.queue, kafka_reason(error))
 
     def _close_client(self) -> None:
         consumer, self._consumer = self._consumer, None

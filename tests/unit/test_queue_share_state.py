@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from confluent_kafka import AcknowledgeType
+from confluent_kafka import AcknowledgeType, IllegalStateException
 
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.consumer_state import Delivery
@@ -81,14 +81,20 @@ class FakeShareConsumer:
 
     def __init__(self, batches: list[list[Any]]) -> None:
         self.batches, self.acks, self.commits, self.closed = batches, [], 0, False
+        self.gone: set[int] = set()
 
     def subscribe(self, topics: list[str]) -> None:
         self.topics = topics
+
+    def set_acknowledgement_commit_callback(self, callback: Any) -> None:
+        self.callback = callback
 
     def poll(self, timeout: float) -> list[Any]:
         return self.batches.pop(0) if self.batches else []
 
     def acknowledge_offset(self, topic: str, partition: int, offset: int, ack_type: Any) -> None:
+        if offset in self.gone:
+            raise IllegalStateException("offset not in flight")
         self.acks.append((offset, ack_type))
 
     def commit_async(self) -> None:
@@ -162,3 +168,15 @@ def test_the_poller_waits_for_the_whole_batch_before_polling_again():
     consumer.round()
     consumer.round()
     assert fake.acks[-1] == (2, AcknowledgeType.RELEASE) and fake.batches == []
+
+
+def test_an_acknowledgement_the_client_no_longer_takes_is_logged_and_the_batch_moves_on(caplog):
+    fake = FakeShareConsumer([[FakeRecord(1, 1)], [FakeRecord(2, 1)]])
+    fake.gone.add(1)
+    consumer = poller(fake, lambda letters: None)
+    consumer.round()
+    consumer.receive(timeout=0).ack()
+    consumer.round()
+    assert "Could not acknowledge q/id1" in caplog.text and consumer.failure is None
+    consumer.round()
+    assert consumer.receive(timeout=0).id == "id2", "the next batch was polled"
