@@ -18,6 +18,7 @@ import pytest
 from confluent_kafka import KafkaException, ShareConsumer
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import transaction
 
 from outbox.queue import api, app_settings
 from outbox.queue.checks import check_settings
@@ -25,8 +26,9 @@ from outbox.queue.errors import Retry
 from outbox.queue.models import DeadLetter, InboxEntry
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.share_consumer import ShareQueueConsumer
+from project.shop.models import Order
 from tests.support.harness import Process, wait_until
-from tests.support.queue_harness import events, new_prefix, process_env, queue_settings
+from tests.support.queue_harness import events, new_prefix, process_env, queue_settings, running_harvester
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -93,6 +95,18 @@ def test_messages_sent_before_the_first_consumer_are_not_lost(share_settings):
             got.append(wait_until(lambda: consumer.receive(timeout=0.5), 30, "the messages sent before any consumer"))
             got[-1].ack()
     assert sorted(m.id for m in got) == sorted(ids)
+
+
+def test_a_stashed_message_reaches_its_share_queue_through_the_harvester(share_settings, database_url,
+                                                                          bootstrap_servers):
+    with transaction.atomic():
+        order = Order.objects.create(item="book")
+        message_id = api.stash("confirmations", {"order": order.pk}, headers={"source": "shop"})
+    with running_harvester(database_url, bootstrap_servers), api.consumer("confirmations") as consumer:
+        message = wait_until(lambda: consumer.receive(timeout=0.5), 60, "the stashed message")
+        message.ack()
+    assert message.id == message_id and message.json() == {"order": order.pk}
+    assert ("source", "shop") in message.headers and message.key.decode() == f"confirmations/{message_id}"
 
 
 def test_abandoned_and_retried_messages_come_back_with_their_delivery_counted(share_settings):
