@@ -253,6 +253,8 @@ class ShareQueueConsumer:
             self._instruments.redelivered(self.queue, redelivered)
         with self._changed:
             self._state.arrived(deliveries)
+            if self._stopping.is_set():  # close() began while this poll ran: hand the batch back at once
+                self._state.release_buffered(self._clock())
             self._changed.notify_all()
 
     def _acknowledge(self, due: list[Settling]) -> None:

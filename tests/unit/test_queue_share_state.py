@@ -180,3 +180,18 @@ def test_an_acknowledgement_the_client_no_longer_takes_is_logged_and_the_batch_m
     assert "Could not acknowledge q/id1" in caplog.text and consumer.failure is None
     consumer.round()
     assert consumer.receive(timeout=0).id == "id2", "the next batch was polled"
+
+
+def test_a_batch_polled_while_closing_is_handed_back_at_once():
+    fake = FakeShareConsumer([[FakeRecord(1, 1), FakeRecord(2, 1)]])
+    consumer = poller(fake, lambda letters: None)
+    original = fake.poll
+
+    def poll_then_close(timeout: float) -> list[Any]:
+        consumer._stopping.set()  # as close() does while the poller waits in poll()
+        return original(timeout)
+
+    fake.poll = poll_then_close
+    consumer.round()
+    consumer.round()
+    assert fake.acks == [(1, AcknowledgeType.RELEASE), (2, AcknowledgeType.RELEASE)] and consumer.in_progress == 0
