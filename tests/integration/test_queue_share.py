@@ -188,6 +188,39 @@ def test_a_killed_consumers_messages_are_handled_by_another(share_settings, data
           f"SIGKILL (lock {LOCK:g} s, survivor's start included)")
 
 
+def test_a_paused_consumers_messages_are_handled_elsewhere_and_none_is_lost(share_settings, database_url,
+                                                                            bootstrap_servers, tmp_path):
+    """SIGSTOP a consumer under load past its locks and its session; SIGCONT it: every message handled, and
+    only messages the paused one had taken are handled twice (its late acknowledgements are refused)."""
+    log_path = tmp_path / "events.log"
+    env = {**process_env(database_url, bootstrap_servers, share_settings, log_path, mode="sleep:0.2"),
+           "OUTBOX_QUEUE_BACKEND": "share"}
+    ids = set(api.send_many("eta", [{"n": n} for n in range(200)]))
+    args = ["--queue", "eta", "--handler", "tests.support.queue_handlers.record", "--redelivery-timeout", str(LOCK),
+            "--max-deliveries", "5", "--workers", "2", "--max-in-progress", "4"]
+    paused = Process("paused", "outbox_consume", args, env, tmp_path)
+    other = Process("other", "outbox_consume", args, env, tmp_path)
+    try:
+        wait_until(lambda: {e.pid for e in events(log_path) if e.event == "done"} >= {paused.pid, other.pid}, 60,
+                   "both consumers to handle messages")
+        paused.signal(signal.SIGSTOP)
+        # What it may still hold: in a handler, or handled with the ACCEPT not yet at the broker.
+        held = {e.id for e in events(log_path) if e.pid == paused.pid and e.event == "start"}
+        time.sleep(LOCK + 12)  # past its locks and the share group's 10 s session
+        paused.signal(signal.SIGCONT)
+        wait_until(lambda: ids <= {e.id for e in events(log_path) if e.event == "done"}, 180,
+                   "every message to be handled")
+    finally:
+        for process in (paused, other):
+            process.signal(signal.SIGCONT)
+            process.signal(signal.SIGTERM)
+        codes = [paused.wait(30), other.wait(30)]
+    assert codes == [0, 0], paused.log() + other.log()
+    done = collections.Counter(e.id for e in events(log_path) if e.event == "done")
+    twice = {message_id for message_id, count in done.items() if count > 1}
+    assert set(done) == ids and twice <= held, f"handled twice though not held by the paused one: {twice - held}"
+
+
 def test_the_inbox_acks_a_message_processed_before_without_running_the_handler(share_settings):
     done_before, new = api.send("epsilon", "processed before"), api.send("epsilon", "new")
     InboxEntry.objects.create(queue="epsilon", message_id=done_before)  # its effects committed, its ack lost
