@@ -1,8 +1,9 @@
 """What the admin's queue pages show, from the status rows of live consumers and trackers and the queue tables.
 
 In progress and the oldest message in progress come from the trackers (they hold the state
-rebuilt from the markers log); redeliveries from the per-queue counters; dead letters from
-their table. A process not seen for status_gone_after seconds is gone.
+rebuilt from the markers log), or for a share queue (no trackers) from its consumers' status rows;
+redeliveries from the per-queue counters; dead letters from their table. A process not seen for
+status_gone_after seconds is gone.
 """
 
 from __future__ import annotations
@@ -70,11 +71,19 @@ def queues(found: Processes | None = None) -> list[QueueSummary]:
             if started is not None:
                 when = datetime.fromtimestamp(float(started), UTC)
                 item.oldest_started = when if item.oldest_started is None else min(item.oldest_started, when)
+    config = app_settings.queue_config()
+    for item in summaries.values():
+        if config.backend(item.name) == "share":  # no trackers: what the share group's consumers hold
+            item.in_progress = sum(consumer.in_progress for consumer in item.consumers)
+            ages = [float(c.stats["oldest_in_progress_seconds"]) for c in item.consumers
+                    if c.stats.get("oldest_in_progress_seconds") is not None]
+            if ages:
+                item.oldest_started = min(c.last_seen for c in item.consumers) - timedelta(seconds=max(ages))
     for counter in QueueCounter.objects.all():
         summary(counter.queue).redelivered = counter.redelivered
     for row in DeadLetter.objects.values("queue").annotate(n=Count("id")):
         summary(row["queue"]).dead_letters = row["n"]
-    for name in app_settings.queue_config().per_queue:
+    for name in config.per_queue:
         summary(name)
     return [summaries[name] for name in sorted(summaries)]
 

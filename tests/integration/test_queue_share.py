@@ -19,11 +19,12 @@ from confluent_kafka import KafkaException, ShareConsumer
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import transaction
+from django.utils import timezone
 
-from outbox.queue import api, app_settings
+from outbox.queue import api, app_settings, overview
 from outbox.queue.checks import check_settings
 from outbox.queue.errors import Retry
-from outbox.queue.models import DeadLetter, InboxEntry
+from outbox.queue.models import DeadLetter, InboxEntry, QueueProcess
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.share_consumer import ShareQueueConsumer
 from project.shop.models import Order
@@ -263,6 +264,19 @@ def test_sigterm_finishes_the_message_in_hand_and_nothing_is_lost(share_settings
             rest.add(message.id)
             message.ack()
     assert rest == ids - done, "every message handled once: finished by the stopped consumer or left for another"
+
+
+def test_the_admin_shows_what_a_share_queues_consumers_hold(settings):
+    """Any broker: a share queue has no trackers, so its in-progress figures are its consumers' status rows."""
+    settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix(),
+                                                                   per_queue={"mail": {"backend": "share"}})}
+    now = timezone.now()
+    for name, held, oldest in (("c1", 3, 4.0), ("c2", 2, None)):
+        QueueProcess.objects.create(name=name, kind="consumer", queue="mail", host="h", pid=1, started=now,
+                                    last_seen=now, in_progress=held, stats={"oldest_in_progress_seconds": oldest})
+    summary = overview.queue("mail")
+    assert summary.in_progress == 5 and len(summary.consumers) == 2
+    assert 3.5 <= summary.oldest_age.total_seconds() <= 30
 
 
 def test_a_bad_backend_setting_is_refused_with_the_field_named(settings):
