@@ -183,7 +183,7 @@ def test_a_killed_consumers_messages_are_handled_by_another(share_settings, data
     finally:
         victim.kill()
     again = {e.id: e.delivery for e in events(log_path) if e.pid == survivor.pid and e.id in held}
-    assert held and all(delivery == 2 for delivery in again.values()), "each held message came back once, counted"
+    assert held and all(delivery >= 2 for delivery in again.values()), f"redeliveries are counted: {again}"
     assert redelivered_after < LOCK + 20, "redelivered after the lock, not lost"  # a liveness bound, not a timing
     print(f"\nheld by the killed consumer: {len(held)}; all handled elsewhere {redelivered_after:.1f} s after the "
           f"SIGKILL (lock {LOCK:g} s, survivor's start included)")
@@ -192,22 +192,28 @@ def test_a_killed_consumers_messages_are_handled_by_another(share_settings, data
 def test_a_paused_consumers_messages_are_handled_elsewhere_and_none_is_lost(share_settings, database_url,
                                                                             bootstrap_servers, tmp_path):
     """SIGSTOP a consumer under load past its locks and its session; SIGCONT it: every message handled, and
-    only messages the paused one had taken are handled twice (its late acknowledgements are refused)."""
+    a message handled twice only with the paused one among its handlers (its late acknowledgements are refused)."""
     log_path = tmp_path / "events.log"
-    env = {**process_env(database_url, bootstrap_servers, share_settings, log_path, mode="sleep:0.2"),
+    # 10 ms a message: a whole batch (librdkafka may bring a few hundred records) is handled well within the
+    # 10 s lock, so only the pause puts messages back (docs/queue-backends.md: sizing the lock).
+    env = {**process_env(database_url, bootstrap_servers, share_settings, log_path, mode="sleep:0.01"),
            "OUTBOX_QUEUE_BACKEND": "share"}
-    ids = set(api.send_many("eta", [{"n": n} for n in range(200)]))
-    args = ["--queue", "eta", "--handler", "tests.support.queue_handlers.record", "--redelivery-timeout", str(LOCK),
+    lock = 10.0
+    ids = set(api.send_many("eta", [{"n": n} for n in range(600)]))
+    args = ["--queue", "eta", "--handler", "tests.support.queue_handlers.record", "--redelivery-timeout", str(lock),
             "--max-deliveries", "5", "--workers", "2", "--max-in-progress", "4"]
     paused = Process("paused", "outbox_consume", args, env, tmp_path)
     other = Process("other", "outbox_consume", args, env, tmp_path)
     try:
-        wait_until(lambda: {e.pid for e in events(log_path) if e.event == "done"} >= {paused.pid, other.pid}, 60,
-                   "both consumers to handle messages")
+        def both_busy() -> bool:
+            handled = collections.Counter(e.pid for e in events(log_path) if e.event == "done")
+            return handled[paused.pid] >= 10 and handled[other.pid] >= 10
+
+        wait_until(both_busy, 60, "both consumers to handle ten messages")
         paused.signal(signal.SIGSTOP)
         # What it may still hold: in a handler, or handled with the ACCEPT not yet at the broker.
         held = {e.id for e in events(log_path) if e.pid == paused.pid and e.event == "start"}
-        time.sleep(LOCK + 12)  # past its locks and the share group's 10 s session
+        time.sleep(lock + 4)  # past its locks and the share group's 10 s session
         paused.signal(signal.SIGCONT)
         wait_until(lambda: ids <= {e.id for e in events(log_path) if e.event == "done"}, 180,
                    "every message to be handled")
@@ -218,8 +224,13 @@ def test_a_paused_consumers_messages_are_handled_elsewhere_and_none_is_lost(shar
         codes = [paused.wait(30), other.wait(30)]
     assert codes == [0, 0], paused.log() + other.log()
     done = collections.Counter(e.id for e in events(log_path) if e.event == "done")
+    assert set(done) == ids, "none lost"
+    # At least once: a message the paused one had taken, or had fetched and handed out after SIGCONT (the client
+    # cannot tell its lock ended meanwhile), may be handled twice; never twice by the healthy one alone.
+    by_paused = {e.id for e in events(log_path) if e.event == "done" and e.pid == paused.pid}
     twice = {message_id for message_id, count in done.items() if count > 1}
-    assert set(done) == ids and twice <= held, f"handled twice though not held by the paused one: {twice - held}"
+    assert twice <= by_paused, f"handled twice by the healthy consumer alone: {twice - by_paused}"
+    print(f"\nhandled twice after the pause: {len(twice)} of {len(ids)} (held at the pause: {len(held)})")
 
 
 def test_the_inbox_acks_a_message_processed_before_without_running_the_handler(share_settings):
