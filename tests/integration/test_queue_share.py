@@ -12,10 +12,8 @@ from __future__ import annotations
 import collections
 import signal
 import time
-import uuid
 
 import pytest
-from confluent_kafka import KafkaException, ShareConsumer
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import transaction
@@ -29,37 +27,19 @@ from outbox.queue.runner import HandlerRunner
 from outbox.queue.share_consumer import ShareQueueConsumer
 from project.shop.models import Order
 from tests.support.harness import Process, wait_until
-from tests.support.queue_harness import events, new_prefix, process_env, queue_settings, running_harvester
+from tests.support.queue_harness import (
+    events,
+    new_prefix,
+    process_env,
+    queue_settings,
+    running_harvester,
+    share_groups_missing,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 #: The share group's record lock (the queue's redelivery_timeout): short, so redeliveries come quickly.
 LOCK = 3.0
-_support: dict[str, str | None] = {}
-
-
-def share_groups_missing(bootstrap: str) -> str | None:
-    """Why the broker at `bootstrap` cannot run share groups (None: it can): a consumer that joins and polls."""
-    if bootstrap not in _support:
-        consumer = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4().hex[:8]}",
-                                  "share.acknowledgement.mode": "explicit", "error_cb": lambda error: None})
-        reason = None
-        try:
-            consumer.subscribe([f"probe-{uuid.uuid4().hex[:8]}"])
-            deadline = time.monotonic() + 3
-            while time.monotonic() < deadline:
-                consumer.poll(0.5)
-        except KafkaException as error:
-            reason = error.args[0].str() if error.args else str(error)
-        finally:
-            try:
-                consumer.close()
-            except (KafkaException, RuntimeError):
-                pass
-        _support[bootstrap] = reason
-    return _support[bootstrap]
-
-
 @pytest.fixture
 def share_settings(settings, bootstrap_servers):
     """OUTBOX["queues"] on fresh topics, every queue on the share backend; skipped without share groups."""
