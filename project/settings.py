@@ -98,7 +98,9 @@ OUTBOX = {
     # The dashboard and harvest_health say who holds the database's horizon back this long (seconds).
     "horizon_warn_after": env.float("OUTBOX_HORIZON_WARN_AFTER", default=60.0),
     # outbox.queue: the topic pair and the consumer groups all start with this prefix.
-    "queues": queue_names(env("OUTBOX_QUEUE_PREFIX", default="example-queue")),
+    # OUTBOX_QUEUE_BACKEND=share: every queue on Kafka's share groups (Kafka 4.2+; docs/queue-backends.md).
+    "queues": {**queue_names(env("OUTBOX_QUEUE_PREFIX", default="example-queue")),
+               "backend": env("OUTBOX_QUEUE_BACKEND", default="markers")},
     # OpenTelemetry trace context and spans when opentelemetry-api is installed (docs/tracing.md).
     "tracing": env.bool("OUTBOX_TRACING", default=True),
 }

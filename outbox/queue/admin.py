@@ -38,7 +38,9 @@ class QueueAdmin(console.ConsolePage, admin.ModelAdmin):
             raise PermissionDenied
         found = overview.processes()
         context = self._context(request, "Queues")
-        context.update({"queues": overview.queues(found), "processes": found,
+        summaries = overview.queues(found)
+        context.update({"queues": summaries, "processes": found,
+                        "markers_queues": not summaries or any(q.backend != "share" for q in summaries),
                         "charts": history.read(context["span"]).overview_charts(), **(extra_context or {})})
         return TemplateResponse(request, "admin/outbox_queue/queues.html", context)
 
@@ -54,6 +56,8 @@ class QueueAdmin(console.ConsolePage, admin.ModelAdmin):
             "charts": history.read(context["span"], queue=name).charts_of(name),
             "limits": config.limits_for(name),
             "config": config,
+            "share_topic": config.share_topic(name),
+            "share_group": config.share_group(name),
             "dead_letters": DeadLetter.objects.filter(queue=name).order_by("-id")[:RECENT_DEAD_LETTERS],
         })
         return TemplateResponse(request, "admin/outbox_queue/queue.html", context)

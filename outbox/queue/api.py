@@ -18,12 +18,15 @@ from typing import Any
 
 from outbox import conf as outbox_conf
 from outbox.errors import InvalidRecord
+from outbox.harvest.kafka import KafkaUnavailable
 from outbox.queue import app_settings, markers, metrics
 from outbox.queue.config import QUEUE_NAME_PATTERN, QueueConfig, QueueLimits, queue_name_problem
 from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.producer import MessageTooLarge, QueueProducer
+from outbox.queue.share_consumer import ShareQueueConsumer
+from outbox.queue.share_group import ensure_share_topic
 from outbox.queue.topics import ensure_topics, topic_limit
 from outbox.queue.tracing import consumer_tracer
 from outbox.stasher import stash as outbox_stash
@@ -61,6 +64,7 @@ def send_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None) -
                 for row in rows]
     if not messages:
         return []
+    _ensure_share_topic(config, queue)
     return _producer(config).send(queue, messages)
 
 
@@ -78,6 +82,8 @@ def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None,
     config = app_settings.queue_config()
     validate_queue(queue)
     payloads, headers = list(payloads), _reusable(headers)
+    _ensure_share_topic(config, queue)  # with its partitions, before the harvester's producer would auto-create it
+    topic = config.topic_for(queue)
     records = []
     ids = []
     for index, payload in enumerate(payloads):
@@ -86,7 +92,7 @@ def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None,
         ids.append(message_id)
         # "queue/id" keys: the harvester keeps one record per key in flight and hashes the key to a
         # partition, so a key per message spreads a queue's messages and never holds one back.
-        records.append({"topic": config.topic, "key": f"{queue}/{message_id}", "value": row.value,
+        records.append({"topic": topic, "key": f"{queue}/{message_id}", "value": row.value,
                         "headers": [*zip(row.header_keys, row.header_values, strict=True),
                                     (markers.ID_HEADER, message_id)]})
     if len(records) == 1:
@@ -98,10 +104,11 @@ def stash_many(queue: str, payloads: Iterable[Any], *, headers: Headers = None,
 
 def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float | None = None,
              keep_alive_interval: float | None = None, max_in_progress: int | None = None,
-             max_deliveries: int | None = None, instruments: QueueInstruments | None = None) -> QueueConsumer:
+             max_deliveries: int | None = None,
+             instruments: QueueInstruments | None = None) -> QueueConsumer | ShareQueueConsumer:
     """A started consumer of `queue`; close() it (or use it as a context manager) when done.
 
-    Limits default to OUTBOX["queues"] (and its per_queue entry for `queue`); arguments win.
+    Limits and the backend default to OUTBOX["queues"] (and its per_queue entry for `queue`); arguments win.
     QueueError with a one-line reason when Kafka cannot be reached or the settings are invalid.
     """
     config = app_settings.queue_config()
@@ -109,15 +116,36 @@ def consumer(queue: str, *, name: str | None = None, redelivery_timeout: float |
     limits = limits_for(config, queue, redelivery_timeout=redelivery_timeout,
                         keep_alive_interval=keep_alive_interval, max_in_progress=max_in_progress,
                         max_deliveries=max_deliveries)
-    return QueueConsumer(config, queue, limits=limits, name=name,
-                         instruments=instruments or metrics.default_instruments(),
-                         tracer=consumer_tracer(config, queue)).start()
+    return new_consumer(config, queue, limits=limits, name=name,
+                        instruments=instruments or metrics.default_instruments()).start()
+
+
+def new_consumer(config: QueueConfig, queue: str, *, limits: QueueLimits, name: str | None,
+                 instruments: QueueInstruments) -> QueueConsumer | ShareQueueConsumer:
+    """A consumer of `queue` on its backend (not started): the markers protocol, or Kafka's share groups."""
+    if limits.backend == "share":
+        from outbox.queue import store
+
+        return ShareQueueConsumer(config, queue, limits=limits, name=name, instruments=instruments,
+                                  dead_letters=store.store_share_dead_letters)
+    return QueueConsumer(config, queue, limits=limits, name=name, instruments=instruments,
+                         tracer=consumer_tracer(config, queue))
+
+
+def _ensure_share_topic(config: QueueConfig, queue: str) -> None:
+    if config.backend(queue) != "share":
+        return
+    try:
+        ensure_share_topic(config, queue, 10.0)
+    except KafkaUnavailable as error:
+        raise QueueError(str(error)) from None
 
 
 def requeue(letter: Any) -> None:
     """Send a dead letter (outbox.queue.models.DeadLetter) back to its queue: same id and key, deliveries from 1."""
     config = app_settings.queue_config()
     headers = [(str(name), str(value).encode()) for name, value in letter.headers]
+    _ensure_share_topic(config, letter.queue)  # to the queue's backend now, whichever wrote the letter
     try:
         _producer(config).send(letter.queue, [(bytes(letter.payload or b""), headers)],
                                key=bytes(letter.key) if letter.key else None, ids=[letter.message_id])

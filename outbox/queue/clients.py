@@ -20,7 +20,7 @@ from confluent_kafka import KafkaException
 
 from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE, log_client_error
 from outbox.harvest.topics import UNLIMITED, batch_size_for
-from outbox.queue.config import QueueConfig
+from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.reasons import kafka_reason
 
 log = logging.getLogger("outbox.queue")
@@ -60,6 +60,13 @@ def queue_consumer_config(config: QueueConfig, queue: str, name: str) -> dict[st
                   {"group.id": config.consumer_group(queue), "enable.auto.commit": False,
                    "enable.auto.offset.store": False, "isolation.level": "read_committed",
                    "enable.partition.eof": False})
+
+
+def share_consumer_config(config: QueueConfig, queue: str, name: str, limits: QueueLimits) -> dict[str, Any]:
+    """A share queue's consumer: explicit acknowledgements, a batch of at most max_in_progress records."""
+    return _merge(config, {"client.id": f"{name}-queue-share-consumer"},
+                  {"group.id": config.share_group(queue), "share.acknowledgement.mode": "explicit",
+                   "max.poll.records": limits.max_in_progress})
 
 
 def start_producer_config(config: QueueConfig, queue: str, name: str, batch_limit: int | None = None) -> dict[str, Any]:

@@ -21,6 +21,15 @@ from outbox.harvest.redaction import redact_mapping
 QUEUE_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,200}")
 #: Longest redelivery timeout: kafka-mq-go's limit (12 hours).
 MAX_REDELIVERY_TIMEOUT = 12 * 3600.0
+#: How a queue is carried: "markers" (our markers topic and redelivery trackers, any Kafka) or "share"
+#: (Kafka's own share groups, KIP-932: Apache Kafka 4.2 and later).
+BACKENDS = ("markers", "share")
+#: The share backend's redelivery timeout is the group's record lock duration: Kafka takes 1 s to 1 hour
+#: (within the broker's group.share.min/max.record.lock.duration.ms).
+SHARE_LOCK_RANGE = (1.0, 3600.0)
+#: The broker archives a record after group.share.delivery.count.limit deliveries (at most 10): a share
+#: queue's max_deliveries stays below it, so its dead letter is written first.
+SHARE_MAX_DELIVERIES = 9
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,8 @@ class QueueLimits:
     max_in_progress: int = 10
     #: A message delivered this many times goes to the dead letters instead of round again (None: no limit).
     max_deliveries: int | None = 5
+    #: "markers" or "share" (BACKENDS): how the queue's messages are delivered and redelivered.
+    backend: str = "markers"
 
     def __post_init__(self) -> None:
         if self.keep_alive_interval is None and _is_number(self.redelivery_timeout):
@@ -62,6 +73,26 @@ class QueueLimits:
         if self.max_deliveries is not None and (not _is_int(self.max_deliveries) or self.max_deliveries < 1):
             found.append(Problem("E004", f"{prefix}max_deliveries",
                                  f"must be a positive integer or None, got {self.max_deliveries!r}"))
+        if self.backend not in BACKENDS:
+            found.append(Problem("E007", f"{prefix}backend",
+                                 f"must be one of {', '.join(map(repr, BACKENDS))}, got {_show(self.backend)}"))
+        elif self.backend == "share":
+            found.extend(self._share_problems(prefix))
+        return found
+
+    def _share_problems(self, prefix: str) -> list[Problem]:
+        """What Kafka's share groups cannot do: a lock outside the broker's range, unlimited deliveries."""
+        found = []
+        low, high = SHARE_LOCK_RANGE
+        if _is_number(self.redelivery_timeout) and not low <= self.redelivery_timeout <= high:
+            found.append(Problem("E007", f"{prefix}redelivery_timeout",
+                                 f"must be from {low:g} to {high:g} seconds with backend 'share' (the share "
+                                 f"group's record lock duration), got {self.redelivery_timeout!r}"))
+        if self.max_deliveries is None or (_is_int(self.max_deliveries)
+                                           and self.max_deliveries > SHARE_MAX_DELIVERIES):
+            found.append(Problem("E007", f"{prefix}max_deliveries",
+                                 f"must be from 1 to {SHARE_MAX_DELIVERIES} with backend 'share' (the broker "
+                                 f"archives a record after at most 10 deliveries), got {self.max_deliveries!r}"))
         return found
 
     def warnings(self, prefix: str = "") -> list[Problem]:
@@ -106,6 +137,21 @@ class QueueConfig:
     def consumer_group(self, queue: str) -> str:
         return f"{self.consumer_group_prefix}{queue}"
 
+    def backend(self, queue: str) -> str:
+        return self.limits_for(queue).backend
+
+    def share_topic(self, queue: str) -> str:
+        """A share queue's own topic: its share group reads no other queue's records."""
+        return f"{self.topic}-share-{queue}"
+
+    def share_group(self, queue: str) -> str:
+        """A share queue's share group (not its markers consumer group's id: Kafka keeps one kind per id)."""
+        return f"{self.consumer_group_prefix}{queue}-share"
+
+    def topic_for(self, queue: str) -> str:
+        """Where send() and stash() put a message of `queue`."""
+        return self.share_topic(queue) if self.backend(queue) == "share" else self.topic
+
     def validate(self) -> list[Problem]:
         """Every problem at once; an empty list means the config is usable."""
         found: list[Problem] = []
@@ -134,6 +180,11 @@ class QueueConfig:
             if not isinstance(queue, str) or not QUEUE_NAME_PATTERN.fullmatch(queue):
                 found.append(Problem("E006", f"per_queue[{queue!r}]", queue_name_problem(queue)))
             found.extend(limits.problems(prefix=f"per_queue[{queue!r}]."))
+            if isinstance(queue, str) and limits.backend == "share" and isinstance(self.topic, str) \
+                    and len(self.share_topic(queue)) > MAX_TOPIC_LENGTH:
+                found.append(Problem("E007", f"per_queue[{queue!r}].backend",
+                                     f"the share topic {self.share_topic(queue)[:40]!r}... would be longer than "
+                                     f"{MAX_TOPIC_LENGTH} characters: shorten the queue name or topic"))
         return found
 
     def warnings(self) -> list[Problem]:

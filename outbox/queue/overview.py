@@ -1,8 +1,9 @@
 """What the admin's queue pages show, from the status rows of live consumers and trackers and the queue tables.
 
 In progress and the oldest message in progress come from the trackers (they hold the state
-rebuilt from the markers log); redeliveries from the per-queue counters; dead letters from
-their table. A process not seen for status_gone_after seconds is gone.
+rebuilt from the markers log), or for a share queue (no trackers) from its consumers' status rows;
+redeliveries from the per-queue counters; dead letters from their table. A process not seen for
+status_gone_after seconds is gone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ class QueueSummary:
     dead_letters: int = 0
     consumers: list[QueueProcess] = field(default_factory=list)
     trackers: list[QueueProcess] = field(default_factory=list)
+    #: "markers" or "share" (from settings): a share queue needs no tracker.
+    backend: str = "markers"
+
+    @property
+    def needs_tracker(self) -> bool:
+        """Markers queue with no live tracker reading it: its messages are not redelivered if a consumer dies."""
+        return self.backend != "share" and not self.trackers
 
     @property
     def oldest_age(self) -> timedelta | None:
@@ -70,12 +78,21 @@ def queues(found: Processes | None = None) -> list[QueueSummary]:
             if started is not None:
                 when = datetime.fromtimestamp(float(started), UTC)
                 item.oldest_started = when if item.oldest_started is None else min(item.oldest_started, when)
+    config = app_settings.queue_config()
+    for name in config.per_queue:
+        summary(name)
+    for item in summaries.values():
+        item.backend = config.backend(item.name)
+        if item.backend == "share":  # no trackers: what the share group's consumers hold
+            item.in_progress = sum(consumer.in_progress for consumer in item.consumers)
+            ages = [float(c.stats["oldest_in_progress_seconds"]) for c in item.consumers
+                    if c.stats.get("oldest_in_progress_seconds") is not None]
+            if ages:
+                item.oldest_started = min(c.last_seen for c in item.consumers) - timedelta(seconds=max(ages))
     for counter in QueueCounter.objects.all():
         summary(counter.queue).redelivered = counter.redelivered
     for row in DeadLetter.objects.values("queue").annotate(n=Count("id")):
         summary(row["queue"]).dead_letters = row["n"]
-    for name in app_settings.queue_config().per_queue:
-        summary(name)
     return [summaries[name] for name in sorted(summaries)]
 
 
@@ -84,4 +101,4 @@ def queue(name: str) -> QueueSummary:
     for item in queues(found):
         if item.name == name:
             return item
-    return QueueSummary(name)
+    return QueueSummary(name, backend=app_settings.queue_config().backend(name))

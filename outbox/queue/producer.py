@@ -85,11 +85,12 @@ class QueueProducer:
                     done.set()
 
         record_key = key if key is not None else queue.encode()
+        topic = self.config.topic_for(queue)  # a share queue has a topic of its own
         deadline = time.monotonic() + self._timeout
         for message_id, (payload, headers) in zip(ids, messages, strict=True):
             while True:
                 try:
-                    producer.produce(self.config.topic, value=payload, key=record_key, on_delivery=delivered,
+                    producer.produce(topic, value=payload, key=record_key, on_delivery=delivered,
                                            headers=message_headers(headers, message_id=message_id, deliveries=1))
                     break
                 except BufferError:  # librdkafka's local queue is full: let it drain

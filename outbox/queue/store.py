@@ -68,6 +68,18 @@ def store_dead_letters(letters: Sequence[DeadLetter]) -> None:
         connections["default"].close()
 
 
+def store_share_dead_letters(letters: Sequence[DeadLetter]) -> None:
+    """The share backend's dead-letter sink: the rows, and the per-queue counter the admin shows."""
+    try:
+        _store_dead_letters(letters)
+        counts: dict[str, int] = {}
+        for letter in letters:
+            counts[letter.queue] = counts.get(letter.queue, 0) + 1
+        add_counts({}, counts)
+    finally:
+        connections["default"].close()
+
+
 def _store_dead_letters(letters: Sequence[DeadLetter]) -> None:
     models.DeadLetter.objects.bulk_create([
         models.DeadLetter(queue=letter.queue, message_id=letter.message_id, key=letter.key, payload=letter.payload,

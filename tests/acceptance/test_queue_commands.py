@@ -53,7 +53,7 @@ def test_print_config_redacts_secrets(tmp_path):
     config = json.loads(result.stdout)
     assert "sasl-s3cret" not in result.stdout and config["base_kafka_config"]["sasl.password"] == "***"
     assert config["limits"] == {"redelivery_timeout": 30.0, "keep_alive_interval": 10.0, "max_in_progress": 10,
-                                "max_deliveries": 5}
+                                "max_deliveries": 5, "backend": "markers"}
 
 
 def test_check_fails_with_a_queue_error_code_on_a_bad_setting(tmp_path):

@@ -12,7 +12,7 @@ from outbox.queue.models import DeadLetter
 from outbox.queue.status import QueueStatusReporter, consumer_status, tracker_status
 from outbox.queue.topics import ensure_topics
 from tests.support.harness import wait_until
-from tests.support.queue_harness import new_prefix, queue_settings, running_tracker
+from tests.support.queue_harness import new_prefix, queue_settings, running_tracker, share_groups_missing
 from tests.support.screenshots import SCREENSHOTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -101,4 +101,48 @@ def test_an_operator_watches_a_queue_and_requeues_a_dead_letter(live_server, bro
         finally:
             for reporter in reporters:
                 reporter.stop()
+            connections.close_all()
+
+
+def test_an_operator_watches_a_share_queue(live_server, browser, settings, monkeypatch, bootstrap_servers):
+    """A share queue (Kafka 4.2+): in progress from its consumer's status row, no tracker asked for."""
+    reason = share_groups_missing(bootstrap_servers)
+    if reason is not None:
+        pytest.skip(f"the broker at {bootstrap_servers} has no share groups (needs Apache Kafka 4.2+): {reason}")
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(
+        new_prefix(), status_gone_after=60, redelivery_timeout=30, per_queue={"sms": {"backend": "share"}},
+        partitions=1)}  # both messages in one batch: a share consumer polls no more until its batch is settled
+    User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
+    api.send_many("sms", ["one", "two"])
+    with api.consumer("sms", name="sms-worker-1") as consumer:
+        reporter = QueueStatusReporter("sms-worker-1", "consumer", queue="sms", interval=0.3,
+                                       snapshot=lambda: consumer_status(consumer, handler="shop.handlers.sms"))
+        reporter.start()
+        try:
+            held = [wait_until(lambda: consumer.receive(timeout=0.5), 30, "the share queue's messages")
+                    for _ in range(2)]
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(f"{live_server.url}/admin/outbox_queue/queue/sms/")
+            page.fill("#id_username", "operator")
+            page.fill("#id_password", "s3cret-pw")
+            page.click("input[type=submit]")
+            page.wait_for_url("**/admin/outbox_queue/queue/sms/")
+
+            def figures_current() -> bool:
+                page.reload()
+                return page.locator("#in-progress").inner_text() == "2"
+
+            wait_until(figures_current, 20, "the queue page to show two messages in progress", interval=0.5)
+            assert page.locator("#no-tracker").count() == 0, "a share queue needs no tracker"
+            assert "share" in page.locator("#backend").inner_text()
+            assert "-share-sms" in page.locator("#backend").inner_text()
+            page.screenshot(path=SCREENSHOTS / "queue-share.png", full_page=True)
+            page.goto(f"{live_server.url}/admin/outbox_queue/queue/")
+            assert page.locator("tr.queue-row", has_text="sms").locator(".queue-backend").inner_text() == "share"
+            page.screenshot(path=SCREENSHOTS / "queues-share.png", full_page=True)
+            for message in held:
+                message.ack()
+        finally:
+            reporter.stop()
             connections.close_all()

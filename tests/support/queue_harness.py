@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, ShareConsumer, TopicPartition
 
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
@@ -147,3 +147,28 @@ def read_queue_topic(bootstrap: str, topic: str, timeout: float = 30) -> list[Qu
     finally:
         consumer.close()
     return found
+
+
+_support: dict[str, str | None] = {}
+
+
+def share_groups_missing(bootstrap: str) -> str | None:
+    """Why the broker at `bootstrap` cannot run share groups (None: it can): a consumer that joins and polls."""
+    if bootstrap not in _support:
+        consumer = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4().hex[:8]}",
+                                  "share.acknowledgement.mode": "explicit", "error_cb": lambda error: None})
+        reason = None
+        try:
+            consumer.subscribe([f"probe-{uuid.uuid4().hex[:8]}"])
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                consumer.poll(0.5)
+        except KafkaException as error:
+            reason = error.args[0].str() if error.args else str(error)
+        finally:
+            try:
+                consumer.close()
+            except (KafkaException, RuntimeError):
+                pass
+        _support[bootstrap] = reason
+    return _support[bootstrap]

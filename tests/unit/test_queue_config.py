@@ -77,6 +77,16 @@ def test_the_example_project_passes_its_checks():
     ({"dead_letter_retention": "a month"}, "outbox_queue.E004",
      "dead_letter_retention: must be a positive number of seconds or None, got 'a month'"),
     ({"history_interval": -1}, "outbox_queue.E004", "history_interval: must be a number of seconds, 0 or more"),
+    ({"per_queue": {"a": {"backend": "kip932"}}}, "outbox_queue.E007",
+     "per_queue['a'].backend: must be one of 'markers', 'share', got 'kip932'"),
+    ({"backend": "share", "max_deliveries": None}, "outbox_queue.E007",
+     "max_deliveries: must be from 1 to 9 with backend 'share'"),
+    ({"per_queue": {"a": {"backend": "share", "max_deliveries": 10}}}, "outbox_queue.E007",
+     "per_queue['a'].max_deliveries: must be from 1 to 9 with backend 'share'"),
+    ({"backend": "share", "redelivery_timeout": 0.5}, "outbox_queue.E007",
+     "redelivery_timeout: must be from 1 to 3600 seconds with backend 'share'"),
+    ({"topic": "t" * 240, "per_queue": {"a" * 10: {"backend": "share"}}}, "outbox_queue.E007",
+     "would be longer than 249 characters"),
 ])
 def test_a_bad_setting_is_a_check_error_naming_the_key_and_the_limit(queues, code, text):
     found = queue_checks(queues)
@@ -151,6 +161,22 @@ def test_retry_delay_is_checked():
 def test_the_queue_engine_imports_no_django():
     code = ("import sys, outbox.queue.consumer, outbox.queue.tracker, outbox.queue.producer, "
             "outbox.queue.tracker_state; "
+            "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_backend_is_chosen_per_queue_and_decides_where_messages_go():
+    with override_settings(OUTBOX={"queues": {"topic": "q", "per_queue": {"emails": {"backend": "share"}}}}):
+        assert app_settings.problems() == []
+        config = app_settings.queue_config()
+    assert (config.backend("emails"), config.backend("other")) == ("share", "markers")
+    assert config.topic_for("emails") == "q-share-emails" and config.topic_for("other") == "q"
+    assert config.share_group("emails") != config.consumer_group("emails"), "Kafka keeps one kind of group per id"
+
+
+def test_the_share_backend_imports_no_django():
+    code = ("import sys, outbox.queue.share_consumer, outbox.queue.share_state, outbox.queue.share_group; "
             "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

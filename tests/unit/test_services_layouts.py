@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -140,3 +141,56 @@ def test_down_stops_just_the_layout_it_names(services, monkeypatch, flags, stopp
     monkeypatch.setattr(services, "wheel_postgres_clusters", lambda: [])
     assert services.main(["down", *flags]) == 0
     assert downs == stopped
+
+
+def test_a_broker_on_another_port_has_its_own_state_and_controller(services, monkeypatch, tmp_path):
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9292")
+    kafka = services.Kafka()
+    assert (kafka.port, kafka.controller_port, kafka.home) == (9292, 9293, tmp_path / "kafka-9292")
+    assert kafka.libs.parent == tmp_path / "kafka", "the jars are shared by every port's broker"
+    monkeypatch.setenv("KAFKA_CONTROLLER_PORT", "9400")
+    assert services.Kafka().controller_port == 9400
+    monkeypatch.delenv("KAFKA_CONTROLLER_PORT")
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS")
+    assert services.Kafka().home == tmp_path / "kafka"
+
+
+@pytest.mark.parametrize(("bootstrap", "taken"), [("127.0.0.1:9095", "KAFKA_BOOTSTRAP_SERVERS 9095"),
+                                                  ("127.0.0.1:9191", "the controller port 9192")])
+def test_a_broker_on_another_port_keeps_off_the_layouts_ports(services, monkeypatch, bootstrap, taken):
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", bootstrap)
+    monkeypatch.setattr(services, "reachable", lambda *args, **kwargs: False)
+    with pytest.raises(services.ServiceError, match=f"{taken} is one of the cluster layouts' ports"):
+        services.Kafka().up()
+
+
+def test_share_groups_are_formatted_on_from_kafka_4_2_and_kafka_version_picks_the_release(services, monkeypatch):
+    kafka = services.Kafka()
+    assert services.share_groups_in(kafka.version), "the pinned release has share groups"
+    assert kafka.format_features() == ["--feature", "share.version=1"]
+    monkeypatch.setenv("KAFKA_VERSION", "4.1.1")
+    old = services.Kafka()
+    assert (old.version, old.format_features(), old.libs.name) == ("4.1.1", [], "libs-4.1.1")
+    monkeypatch.setenv("KAFKA_VERSION", "latest")
+    monkeypatch.setattr(services, "reachable", lambda *args, **kwargs: False)
+    with pytest.raises(services.ServiceError, match=r"KAFKA_VERSION must be a release such as 4\.2\.1"):
+        services.Kafka().up()
+
+
+def test_data_formatted_by_a_newer_kafka_is_refused_and_by_an_older_one_warned_about(services, monkeypatch, capsys):
+    monkeypatch.setattr(services, "reachable", lambda *args, **kwargs: False)
+    for step in ("ensure_tools", "resolve_jars"):
+        monkeypatch.setattr(services.Kafka, step, lambda self: None)
+    kafka = services.Kafka()
+    kafka.data.mkdir(parents=True)
+    (kafka.data / "meta.properties").write_text("cluster.id=x\n")
+    (kafka.home / "formatted-by").write_text("9.9.9")
+    newer = rf"formatted by Kafka 9\.9\.9, newer than {re.escape(kafka.version)}"
+    with pytest.raises(services.ServiceError, match=newer):
+        kafka.up()
+    (kafka.home / "formatted-by").unlink()  # formatted before the stamp existed (4.1.1): started, with a warning
+    monkeypatch.setattr(services.subprocess, "Popen", lambda *args, **kwargs: (_ for _ in ()).throw(
+        services.ServiceError("started")))
+    with pytest.raises(services.ServiceError, match="started"):
+        kafka.up()
+    assert "without share groups: the share backend of outbox.queue will not work on it" in capsys.readouterr().out

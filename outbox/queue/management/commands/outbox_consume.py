@@ -18,12 +18,10 @@ from django.utils.module_loading import import_string
 
 from outbox.errors import InvalidRecord
 from outbox.queue import api, app_settings, cli, metrics, store
-from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.models import InboxEntry
 from outbox.queue.runner import Handler, HandlerRunner
 from outbox.queue.status import QueueStatusReporter, consumer_status
-from outbox.queue.tracing import consumer_tracer
 from outbox.reasons import first_line
 from outbox.stopping import on_stop_signals
 
@@ -88,8 +86,7 @@ class Command(BaseCommand):
                 raise CommandError(str(error)) from None
         cli.configure_logging(options["verbosity"])
         cli.require_metrics(options["metrics_port"])
-        consumer = QueueConsumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments(),
-                                 tracer=consumer_tracer(config, queue))
+        consumer = api.new_consumer(config, queue, limits=limits, name=name, instruments=metrics.default_instruments())
         try:
             consumer.start()
         except QueueError as error:

@@ -11,8 +11,12 @@ throughput and redelivery run the real `manage.py outbox_consume` and `outbox_re
 topic pair of the project's Kafka, and need a migrated database `default` (status rows).
 
 throughput: consumers (one worker each, a no-op handler) start first; then messages of 256 bytes
-are sent with send_many() in batches of 1,000. Measured from the first send to the broker's
-append time of the last End marker (the last ack), read back from the markers topic.
+are sent with send_many() in batches of 1,000. Each --backend (default both: markers, then share)
+runs with each --consumers count in the same run. Markers: measured from the first send to the
+broker's append time of the last End marker (the last ack), read back from the markers topic.
+Share (Kafka 4.2+): to the last handler's return (its ACCEPT goes to the broker right after, on the
+consumer's next round), read from the handlers' event file; share groups have no log of acks. A
+share run starts its clock after a warm-up message and two share heartbeats (every consumer joined).
 
 redelivery: two consumers of a queue; the one started with BENCH_VICTIM=1 hangs on its first
 message and is SIGKILLed. Measured from the kill to the other consumer running the redelivered
@@ -42,6 +46,8 @@ from project.settings import queue_names
 
 ROOT = Path(__file__).resolve().parents[4]
 QUEUE = "bench"
+#: Seconds a share run waits after its warm-up message: two share-group heartbeats (5 s by default).
+SHARE_JOIN_SETTLE = 10.0
 
 
 class Command(BaseCommand):
@@ -58,12 +64,16 @@ class Command(BaseCommand):
                                 help="consumer processes (repeat for several runs; default 1 and 4)")
         throughput.add_argument("--payload-bytes", type=int, default=256)
         throughput.add_argument("--partitions", type=int, default=8, help="partitions of the queue topic")
+        throughput.add_argument("--backend", action="append", choices=["markers", "share"], dest="backends",
+                                help="queue backend (repeat for several; default markers and share)")
         throughput.add_argument("--consumer-arg", action="append", default=[], dest="consumer_args",
                                 help="extra flag for outbox_consume, e.g. --consumer-arg=--max-in-progress=100")
         redelivery = sub.add_parser("redelivery", help="seconds from a consumer's SIGKILL to the redelivered message "
                                                        "being processed by another consumer")
         redelivery.add_argument("--runs", type=int, default=5)
         redelivery.add_argument("--redelivery-timeout", type=float, default=2.0)
+        redelivery.add_argument("--backend", choices=["markers", "share"], default="markers",
+                                help="share: the redelivery timeout is the share group's lock (1 s at least)")
 
     def handle(self, *args: Any, mode: str, **options: Any) -> None:
         getattr(self, f"bench_{mode}")(**options)
@@ -88,29 +98,84 @@ class Command(BaseCommand):
     # -- throughput -------------------------------------------------------------------------------
 
     def bench_throughput(self, messages: int, consumers: list[int] | None, payload_bytes: int, partitions: int,
-                         consumer_args: list[str], **_: Any) -> None:
-        for count in consumers or [1, 4]:
-            prefix = f"bench-{uuid.uuid4().hex[:8]}"
-            with self._queues(prefix, partitions=partitions) as config:
-                processes = [self._spawn(prefix, "outbox_redeliver", [], name="tracker")]
-                processes += [self._spawn(prefix, "outbox_consume", ["--queue", QUEUE, "--handler",
-                                                                    "project.bench.queue_handlers.noop",
-                                                                    *consumer_args], name=f"consumer-{n}")
-                              for n in range(count)]
-                try:
-                    self._wait_for_group(config, count)
-                    payload = "x" * payload_bytes
-                    started = time.time()
-                    for offset in range(0, messages, 1000):
-                        api.send_many(QUEUE, [payload] * min(1000, messages - offset))
-                    sent = time.time()
-                    last_ack = self._last_end(config, messages, timeout=600)
-                finally:
-                    self._stop(processes)
-            self.stdout.write(
-                f"consumers={count} messages={messages} payload={payload_bytes}B "
-                f"send={messages / (sent - started):,.0f} msg/s "
-                f"end-to-end={messages / (last_ack - started):,.0f} msg/s ({last_ack - started:.2f} s)")
+                         consumer_args: list[str], backends: list[str] | None, **_: Any) -> None:
+        for backend in backends or ["markers", "share"]:
+            for count in consumers or [1, 4]:
+                if backend == "share":
+                    elapsed, sending = self._share_run(count, messages, payload_bytes, partitions, consumer_args)
+                else:
+                    elapsed, sending = self._markers_run(count, messages, payload_bytes, partitions, consumer_args)
+                self.stdout.write(
+                    f"backend={backend} consumers={count} messages={messages} payload={payload_bytes}B "
+                    f"send={messages / sending:,.0f} msg/s end-to-end={messages / elapsed:,.0f} msg/s "
+                    f"({elapsed:.2f} s)")
+
+    def _send_all(self, messages: int, payload_bytes: int) -> tuple[float, float]:
+        payload = "x" * payload_bytes
+        started = time.time()
+        for offset in range(0, messages, 1000):
+            api.send_many(QUEUE, [payload] * min(1000, messages - offset))
+        return started, time.time()
+
+    def _markers_run(self, count: int, messages: int, payload_bytes: int, partitions: int,
+                     consumer_args: list[str]) -> tuple[float, float]:
+        prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        with self._queues(prefix, partitions=partitions) as config:
+            processes = [self._spawn(prefix, "outbox_redeliver", [], name="tracker")]
+            processes += [self._spawn(prefix, "outbox_consume", ["--queue", QUEUE, "--handler",
+                                                                "project.bench.queue_handlers.noop",
+                                                                *consumer_args], name=f"consumer-{n}")
+                          for n in range(count)]
+            try:
+                self._wait_for_group(config, count)
+                started, sent = self._send_all(messages, payload_bytes)
+                last_ack = self._last_end(config, messages, timeout=600)
+            finally:
+                self._stop(processes)
+        return last_ack - started, sent - started
+
+    def _share_run(self, count: int, messages: int, payload_bytes: int, partitions: int,
+                   consumer_args: list[str]) -> tuple[float, float]:
+        prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        with self._queues(prefix, partitions=partitions, backend="share"), tempfile.TemporaryDirectory() as tmp:
+            events = Path(tmp) / "handled"
+            events.touch()
+            logs = [Path(tmp) / f"consumer-{n}.log" for n in range(count)]
+            processes = [self._spawn(prefix, "outbox_consume", ["--queue", QUEUE, "--handler",
+                                                               "project.bench.queue_handlers.noop_counted",
+                                                               *consumer_args], name=f"consumer-{n}",
+                                     env={"BENCH_EVENTS": str(events), "OUTBOX_QUEUE_BACKEND": "share",
+                                          "LOG_LEVEL": "INFO"}, log=log)
+                         for n, log in enumerate(logs)]
+            try:
+                deadline = time.monotonic() + 60
+                while not all("Consuming share queue" in log.read_text(errors="replace") for log in logs):
+                    if time.monotonic() > deadline:
+                        raise CommandError(f"the {count} share consumer(s) did not start within 60 s (see {tmp})")
+                    time.sleep(0.2)
+                # Warm-up, outside the timing: one message handled, then two share heartbeats (5 s each, the
+                # broker's default) so every member has its assignment before the clock starts.
+                api.send(QUEUE, "warm-up")
+                deadline = time.monotonic() + 60
+                while not events.read_text().strip():
+                    if time.monotonic() > deadline:
+                        tails = "; ".join(f"{log.name}: {_last_line(log)}" for log in logs)
+                        raise CommandError(f"the warm-up message was not handled within 60 s ({tails})")
+                    time.sleep(0.2)
+                time.sleep(SHARE_JOIN_SETTLE)
+                events.write_text("")  # the handlers append (O_APPEND): what they write next lands from 0
+                started, sent = self._send_all(messages, payload_bytes)
+                deadline = time.monotonic() + 600
+                while True:
+                    lines = events.read_text().split()
+                    if len(lines) >= messages:
+                        break
+                    if time.monotonic() > deadline:
+                        raise CommandError(f"only {len(lines)} of {messages} messages handled within 600 s")
+                    time.sleep(0.2)
+            finally:
+                self._stop(processes)
+        return max(map(float, lines)) - started, sent - started
 
     def _wait_for_group(self, config: Any, members: int, timeout: float = 60) -> None:
         """Until the consumer group has `members` members with partitions (a warm-up message goes round)."""
@@ -156,24 +221,31 @@ class Command(BaseCommand):
 
     # -- crash to redelivery ----------------------------------------------------------------------
 
-    def bench_redelivery(self, runs: int, redelivery_timeout: float, **_: Any) -> None:
+    def bench_redelivery(self, runs: int, redelivery_timeout: float, backend: str, **_: Any) -> None:
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         timings: list[float] = []
-        with self._queues(prefix, partitions=8) as config, tempfile.TemporaryDirectory() as tmp:
+        share = backend == "share"
+        with self._queues(prefix, partitions=8, backend=backend) as config, tempfile.TemporaryDirectory() as tmp:
             events = Path(tmp) / "events"
             events.touch()
             args = ["--queue", QUEUE, "--handler", "project.bench.queue_handlers.hang_in_victim",
                     "--redelivery-timeout", str(redelivery_timeout)]
-            env = {"BENCH_EVENTS": str(events)}
-            tracker = self._spawn(prefix, "outbox_redeliver", [], name="tracker", env=env)
-            survivor = self._spawn(prefix, "outbox_consume", args, name="survivor", env=env)
+            env = {"BENCH_EVENTS": str(events), "OUTBOX_QUEUE_BACKEND": backend, "LOG_LEVEL": "INFO"}
+            helpers = [] if share else [self._spawn(prefix, "outbox_redeliver", [], name="tracker", env=env)]
+            helpers.append(self._spawn(prefix, "outbox_consume", args, name="survivor", env=env,
+                                       log=Path(tmp) / "survivor.log"))
             try:
                 for run in range(runs):
+                    victim_log = Path(tmp) / f"victim-{run}.log"
                     victim = self._spawn(prefix, "outbox_consume", args, name=f"victim-{run}",
-                                         env={**env, "BENCH_VICTIM": "1"})
-                    self._wait_for_group(config, 2, timeout=120)
+                                         env={**env, "BENCH_VICTIM": "1"}, log=victim_log)
+                    if share:
+                        self._wait_for_log([victim_log, Path(tmp) / "survivor.log"], "Consuming share queue")
+                        time.sleep(SHARE_JOIN_SETTLE)
+                    else:
+                        self._wait_for_group(config, 2, timeout=120)
                     hung = None
-                    while hung is None:  # send until a message lands on one of the victim's partitions
+                    while hung is None:  # send until a message lands on one of the victim's partitions (or it)
                         message_id = api.send(QUEUE, "work")
                         hung = self._event(events, message_id, timeout=30)
                         hung = hung if hung and hung[0] == "hang" else None
@@ -185,10 +257,18 @@ class Command(BaseCommand):
                     self.stdout.write(f"run {run + 1}: redelivered and processed {done[1] - killed:.2f} s after "
                                       f"the SIGKILL")
             finally:
-                self._stop([survivor, tracker])
-        self.stdout.write(f"redelivery_timeout={redelivery_timeout:g}s runs={runs} "
+                self._stop(helpers)
+        self.stdout.write(f"backend={backend} redelivery_timeout={redelivery_timeout:g}s runs={runs} "
                           f"median={statistics.median(timings):.2f} s min={min(timings):.2f} s "
                           f"max={max(timings):.2f} s")
+
+    @staticmethod
+    def _wait_for_log(logs: list[Path], line: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(log.exists() and line in log.read_text(errors="replace") for log in logs):
+            if time.monotonic() > deadline:
+                raise CommandError(f"no {line!r} in {', '.join(map(str, logs))} within {timeout:.0f} s")
+            time.sleep(0.2)
 
     @staticmethod
     def _event(path: Path, message_id: str, timeout: float, want: str | None = None) -> tuple[str, float] | None:
@@ -208,9 +288,9 @@ class Command(BaseCommand):
     class _queues:
         """OUTBOX["queues"] on a fresh topic pair for this process (subprocesses get the prefix)."""
 
-        def __init__(self, prefix: str, partitions: int) -> None:
+        def __init__(self, prefix: str, partitions: int, backend: str = "markers") -> None:
             self.override = override_settings(OUTBOX={**settings.OUTBOX, "queues": {
-                **queue_names(prefix), "partitions": partitions, "markers_partitions": 4}})
+                **queue_names(prefix), "partitions": partitions, "markers_partitions": 4, "backend": backend}})
 
         def __enter__(self) -> Any:
             self.override.enable()
@@ -223,10 +303,11 @@ class Command(BaseCommand):
 
     @staticmethod
     def _spawn(prefix: str, command: str, args: list[str], *, name: str,
-               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+               env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
         full_env = {**os.environ, "OUTBOX_QUEUE_PREFIX": prefix, "LOG_LEVEL": "WARNING", **(env or {})}
-        return subprocess.Popen([sys.executable, str(ROOT / "manage.py"), command, "--name", name, *args],
-                                cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL)
+        with open(log or os.devnull, "w") as out:
+            return subprocess.Popen([sys.executable, str(ROOT / "manage.py"), command, "--name", name, *args],
+                                    cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT if log else None)
 
     @staticmethod
     def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -237,3 +318,8 @@ class Command(BaseCommand):
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def _last_line(path: Path) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines()
+    return lines[-1] if lines else "-"

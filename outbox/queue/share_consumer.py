@@ -1,0 +1,332 @@
+"""A consumer of one share queue: Kafka's share groups (KIP-932) instead of our markers protocol.
+
+    with ShareQueueConsumer(config, "emails", dead_letters=store.store_dead_letters) as consumer:
+        message = consumer.receive(timeout=1.0)        # the same Message as the markers backend's
+        ...
+        message.ack()                                   # ACCEPT; retry() RELEASE; the last failure REJECT
+
+What to do is decided by share_state.py (no I/O); this module carries it out. The client is not
+thread-safe, so one thread (the poller) makes every call on it: it polls a batch, hands it to
+receive(), and sends the acknowledgements the application's threads decided (ack() from any
+thread only records a verdict). The client takes no poll until every record of the last one is
+acknowledged, so a batch is at most max_in_progress records (`max.poll.records`).
+
+Redelivery is Kafka's: a record whose lock (the queue's redelivery_timeout) expires, or whose
+consumer died or left, is delivered again with its delivery count up by one. This client has no
+lock renewal (RENEW), so a handler must finish within redelivery_timeout; keep_alive_interval is
+not used by this backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from confluent_kafka import AcknowledgeType, IllegalStateException, KafkaError, KafkaException, ShareConsumer
+
+from outbox.harvest.config import default_name
+from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.queue import clients, markers
+from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
+from outbox.queue.consumer import Message
+from outbox.queue.consumer_state import Delivery, Held
+from outbox.queue.delivery_spans import NoSpans
+from outbox.queue.errors import QueueError
+from outbox.queue.instruments import QueueInstruments
+from outbox.queue.markers import Kind
+from outbox.queue.share_group import configure_group, ensure_share_topic
+from outbox.queue.share_state import Ack, Outcome, Settling, ShareState
+from outbox.queue.tracker import DeadLetter
+from outbox.reasons import kafka_error, kafka_reason
+
+log = logging.getLogger(__name__)
+
+DeadLetterSink = Callable[[Sequence[DeadLetter]], None]
+_ACK_TYPES = {Ack.ACCEPT: AcknowledgeType.ACCEPT, Ack.RELEASE: AcknowledgeType.RELEASE,
+              Ack.REJECT: AcknowledgeType.REJECT}
+_OUTCOMES = {Kind.END: Outcome.ACKED, Kind.KEEPALIVE: Outcome.RETRIED, None: Outcome.ABANDONED}
+
+
+class ShareQueueConsumer:
+    """Receives the messages of one share queue; thread-safe receive(), ack() from any thread."""
+
+    def __init__(self, config: QueueConfig, queue: str, *, dead_letters: DeadLetterSink,
+                 limits: QueueLimits | None = None, name: str | None = None,
+                 instruments: QueueInstruments | None = None,
+                 consumer_factory: Callable[[dict[str, Any]], Any] = ShareConsumer,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        try:
+            self.queue = check_queue_name(queue)
+        except ValueError as error:
+            raise QueueError(str(error)) from None
+        self.config = config
+        self.limits = limits or config.limits_for(queue)
+        self.name = name or default_name()
+        self._dead_letters = dead_letters
+        self._instruments = instruments or QueueInstruments()
+        self._consumer_factory, self._clock = consumer_factory, clock
+        #: Tracing of share deliveries is not wired yet: no spans.
+        self.spans = NoSpans()
+        self.topic = config.share_topic(queue)
+        self._state = ShareState(self.queue, self.limits)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._stopping = threading.Event()
+        self._give_up = threading.Event()
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._consumer: Any = None
+        self._poller: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> ShareQueueConsumer:
+        """Create the topic, configure the share group, join it and start polling; QueueError if not."""
+        self.open()
+        self._poller = threading.Thread(target=self._poll_loop, name=f"queue-share-{self.queue}", daemon=True)
+        self._poller.start()
+        log.info("Consuming share queue %s as %s (share group %s, topic %s, max %d in progress, lock %gs)",
+                 self.queue, self.name, self.config.share_group(self.queue), self.topic,
+                 self.limits.max_in_progress, self.limits.redelivery_timeout)
+        return self
+
+    def open(self) -> None:
+        problems = self.config.validate() + self.limits.problems()
+        if problems:
+            raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
+        try:
+            ensure_share_topic(self.config, self.queue, KAFKA_START_TIMEOUT)
+            configure_group(self.config, self.queue, self.limits, KAFKA_START_TIMEOUT)
+            self._consumer = self._consumer_factory(clients.share_consumer_config(self.config, self.queue,
+                                                                                  self.name, self.limits))
+            self._consumer.subscribe([self.topic])
+            self._consumer.set_acknowledgement_commit_callback(self._acknowledgements_committed)
+        except KafkaUnavailable as error:
+            raise QueueError(str(error)) from None
+        except KafkaException as error:
+            bootstrap = self.config.base_kafka_config.get("bootstrap.servers", "?")
+            raise QueueError(f"Kafka is unreachable at {bootstrap}: {kafka_reason(error)}") from None
+
+    def __enter__(self) -> ShareQueueConsumer:
+        return self if self._poller is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def receive(self, timeout: float | None = None) -> Message | None:
+        """The next message, waiting up to `timeout` seconds (None: forever); None if none came."""
+        if self._closed:
+            raise QueueError(f"consumer of queue {self.queue!r} is closed")
+        deadline = None if timeout is None else self._clock() + timeout
+        with self._changed:
+            while True:
+                self._raise_failure()
+                delivery = self._state.take(self._clock())
+                if delivery is not None:
+                    break
+                wait = 0.5 if deadline is None else min(0.5, deadline - self._clock())
+                if wait <= 0 or self._stopping.is_set():
+                    return None
+                self._changed.wait(wait)
+        self._instruments.received(self.queue)
+        return Message(self, delivery)  # type: ignore[arg-type]  # the same protocol as QueueConsumer
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop polling, release messages never received, wait up to `timeout` for the rest to be settled."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        with self._changed:
+            released = self._state.release_buffered(self._clock())
+            self._changed.notify_all()
+        deadline = self._clock() + timeout
+        while self.in_progress and self._clock() < deadline and self._poller is not None and self._poller.is_alive():
+            time.sleep(0.02)
+        if self.in_progress:
+            log.warning("Closing with %d message(s) of share queue %s unacknowledged: Kafka redelivers them when "
+                        "this consumer has left the group", self.in_progress, self.queue)
+        self._give_up.set()
+        if self._poller is not None:
+            self._poller.join()
+        else:
+            self._close_client()
+        log.info("Closed consumer of share queue %s (received %d, acked %d, retried %d, released %d, "
+                 "dead-lettered %d)", self.queue, self.received, self.acked, self.retried, released,
+                 self.dead_lettered)
+
+    # -- figures ----------------------------------------------------------------------------------
+
+    @property
+    def in_progress(self) -> int:
+        """Messages held: buffered, received or waiting for their acknowledgement to be sent."""
+        return len(self._state.held)
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    def oldest_in_progress(self) -> float | None:
+        with self._lock:
+            return self._state.oldest_received()
+
+    received = property(lambda self: self._state.received)
+    acked = property(lambda self: self._state.acked)
+    retried = property(lambda self: self._state.retried)
+    abandoned = property(lambda self: self._state.abandoned)
+    released = property(lambda self: self._state.released)
+    dead_lettered = property(lambda self: self._state.dead_lettered)
+    redelivered = property(lambda self: self._state.redelivered)
+
+    # -- settling (any thread) --------------------------------------------------------------------
+
+    def _settle(self, message: Message, kind: Kind | None, delay: float = 0.0) -> None:
+        delivery: Delivery = message._delivery
+        outcome = _OUTCOMES[kind]
+        with self._changed:
+            if self._state.settle(delivery, outcome, self._clock(), delay) is None:
+                return
+            self._changed.notify_all()
+        if outcome is Outcome.ACKED:
+            self._instruments.acked(self.queue, self._clock() - delivery.received_at)
+        elif outcome is Outcome.RETRIED:
+            self._instruments.retried(self.queue)
+        else:
+            self._instruments.abandoned(self.queue)
+
+    # -- the poller (the only thread that calls the client) ------------------------------------------
+
+    def _poll_loop(self) -> None:
+        try:
+            while not (self._give_up.is_set() or (self._stopping.is_set() and self._state.batch_done)):
+                self.round()
+        except BaseException as error:
+            self._fail(error)
+        finally:
+            self._close_client()
+
+    def round(self) -> None:
+        """Send what is due; then poll the next batch if the last one is settled, else wait for a verdict."""
+        with self._lock:
+            due = self._state.take_due(self._clock())
+        if due:
+            self._acknowledge(due)
+        if self._state.batch_done:
+            if not self._stopping.is_set():
+                self._poll()
+            return
+        with self._changed:
+            if self._state.due or self._give_up.is_set():
+                return
+            next_due = self._state.next_due()
+            wait = self.config.poll_interval if next_due is None else max(0.0, min(
+                self.config.poll_interval, next_due - self._clock()))
+            self._changed.wait(wait)
+
+    def _poll(self) -> None:
+        try:
+            records = self._consumer.poll(self.config.poll_interval)
+        except KafkaException as error:
+            kerror = kafka_error(error)
+            if kerror is not None and kerror.code() == KafkaError.UNSUPPORTED_VERSION:
+                raise QueueError(f"share queue {self.queue!r}: this Kafka has no share groups "
+                                 f"({kafka_reason(error)}); the share backend needs Apache Kafka 4.2 or later"
+                                 ) from None
+            raise
+        deliveries = []
+        now = self._clock()
+        for record in records:
+            error = record.error()
+            if error is not None:
+                if error.fatal():
+                    raise KafkaException(error)
+                log.warning("Share queue %s: %s", self.queue, error.str())
+                continue
+            deliveries.append(_delivery(record, now))
+        if not deliveries:
+            return
+        redelivered = sum(d.deliveries > 1 for d in deliveries)
+        if redelivered:
+            self._instruments.redelivered(self.queue, redelivered)
+        with self._changed:
+            self._state.arrived(deliveries)
+            if self._stopping.is_set():  # close() began while this poll ran: hand the batch back at once
+                self._state.release_buffered(self._clock())
+            self._changed.notify_all()
+
+    def _acknowledge(self, due: list[Settling]) -> None:
+        """Dead letters first (a REJECT whose letter could not be written becomes a RELEASE), then the acks."""
+        letters = [s for s in due if s.verdict.dead_letter]
+        written = False
+        if letters:
+            try:
+                self._dead_letters([_dead_letter(self.queue, s.delivery) for s in letters])
+                written = True
+            except Exception as error:
+                log.warning("Could not write %d dead letter(s) of share queue %s (%s): released, so they come "
+                            "back", len(letters), self.queue, error)
+        for settling in due:
+            ack = settling.verdict.ack
+            if settling.verdict.dead_letter and not written:
+                ack = Ack.RELEASE
+            delivery = settling.delivery
+            try:
+                self._consumer.acknowledge_offset(self.topic, delivery.ref[0], delivery.ref[1], _ACK_TYPES[ack])
+            except IllegalStateException as error:  # no longer in flight: Kafka has it back, and redelivers it
+                log.warning("Could not acknowledge %s/%s (%s): Kafka redelivers it", self.queue, delivery.id, error)
+            with self._lock:
+                self._state.sent(settling, dead_lettered=settling.verdict.dead_letter and written)
+        if letters and written:
+            self._instruments.dead_lettered(self.queue, len(letters))
+            log.warning("Moved %d message(s) of share queue %s to the dead letters (max deliveries reached)",
+                        len(letters), self.queue)
+        self._consumer.commit_async()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _acknowledgements_committed(self, offsets: dict[Any, Any], error: KafkaException | None) -> None:
+        """The broker's answer to acknowledgements (on the poller's thread): a refused one is redelivered."""
+        if error is not None:
+            count = sum(len(found) for found in offsets.values())
+            log.warning("Kafka refused %d acknowledgement(s) of share queue %s (%s): those messages are redelivered",
+                        count, self.queue, kafka_reason(error))
+
+    def _close_client(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is None:
+            return
+        try:
+            consumer.close()  # commits what was acknowledged and leaves the group: the rest is redelivered
+        except (KafkaException, RuntimeError) as error:
+            log.warning("Closing the share consumer of queue %s: %s", self.queue, kafka_reason(error))
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+            log.error("Consumer of share queue %s failed: %s", self.queue, kafka_reason(error), exc_info=error)
+        self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            reason = str(self._failure) if isinstance(self._failure, QueueError) else kafka_reason(self._failure)
+            raise QueueError(f"consumer of queue {self.queue!r} failed: {reason}") from self._failure
+
+
+def _delivery(record: Any, now: float) -> Delivery:
+    ref = (record.partition(), record.offset())
+    headers = record.headers() or []
+    return Delivery(ref=ref, id=markers.header_text(headers, markers.ID_HEADER) or markers.ref_id(ref),
+                    key=record.key(), payload=record.value() or b"", raw_headers=headers,
+                    deliveries=record.delivery_count() or 1, received_at=now, last_marker=now, state=Held.BUFFERED)
+
+
+def _dead_letter(queue: str, delivery: Delivery) -> DeadLetter:
+    return DeadLetter(queue=queue, message_id=delivery.id, key=delivery.key, payload=delivery.payload,
+                      headers=[(k, v or b"") for k, v in delivery.raw_headers
+                               if not k.startswith(markers.RESERVED_PREFIX)],
+                      deliveries=delivery.deliveries, started=time.time())
