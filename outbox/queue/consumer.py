@@ -42,6 +42,7 @@ from outbox.queue.delivery_spans import DeliverySpans, NoSpans
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, Ref
+from outbox.queue.receiving import wait_for_delivery
 from outbox.queue.topics import ensure_topics
 from outbox.reasons import kafka_error, kafka_reason
 
@@ -210,17 +211,10 @@ class QueueConsumer:
         """The next message, waiting up to `timeout` seconds (None: forever); None if none came."""
         if self._closed:
             raise QueueError(f"consumer of queue {self.queue!r} is closed")
-        deadline = None if timeout is None else self._clock() + timeout
-        with self._buffered:
-            while True:
-                self._raise_failure()
-                delivery = self._state.take(self._clock())
-                if delivery is not None:
-                    break
-                wait = 0.5 if deadline is None else min(0.5, deadline - self._clock())
-                if wait <= 0 or self._stopping.is_set():
-                    return None
-                self._buffered.wait(wait)
+        delivery = wait_for_delivery(self._buffered, self._state, self._clock, self._stopping, self._raise_failure,
+                                     timeout)
+        if delivery is None:
+            return None
         self._instruments.received(self.queue)
         return Message(self, delivery)
 
