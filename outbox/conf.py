@@ -31,7 +31,7 @@ LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(Limits))
 #: HarvestConfig fields a user sets through OUTBOX (dsn, name and limits come other ways).
 ENGINE_KEYS = ("table", "base_kafka_config", "producer_kafka_config", "leader_topic", "leader_group", "name",
                "listen", "status_table", "status_prune_after", "history_retention", "dead_letter_topic",
-               "dead_letter_retention", "park_after")
+               "dead_letter_retention", "park_after", "shards")
 #: Settings that belong to the Django side, with their defaults.
 DJANGO_DEFAULTS: dict[str, Any] = {
     "database": "default",

@@ -14,13 +14,16 @@ from typing import Any
 from outbox import conf, signals
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
+from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.tracing import PublishTracer
 from outbox.tracing.switch import tracing_on
 
 
 def create_harvester(*, instruments: Instruments | None = None, tracer: PublishTracer | None = None,
-                     **overrides: Any) -> Harvester:
-    """A Harvester configured from settings.OUTBOX (plus overrides) whose events become Django signals.
+                     **overrides: Any) -> Harvester | ShardedHarvester:
+    """A Harvester configured from settings.OUTBOX (plus overrides) whose events become Django signals;
+    with OUTBOX["shards"] (or the override) above 1, a ShardedHarvester (an engine per shard it leads,
+    each the sender of its signals).
 
     With tracing on (OUTBOX["tracing"] and opentelemetry-api installed) and no `tracer` given, each
     published record gets a span from OpenTelemetry's global tracer provider (docs/tracing.md).
@@ -30,7 +33,10 @@ def create_harvester(*, instruments: Instruments | None = None, tracer: PublishT
         from outbox.tracing.publish import OtelPublishTracer
 
         tracer = OtelPublishTracer()
-    harvester = Harvester(conf.harvest_config(**overrides), instruments=instruments,
+    config = conf.harvest_config(**overrides)
+    if config.shards > 1:
+        return ShardedHarvester(config, on_event=signals.send_event, tracer=tracer)
+    harvester = Harvester(config, instruments=instruments,
                           on_event=lambda event: signals.send_event(holder[0], event), tracer=tracer)
     holder.append(harvester)
     return harvester

@@ -36,6 +36,8 @@ class TakeFence:
     """Take (or confirm) the table's database fence; answer on_fence()."""
 
     leader_id: uuid.UUID
+    #: End the session of a holder of our own group (a stale leader) and take the fence.
+    end_stale: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox.harvest.redaction import redact_dsn, redact_mapping
+from outbox.harvest.sharding import shards_problem
 
 # Kafka's own rule for topic names: 1..249 of [a-zA-Z0-9._-], and not "." or "..".
 TOPIC_PATTERN = re.compile(r"[a-zA-Z0-9._-]{1,249}")
@@ -195,6 +196,15 @@ class HarvestConfig:
     #: Park a held record after it failed this many times on its own (None: hold it until an
     #: operator acts; holding keeps its key's order, parking trades it for liveness).
     park_after: int | None = None
+    #: The table's rows are harvested in this many shards, each led by its own leader (sharding.py,
+    #: shards.py); 1 is goharvest's one leader per table.
+    shards: int = 1
+    #: Which shard this engine harvests (0 to shards - 1); set by the sharded harvester for each of its engines.
+    shard: int = 0
+
+    def for_shard(self, shard: int) -> HarvestConfig:
+        """The config of this replica's engine for one shard."""
+        return dataclasses.replace(self, shard=shard)
 
     def validate(self, *, given_limits: Collection[str] | None = None) -> list[Problem]:
         """Every problem at once; an empty list means the config is usable.
@@ -247,6 +257,10 @@ class HarvestConfig:
                                                                   f"got {retention!r}"))
         if not isinstance(self.listen, bool):
             found.append(Problem("E003", "listen", f"must be True or False, got {self.listen!r}"))
+        if (problem := shards_problem(self.shards)) is not None:
+            found.append(Problem("E017", "shards", problem))
+        elif not _is_int(self.shard) or not 0 <= self.shard < self.shards:
+            found.append(Problem("E017", "shard", f"must be from 0 to {self.shards - 1}, got {self.shard!r}"))
         if isinstance(self.limits, Limits):
             found.extend(self.limits.problems(given_limits))
         else:
@@ -314,6 +328,7 @@ class HarvestConfig:
             "dead_letter_topic": self.dead_letter_topic,
             "dead_letter_retention": self.dead_letter_retention,
             "park_after": self.park_after,
+            "shards": self.shards,
             "limits": dataclasses.asdict(self.limits),
         }
 

@@ -19,6 +19,7 @@ from outbox.harvest.contract import Record
 from outbox.harvest.kafka import (
     KAFKA_START_TIMEOUT,
     ProducerLike,
+    check_leader_partitions,
     dead_letter_producer_config,
     ensure_topic,
     heartbeat_producer_config,
@@ -40,7 +41,7 @@ class Store(Protocol):
     table_oid: int
     partitioned: bool
 
-    def take_fence(self) -> FenceHolder | None: ...
+    def take_fence(self, *, end_stale: bool = True) -> FenceHolder | None: ...
     def release_fence(self) -> None: ...
     def mark(self, limit: int, after: int,
              gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str] | None]: ...
@@ -94,10 +95,13 @@ class LiveConnector:
     def open_store(self) -> PostgresStore:
         config = self.config
         return PostgresStore.open(config.dsn, config.table, name=config.name, group=config.leader_group,
-                                  dead_letter_table=config.dead_letter_table, status_table=config.status_table)
+                                  dead_letter_table=config.dead_letter_table, status_table=config.status_table,
+                                  shards=config.shards, shard=config.shard)
 
     def ensure_leader_topic(self) -> None:
-        ensure_topic(dict(self.config.base_kafka_config), self.config.leader_topic, KAFKA_START_TIMEOUT)
+        config = self.config
+        found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT, config.shards)
+        check_leader_partitions(config.leader_topic, found, config.shards)
 
     def record_producer(self) -> Producer:
         return Producer(record_producer_config(self.config, self.batch_limit))

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from outbox.harvest import sharding
+
 #: goharvest's columns: any application can INSERT into a table that has them.
 COLUMNS = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys",
            "kafka_header_values", "leader_id")
@@ -102,9 +104,11 @@ _COLUMNS = ("id, create_time, kafka_topic, kafka_key, kafka_value, kafka_header_
 # Mark: the earliest rows above the highest id this term has read (`after`). Its cost does not
 # grow with the rows purged before, whose dead index entries linger until vacuum (or while an old
 # transaction holds the database's horizon): it starts above them.
+# With shards, {above} reads only the shard's rows, through its index on (shard, id) (sharding.py:
+# a row comparison, which the primary key cannot serve, so the planner never walks every shard's rows).
 MARK = f"""
 SELECT {_COLUMNS} FROM {{table}}
-WHERE id > %(after)s
+WHERE {{above}}
 ORDER BY id
 LIMIT %(limit)s
 """
@@ -114,11 +118,24 @@ LIMIT %(limit)s
 GAPS = f"""
 SELECT o.* FROM unnest(%(los)s::bigint[], %(his)s::bigint[]) AS gap(lo, hi)
 CROSS JOIN LATERAL (
-  SELECT {_COLUMNS} FROM {{table}} WHERE id BETWEEN gap.lo AND gap.hi ORDER BY id LIMIT %(limit)s
+  SELECT {_COLUMNS} FROM {{table}} WHERE {{within}} ORDER BY id LIMIT %(limit)s
 ) AS o
 ORDER BY o.id
 LIMIT %(limit)s
 """
+UNSHARDED_ABOVE = "id > %(after)s"
+UNSHARDED_WITHIN = "id BETWEEN gap.lo AND gap.hi"
+
+
+def reads(shards: int) -> tuple[str, str]:
+    """MARK's {above} and GAPS' {within} for a table harvested in `shards` shards."""
+    if shards <= 1:
+        return UNSHARDED_ABOVE, UNSHARDED_WITHIN
+    shard = sharding.shard_expression(shards)
+    return (f"({shard}, id) > (%(shard)s, %(after)s) AND {shard} = %(shard)s",
+            f"({shard}, id) >= (%(shard)s, gap.lo) AND ({shard}, id) <= (%(shard)s, gap.hi)")
+
+
 # Read just before each mark: the transactions writing to the outbox now (a row-exclusive lock on
 # it), by virtual transaction id, which a transaction has before it takes an id. A gap is forgotten
 # only once the writers seen after it was recorded have all ended.
@@ -200,6 +217,17 @@ RETURNING outbox_id
 FENCE_CLASS = 0x0B0C
 TAKE_FENCE = "SELECT pg_try_advisory_lock(%(key)s)"
 RELEASE_FENCE = "SELECT pg_advisory_unlock(%(key)s)"
+# Shards (sharding.py): each shard's leader holds its own fence, and shares the table's fence and its N's key.
+TAKE_SHARED_FENCE = "SELECT pg_try_advisory_lock_shared(%(key)s)"
+RELEASE_SHARED_FENCE = "SELECT pg_advisory_unlock_shared(%(key)s)"
+# A leader of a group sharded another number of ways, holding its N's key (the N is in the class).
+OTHER_SHARD_COUNT = """
+SELECT a.pid, a.application_name, coalesce(a.client_addr::text, 'local'), l.classid::bigint - %(lo)s
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objid = %(table_oid)s AND l.objsubid = 1 AND l.granted
+  AND l.classid::bigint >= %(lo)s AND l.classid::bigint <= %(hi)s AND l.classid::bigint <> %(mine)s
+LIMIT 1
+"""
 FENCE_HOLDER = """
 SELECT a.pid, a.application_name, coalesce(a.client_addr::text, 'local')
 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid

@@ -74,9 +74,12 @@ class Core:
     poison_class: type[PoisonBook] = PoisonBook
 
     def __init__(self, limits: Limits, *, new_leader_id: Callable[[], uuid.UUID] = uuid.uuid4,
-                 park_after: int | None = None, now: float = 0.0) -> None:
+                 park_after: int | None = None, now: float = 0.0, handoff_by_fence: bool = False) -> None:
         self.limits = limits
         self.now = now
+        #: A shard's engine (shards.py): Kafka hands its partition on at once, so the database fence is what
+        #: orders a hand-off (leadership.py).
+        self.handoff_by_fence = handoff_by_fence
         #: Assert the core's invariants after every input (see check_invariants).
         self.checking = False
         self._commands: list[cmd.Command] = []
@@ -235,9 +238,10 @@ class Core:
 
     # ============================================================================ inputs: the database
 
-    def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None = None) -> None:
-        """The answer to TakeFence."""
-        self.leadership.on_fence(leader_id, taken, holder)
+    def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None = None, *,
+                 same_group: bool = False) -> None:
+        """The answer to TakeFence (`same_group`: the holder is a replica of this leader group)."""
+        self.leadership.on_fence(leader_id, taken, holder, same_group)
 
     def on_fence_failed(self, leader_id: uuid.UUID, error: str) -> None:
         """TakeFence raised (the database is unreachable): try again after io_error_backoff."""

@@ -342,9 +342,12 @@ class Driver:
         leader_id = command.leader_id
 
         def answered(core: Core, holder: object) -> None:
-            core.on_fence(leader_id, holder is None, None if holder is None else str(holder))
+            core.on_fence(leader_id, holder is None, None if holder is None else str(holder),
+                          same_group=bool(getattr(holder, "same_group", False)))
 
-        self._run(FENCE_SESSION, self._timed("fence", lambda store: store.take_fence(), _no_rows), answered,
+        end_stale = command.end_stale
+        self._run(FENCE_SESSION, self._timed("fence", lambda store: store.take_fence(end_stale=end_stale), _no_rows),
+                  answered,
                   lambda core, error: core.on_fence_failed(leader_id, error))
 
     def _release_fence(self, command: cmd.ReleaseFence) -> None:

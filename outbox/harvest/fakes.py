@@ -246,11 +246,11 @@ class FakeStore(MemoryStore):
 
     # -- the Store protocol, with the switches ------------------------------------------------------
 
-    def take_fence(self) -> FenceHolder | str | None:
+    def take_fence(self, *, end_stale: bool = True) -> FenceHolder | str | None:
         with self.lock:
             if self.fence_holder is not None:
                 return self.fence_holder
-            holder = super().take_fence()
+            holder = super().take_fence(end_stale=end_stale)
             self.fence_taken = holder is None
             return holder
 

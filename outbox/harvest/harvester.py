@@ -79,7 +79,8 @@ class Harvester:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._failure: BaseException | None = None
-        self._core = Core(config.limits, park_after=config.park_after, now=clock())
+        self._core = Core(config.limits, park_after=config.park_after, now=clock(),
+                          handoff_by_fence=config.shards > 1)
         self._io = ThreadedIO(config, self._connector, clock, self._announce)
         self._driver = Driver(self._core, self._io, instruments=self._instruments,
                               parked_by=f"harvester {config.name}", tracer=tracer)

@@ -270,22 +270,33 @@ def cluster_metadata(base: Mapping[str, Any], timeout: float) -> Any:
                 raise KafkaUnavailable(problems.describe(bootstrap, kafka_reason(error))) from None
 
 
-def ensure_topic(base: dict[str, Any], topic: str, timeout: float) -> None:
-    """Create `topic` (one partition) unless it exists; raise KafkaUnavailable if Kafka cannot be used."""
+def ensure_topic(base: dict[str, Any], topic: str, timeout: float, partitions: int = 1) -> int:
+    """Create the leader topic with `partitions` partitions (one per shard) unless it exists; returns
+    how many partitions it has. Raises KafkaUnavailable if Kafka cannot be used."""
     metadata = cluster_metadata(base, timeout)
     if topic in metadata.topics and metadata.topics[topic].error is None:
-        return
+        return len(metadata.topics[topic].partitions)
     admin = AdminClient(admin_config(base))
     bootstrap = base.get("bootstrap.servers", "?")
-    futures = admin.create_topics([NewTopic(topic, num_partitions=1)], request_timeout=timeout)
+    futures = admin.create_topics([NewTopic(topic, num_partitions=partitions)], request_timeout=timeout)
     try:
         futures[topic].result(timeout=timeout)
-        log.info("Created leader topic %s", topic)
+        log.info("Created leader topic %s (%d partition%s)", topic, partitions, "s" if partitions > 1 else "")
     except KafkaException as error:
-        if error.args and error.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
-            return
+        if error.args and error.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:  # another replica made it
+            found = cluster_metadata(base, timeout).topics.get(topic)
+            return len(found.partitions) if found is not None and found.error is None else partitions
         raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
+    return partitions
 
+
+def check_leader_partitions(topic: str, found: int, shards: int) -> None:
+    """A replica runs as many shards as its group's leader topic has partitions, or does not start."""
+    if found != shards:
+        raise KafkaUnavailable(
+            f"leader topic {topic!r} has {found} partition(s), one per shard of its group, but this replica runs "
+            f"{shards} shard(s): every replica of a group runs the same number (to change it, stop the group and "
+            f"run manage.py outbox_reshard --shards {shards})")
 
 
 def log_client_error(error: KafkaError) -> None:

@@ -7,6 +7,13 @@ within heartbeat_timeout fences itself, well before Kafka (three heartbeat timeo
 partition away. A failure forces a refresh: nothing more is sent, and once nothing is in flight a
 new leader id re-marks from the table's head (goharvest's A9). A revoke, or a stop, waits for what
 is in flight to settle (at most settle_timeout, then gives it up) before partition 0 goes.
+
+A shard's engine (`core.handoff_by_fence`, shards.py) cannot hold its partition back like that: one
+group consumer serves every shard of a replica, and Kafka hands a revoked partition on at once. The
+database fence orders that hand-off instead: a shard's leader lets its fence go only once nothing it
+sent is in flight, and the next leader waits for that (a holder of its own group is ended only after
+the longest a settle can take, as a stale one). Taken from a leader of its own group that let go, the
+fence needs no grace: that leader had settled.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ log = logging.getLogger("outbox.harvest")
 #: producer to report those records failed before it lets partition 0 go (or stops) regardless.
 REVOKE_GRACE = 1.0
 STOP_GRACE = 2.0
+#: A shard's next leader asks for the fence this often while the previous leader settles.
+HANDOFF_RETRY = 0.2
 
 
 class Phase(enum.Enum):
@@ -69,6 +78,9 @@ class Leadership:
         self.fence_holder: str | None = None
         self.grace_until = now  # after taking the fence from another group: no marks before this
         self.force_remark = False
+        self._fence_release_owed = False  # handoff_by_fence: the term ended with records in flight
+        self._handoff_since: float | None = None  # blocked by a leader of our own group since then
+        self._holder_same_group = False
 
     @property
     def leading(self) -> bool:
@@ -163,26 +175,37 @@ class Leadership:
 
     # -- the database fence -----------------------------------------------------------------------
 
-    def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None) -> None:
+    def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None, same_group: bool = False) -> None:
         if leader_id != self.leader_id or self.phase not in (Phase.FENCING, Phase.BLOCKED):
             return
         now = self.core.now
         self._fence_pending = False
         if taken:
-            if self.fence_holder is not None:
+            if self.fence_holder is not None and not self._holder_same_group:
                 # Another group published until a moment ago: let its last records land first.
                 grace = self.limits.delivery_timeout + self.limits.heartbeat_timeout
                 log.warning("Database fence taken (it was held by %s); marking in %.1fs, once that replica's last "
                             "records have landed", self.fence_holder, grace)
                 self.grace_until = now + grace
-                self.fence_holder = None
+            self.fence_holder = None
+            self._handoff_since = None
+            self._holder_same_group = False
             self._activate()
+            return
+        if same_group and self.core.handoff_by_fence:
+            # The shard's previous leader settles what it has in flight, then lets the fence go.
+            if self._handoff_since is None:
+                log.info("Waiting for the shard's previous leader to settle: %s", holder)
+                self._handoff_since = now
+            self.fence_holder, self._holder_same_group = holder or "unknown", True
+            self.phase = Phase.BLOCKED
+            self._fence_retry_at = now + HANDOFF_RETRY
             return
         if holder != self.fence_holder:
             log.error("Leading the group, but another replica holds this table's database fence (%s): "
                       "marking nothing until it is released", holder)
             self.core.announce(events.LeaderBlocked(holder or "unknown"))
-        self.fence_holder = holder or "unknown"
+        self.fence_holder, self._holder_same_group = holder or "unknown", False
         self.phase = Phase.BLOCKED
         self._fence_retry_at = now + self.limits.fence_retry_interval
 
@@ -208,6 +231,9 @@ class Leadership:
     def advance(self) -> None:
         """Settle a revoke or a stop; start, fence or refresh a term."""
         core, lanes = self.core, self.core.lanes
+        if self._fence_release_owed and not lanes.in_flight and not lanes.restarting:
+            self._fence_release_owed = False
+            core.command(cmd.ReleaseFence())
         if self._release_at is not None:
             self._settle_revoke()
         if self.stopping and not self.finished:
@@ -218,7 +244,7 @@ class Leadership:
         elif self.phase in (Phase.FENCING, Phase.BLOCKED) and not self._fence_pending \
                 and core.now >= self._fence_retry_at:
             self._fence_pending = True
-            core.command(cmd.TakeFence(self.leader_id))
+            core.command(cmd.TakeFence(self.leader_id, end_stale=self._end_stale()))
         elif self.phase is Phase.DRAINING and quiet:
             self._begin_term()  # a refresh: a new leader id re-marks what is left
 
@@ -235,6 +261,7 @@ class Leadership:
             else:
                 log.warning("Letting partition 0 go with %d record(s) unsettled", lanes.in_flight)
                 self._release_at = None
+                self._give_up_fence()
                 core.command(cmd.ReleasePartition())
 
     def _settle_stop(self) -> None:
@@ -248,13 +275,29 @@ class Leadership:
                 lanes.abort("stopping")
             else:
                 log.warning("Stopping with %d record(s) unsettled; the next leader re-marks them", lanes.in_flight)
+                self._give_up_fence()
                 self.finished = True
+
+    def _give_up_fence(self) -> None:
+        """Records are given up unsettled: a fence still owed goes now (the next leader of the shard has
+        waited as long as a settle can take, and would end this session next)."""
+        if self._fence_release_owed:
+            self._fence_release_owed = False
+            self.core.command(cmd.ReleaseFence())
+
+    def _end_stale(self) -> bool:
+        """Whether a holder of our own group may be ended as stale: always, unless a shard's previous
+        leader may still be settling (for as long as a settle can take)."""
+        if not self.core.handoff_by_fence or self._handoff_since is None:
+            return not self.core.handoff_by_fence
+        return self.core.now >= self._handoff_since + self.limits.settle_timeout + REVOKE_GRACE + STOP_GRACE
 
     def _begin_term(self) -> None:
         self.leader_id = self._new_leader_id()  # fresh at every acquisition and refresh, never reused
         self.phase = Phase.FENCING
         self._fence_pending = True
-        self.core.command(cmd.TakeFence(self.leader_id))
+        self._handoff_since = None
+        self.core.command(cmd.TakeFence(self.leader_id, end_stale=self._end_stale()))
 
     def _activate(self) -> None:
         self.last_term_id = self.leader_id
@@ -288,7 +331,11 @@ class Leadership:
         core.marking.end()
         self._fence_pending = False
         self.fence_holder = None
-        if had_term:
+        self._holder_same_group = False
+        self._handoff_since = None
+        if had_term and core.handoff_by_fence and (core.lanes.in_flight or core.lanes.restarting):
+            self._fence_release_owed = True  # the next leader of the shard waits for it: let it go once settled
+        elif had_term:
             core.command(cmd.ReleaseFence())
         if abort:
             core.lanes.abort("leadership lost")

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox.harvest import contract
+from outbox.harvest import contract, sharding
 from outbox.harvest.contract import Record
 from outbox.harvest.redaction import dsn_problem
 from outbox.reasons import first_line
@@ -110,7 +110,8 @@ class PostgresStore:
     """The engine's database side; see the module docstring for its two sessions."""
 
     def __init__(self, dsn: str, table: str, *, name: str = "", group: str = "", counts_failures: bool = False,
-                 table_oid: int = 0, dead_letter_table: str | None = None, status_table: str | None = None) -> None:
+                 table_oid: int = 0, dead_letter_table: str | None = None, status_table: str | None = None,
+                 shards: int = 1, shard: int = 0) -> None:
         self._dsn = dsn
         self._table = table
         self._name = name
@@ -122,8 +123,11 @@ class PostgresStore:
         self.partitioned = False
         self.dead_letter_table = dead_letter_table
         ident = table_identifier(table)
-        self._mark_sql = sql.SQL(contract.MARK).format(table=ident)
-        self._gaps_sql = sql.SQL(contract.GAPS).format(table=ident)
+        #: This store's shard of the table (sharding.py): its marks read only that shard's rows.
+        self.shards, self.shard = shards, shard
+        above, within = contract.reads(shards)
+        self._mark_sql = sql.SQL(contract.MARK).format(table=ident, above=sql.SQL(above))
+        self._gaps_sql = sql.SQL(contract.GAPS).format(table=ident, within=sql.SQL(within))
         self._purge_sql = sql.SQL(contract.PURGE).format(table=ident)
         self._reset_sql = sql.SQL(contract.RESET_COUNTED if counts_failures else contract.RESET).format(table=ident)
         self._hold_sql = sql.SQL(contract.HOLD_COUNTED if counts_failures else contract.HOLD).format(table=ident)
@@ -140,7 +144,7 @@ class PostgresStore:
 
     @classmethod
     def open(cls, dsn: str, table: str, *, name: str = "", group: str = "", dead_letter_table: str | None = None,
-             status_table: str | None = None) -> PostgresStore:
+             status_table: str | None = None, shards: int = 1, shard: int = 0) -> PostgresStore:
         """Connect and check the table; raises StoreError with a one-line reason."""
         where = describe_dsn(dsn)
         try:
@@ -179,7 +183,7 @@ class PostgresStore:
             raise StoreError(f"cannot read table {table!r} at {where}: {first_line(error)}") from None
         store = cls(dsn, table, name=name, group=group,
                     counts_failures=all(c in columns for c in contract.FAILURE_COLUMNS), table_oid=int(oid),
-                    dead_letter_table=dead_letters, status_table=status_table)
+                    dead_letter_table=dead_letters, status_table=status_table, shards=shards, shard=shard)
         store.partitioned = partitioned
         store._fence_conn = conn
         return store
@@ -200,30 +204,40 @@ class PostgresStore:
             self._fence_conn = connect(self._dsn, "fence", name=f"{group_tag(self._group)} {self._name}")
         return self._fence_conn
 
-    def take_fence(self) -> FenceHolder | None:
-        """Take the table's fence on the fence session; None when taken, else who holds it.
+    @property
+    def _fence_class(self) -> int:
+        return sharding.shard_class(self.shards, self.shard) if self.shards > 1 else contract.FENCE_CLASS
+
+    def take_fence(self, *, end_stale: bool = True) -> FenceHolder | None:
+        """Take the table's fence (with shards: this shard's) on the fence session; None when taken,
+        else who holds it.
 
         A holder of our own group is a stale leader (Kafka gave the group's leadership to this
-        replica): its session is ended, after which none of its statements can succeed, and the
-        fence is taken.
+        replica): with `end_stale` its session is ended, after which none of its statements can
+        succeed, and the fence is taken. Without it (a shard handed over by a rebalance, whose old
+        leader settles what it has in flight before it lets the fence go) the holder is returned.
         """
         try:
             conn = self._fence_connection()
             if self._fence_held:
                 return None
-            params = {"key": contract.fence_key(self.table_oid), "class": contract.FENCE_CLASS,
+            params = {"key": sharding.lock_key(self._fence_class, self.table_oid), "class": self._fence_class,
                       "table_oid": self.table_oid}
             holder: FenceHolder | None = None
             for _ in range(3):
                 if conn.execute(contract.TAKE_FENCE, params).fetchone()[0]:
-                    self._fence_held = True
-                    self.fence_pid = conn.info.backend_pid
-                    return None
+                    other = self._take_shared_fences(conn) if self.shards > 1 else None
+                    if other is None:
+                        self._fence_held = True
+                        self.fence_pid = conn.info.backend_pid
+                        return None
+                    conn.execute(contract.RELEASE_FENCE, params)
+                    return other
                 row = conn.execute(contract.FENCE_HOLDER, params).fetchone()
                 if row is None:
                     continue  # released in between: try again
                 holder = self._describe_holder(conn, *row)
-                if not holder.same_group:
+                if not holder.same_group or not end_stale:
                     return holder
                 log.warning("Ending the database session of a stale leader of this group: %s", holder)
                 conn.execute(contract.TERMINATE, {"pid": holder.pid})
@@ -231,6 +245,30 @@ class PostgresStore:
         except psycopg.Error:
             self._drop_fence()
             raise
+
+    def _take_shared_fences(self, conn: psycopg.Connection) -> FenceHolder | None:
+        """A shard's leader also holds, shared, the table's unsharded fence and its N's key (sharding.py);
+        None when both are held and no leader of another N holds its own, else who is in the way
+        (and nothing of the two is kept)."""
+        table = {"key": sharding.lock_key(contract.FENCE_CLASS, self.table_oid), "class": contract.FENCE_CLASS,
+                 "table_oid": self.table_oid}
+        count = {"key": sharding.lock_key(sharding.shard_count_class(self.shards), self.table_oid)}
+        if not conn.execute(contract.TAKE_SHARED_FENCE, table).fetchone()[0]:
+            row = conn.execute(contract.FENCE_HOLDER, table).fetchone()
+            return self._describe_holder(conn, *row) if row else FenceHolder(0, "an unsharded leader", "?", "?",
+                                                                             same_group=False)
+        conn.execute(contract.TAKE_SHARED_FENCE, count)
+        row = conn.execute(contract.OTHER_SHARD_COUNT, {
+            "table_oid": self.table_oid, "lo": sharding.SHARD_COUNT_CLASS_BASE,
+            "hi": sharding.SHARD_COUNT_CLASS_BASE + sharding.MAX_SHARDS,
+            "mine": sharding.shard_count_class(self.shards)}).fetchone()
+        if row is None:
+            return None
+        conn.execute(contract.RELEASE_SHARED_FENCE, count)
+        conn.execute(contract.RELEASE_SHARED_FENCE, table)
+        holder = self._describe_holder(conn, *row[:3])
+        return FenceHolder(holder.pid, f"{holder.name} (sharded {row[3]} ways)", holder.group, holder.host,
+                           same_group=False)
 
     def _describe_holder(self, conn: psycopg.Connection, pid: int, application: str, address: str) -> FenceHolder:
         # application_name is "outbox-harvest-fence <group tag> <name>" (see connect()).
@@ -251,7 +289,12 @@ class PostgresStore:
         if self._fence_conn is None or not self._fence_held:
             return
         try:
-            self._fence_conn.execute(contract.RELEASE_FENCE, {"key": contract.fence_key(self.table_oid)})
+            self._fence_conn.execute(contract.RELEASE_FENCE,
+                                     {"key": sharding.lock_key(self._fence_class, self.table_oid)})
+            if self.shards > 1:
+                for lock_class in (contract.FENCE_CLASS, sharding.shard_count_class(self.shards)):
+                    self._fence_conn.execute(contract.RELEASE_SHARED_FENCE,
+                                             {"key": sharding.lock_key(lock_class, self.table_oid)})
         except psycopg.Error:
             self._drop_fence()
         self._fence_held = False
@@ -271,9 +314,11 @@ class PostgresStore:
                 raise psycopg.OperationalError("the database fence was lost with its session")
             with conn.pipeline():
                 writers = conn.execute(contract.WRITERS, {"table_oid": self.table_oid}, prepare=True) if gaps else None
-                cursor = conn.execute(self._mark_sql, {"limit": limit, "after": after}, prepare=True)
+                cursor = conn.execute(self._mark_sql, {"limit": limit, "after": after, "shard": self.shard},
+                                      prepare=True)
                 found = conn.execute(self._gaps_sql, {"los": [lo for lo, _ in gaps], "his": [hi for _, hi in gaps],
-                                                      "limit": limit}, prepare=True) if gaps else None
+                                                      "limit": limit, "shard": self.shard},
+                                     prepare=True) if gaps else None
             running = frozenset(row[0] for row in writers.fetchall()) if writers is not None else None
             rows = cursor.fetchall()
             if found is not None:
@@ -341,7 +386,7 @@ class PostgresStore:
         return row[0] if row else None
 
     def _settle(self, statement: sql.Composed, params: dict[str, Any]) -> tuple[int, bool]:
-        params.update({"class": contract.FENCE_CLASS, "table_oid": self.table_oid, "fence_pid": self.fence_pid})
+        params.update({"class": self._fence_class, "table_oid": self.table_oid, "fence_pid": self.fence_pid})
         with self._purge_lock:
             try:
                 held, count = self._purge_connection().execute(statement, params, prepare=True).fetchone()

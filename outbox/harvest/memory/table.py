@@ -20,6 +20,7 @@ import psycopg
 
 from outbox.harvest.contract import Record
 from outbox.harvest.memory.world import Violation, World
+from outbox.harvest.store import FenceHolder
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 #: A value the broker refuses (as it would a record over its topic's size limit)...
@@ -174,13 +175,15 @@ class MemoryTable:
             raise StatementFailed("injected: connection lost after the statement committed")
         return result
 
-    def take_fence(self, session: Session) -> str | None:
-        def apply() -> str | None:
+    def take_fence(self, session: Session, end_stale: bool = True) -> str | FenceHolder | None:
+        def apply() -> str | FenceHolder | None:
             if not self.db_fence:
                 return None
             holder = self.fence_holder
             if holder is session:
                 return None
+            if holder is not None and holder.alive and holder.group == session.group and not end_stale:
+                return FenceHolder(0, holder.owner, holder.group, "sim", same_group=True)
             if holder is not None and holder.alive and holder.group == session.group:
                 self.world.note(f"fence: {session.owner} ends the session of stale {holder.owner}")
                 self.drop(holder)
@@ -328,8 +331,8 @@ class MemoryStore:
         except StatementFailed as error:
             raise psycopg.OperationalError(str(error)) from None
 
-    def take_fence(self) -> str | None:
-        return self._run(True, self.table.take_fence)  # type: ignore[return-value]
+    def take_fence(self, *, end_stale: bool = True) -> str | FenceHolder | None:
+        return self._run(True, lambda session: self.table.take_fence(session, end_stale))  # type: ignore[return-value]
 
     def release_fence(self) -> None:
         self._run(True, self.table.release_fence)

@@ -31,6 +31,9 @@ class Command(BaseCommand):
         parser.add_argument("--leader-topic", help="Kafka topic for leader election (created if missing)")
         parser.add_argument("--leader-group", help="Kafka consumer group for leader election")
         parser.add_argument("--name", help="this replica's name in logs and heartbeats (default: host_pid_time)")
+        parser.add_argument("--shards", type=int, metavar="N",
+                            help="harvest the table in N shards, each led by one replica of the group (default: "
+                                 "OUTBOX['shards'], 1); every replica of a group runs the same N")
         parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
                             help="do not LISTEN for stash()'s NOTIFY; find new records by polling only")
         parser.add_argument("--metrics-port", type=int, metavar="PORT",
@@ -48,7 +51,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         overrides = {name: options.get(name) for name in conf.LIMIT_NAMES}
         overrides.update(table=options["table"], database=options["database"], leader_topic=options["leader_topic"],
-                         leader_group=options["leader_group"], name=options["name"], listen=options["listen"])
+                         leader_group=options["leader_group"], name=options["name"], listen=options["listen"],
+                         shards=options["shards"])
         if options["database"] is not None and (problem := conf.alias_problem(options["database"])):
             raise CommandError(f"--database: {problem}")
         if options["name"] is not None and (problem := name_problem(options["name"])):

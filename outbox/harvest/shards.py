@@ -1,0 +1,435 @@
+"""A sharded replica: one group consumer of the leader topic, and an engine for each shard it is given.
+
+    harvester = ShardedHarvester(config)      # config.shards > 1
+    harvester.start(); ...; harvester.stop(); harvester.wait()
+
+Kafka's group protocol decides who leads what (no coordinator of our own): the leader topic has one
+partition per shard, the replicas of a group consume it with cooperative-sticky assignment, and
+partition s assigned to a replica makes it shard s's leader. A rebalance moves only the partitions
+that change owner, so the shards that stay keep publishing.
+
+Each shard is harvested by an engine of its own (a `Harvester` over the shard's rows, sharding.py):
+its own core and driver, database sessions, fence, leader ids, record producer and status row. The
+engine's leader election is a `ShardElection`, a view of this replica's one group consumer: the
+group thread (`ShardGroup`) consumes every heartbeat and routes its own back to the shard's engine,
+and queues the shard's rebalance events, which the engine's election thread takes in at its next
+poll, as librdkafka runs callbacks inside poll(). Fast NELI holds per shard: each engine publishes
+its heartbeats to its partition and fences itself when it stops seeing them.
+
+Hand-off. The group consumer cannot wait in a revoke callback for one shard to settle: that would
+stop every other shard's heartbeats. Kafka therefore hands a revoked partition on at once, and the
+database fence orders the hand-off (leadership.py): the old engine lets its shard's fence go only once
+nothing it sent is in flight, and the new one waits for it. The manager thread (`ShardedHarvester`)
+starts an engine when a shard is assigned, and stops it once its shard was revoked and it settled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+
+from outbox.harvest import events, sharding
+from outbox.harvest.config import HarvestConfig
+from outbox.harvest.connector import LiveConnector
+from outbox.harvest.contract import ReplicaState
+from outbox.harvest.harvester import Harvester, HarvestError, State
+from outbox.harvest.instruments import Instruments
+from outbox.harvest.kafka import (
+    KAFKA_START_TIMEOUT,
+    ConsumerLike,
+    KafkaUnavailable,
+    ProducerLike,
+    check_leader_partitions,
+    ensure_topic,
+    heartbeat_producer_config,
+    leader_consumer_config,
+)
+from outbox.harvest.redaction import remember_secrets
+from outbox.harvest.store import StoreError, close_quietly, connect, describe_dsn, table_identifier, table_name
+from outbox.harvest.tracing import PublishTracer
+from outbox.reasons import first_line
+
+log = logging.getLogger("outbox.harvest.shards")
+
+#: How often the manager looks at what the group assigned, and how long it waits before it starts again
+#: an engine that failed.
+MANAGE_INTERVAL = 0.05
+RESTART_BACKOFF = 2.0
+
+
+def ensure_shard_index(dsn: str, table: str, shards: int) -> None:
+    """Create the table's index for `shards` shards unless it exists (sharding.py). CONCURRENTLY, so
+    writers go on meanwhile (a partitioned table cannot: its index is built directly)."""
+    try:
+        conn = connect(dsn, "shards")
+    except psycopg.Error as error:
+        raise StoreError(f"cannot connect to Postgres at {describe_dsn(dsn)}: {first_line(error)}") from None
+    try:
+        schema = table.rpartition(".")[0]
+        index = f"{schema}.{sharding.index_name(table, shards)}" if schema else sharding.index_name(table, shards)
+        row = conn.execute("SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)",
+                           [table_name(index)]).fetchone()
+        if row is not None and row[0]:
+            return
+        if row is not None:  # a CREATE INDEX CONCURRENTLY that was interrupted leaves an invalid index
+            conn.execute(psycopg.sql.SQL("DROP INDEX IF EXISTS {}").format(table_identifier(index)))
+        partitioned = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = "
+                                   "to_regclass(%s))", [table_name(table)]).fetchone()[0]
+        log.info("Creating index %s for %d shards of %s (once)", index, shards, table)
+        conn.execute(sharding.create_index_sql(table, shards, concurrently=not partitioned))
+    except psycopg.Error as error:
+        raise StoreError(f"cannot create the index for {shards} shards on {table!r}: {first_line(error)}") from None
+    finally:
+        close_quietly(conn)
+
+
+class ShardElection:
+    """One shard's leader election, for its engine's election thread: LeaderElection's interface over the
+    replica's group consumer (ShardGroup)."""
+
+    def __init__(self, group: ShardGroup, shard: int, name: str) -> None:
+        self.group = group
+        self.shard = shard
+        self.signature = f"%{name}%{uuid.uuid4().hex}".encode()
+        self._lock = threading.Lock()
+        self._events: deque[str] = deque()
+        self._seen = False
+        self._callbacks: tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None = None
+        #: Was assigned the shard, at some point.
+        self.was_assigned = False
+        #: Its revoke or loss was taken in by the engine (and a revoke settled): the engine may be stopped.
+        self.gone = False
+
+    def start(self, on_assigned: Callable[[], None], on_revoked: Callable[[], None],
+              on_lost: Callable[[], None]) -> None:
+        self._callbacks = (on_assigned, on_revoked, on_lost)
+        self.group.attach(self)
+
+    def notify(self, event: str) -> None:
+        """From the group thread: the shard was assigned, revoked or lost."""
+        with self._lock:
+            self._events.append(event)
+
+    def heard(self) -> None:
+        """From the group thread: one of this engine's heartbeats came back."""
+        with self._lock:
+            self._seen = True
+
+    def poll(self, *, heartbeat: bool) -> bool:
+        """The rebalance events since the last poll (a revoke returns once the engine settled); True if an
+        own heartbeat came back. With `heartbeat`, publish the next one."""
+        with self._lock:
+            pending, self._events = list(self._events), deque()
+            seen, self._seen = self._seen, False
+        assert self._callbacks is not None
+        on_assigned, on_revoked, on_lost = self._callbacks
+        for event in pending:
+            if self.gone:
+                break
+            if event == "assign":
+                self.was_assigned = True
+                on_assigned()
+            elif event == "revoke":
+                on_revoked()  # returns when the engine released the shard (ElectionThread._revoked)
+                self.gone = True
+            else:
+                on_lost()
+                self.gone = True
+        if heartbeat and not self.gone:
+            self.group.heartbeat(self.shard, self.signature)
+        return seen and not self.gone
+
+    def close(self) -> None:
+        self.group.detach(self)
+
+
+class ShardGroup(threading.Thread):
+    """The replica's one consumer of the leader topic (the group protocol assigns shards) and heartbeat producer."""
+
+    def __init__(self, config: HarvestConfig, consumer: ConsumerLike, producer: ProducerLike) -> None:
+        super().__init__(name="outbox-shards-group", daemon=True)
+        self.topic = config.leader_topic
+        self._interval = config.limits.min_poll_interval
+        self._consumer = consumer
+        self._producer = producer
+        self._lock = threading.Lock()
+        self._assigned: set[int] = set()
+        self._views: dict[int, ShardElection] = {}
+        self._stop_event = threading.Event()
+        self.failure: BaseException | None = None
+
+    def owned(self) -> set[int]:
+        with self._lock:
+            return set(self._assigned)
+
+    def attach(self, view: ShardElection) -> None:
+        with self._lock:
+            self._views[view.shard] = view
+            if view.shard in self._assigned:
+                view.notify("assign")
+
+    def detach(self, view: ShardElection) -> None:
+        with self._lock:
+            if self._views.get(view.shard) is view:
+                del self._views[view.shard]
+
+    def heartbeat(self, shard: int, signature: bytes) -> None:
+        try:
+            self._producer.produce(self.topic, value=str(time.time_ns()).encode() + signature, partition=shard)
+        except BufferError:
+            log.debug("Heartbeat queue full; Kafka unreachable?")
+        except KafkaException as error:
+            kafka_error: KafkaError = error.args[0]
+            if kafka_error.fatal():
+                raise KafkaUnavailable(f"heartbeat producer failed: {kafka_error.str()}") from None
+            log.warning("Heartbeat not sent: %s", kafka_error.str())
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def _changed(self, event: str, partitions: list[Any]) -> None:
+        shards = sorted(p.partition for p in partitions)
+        if not shards:
+            return
+        log.info("Shard%s %s %s", "s" if len(shards) > 1 else "", ", ".join(map(str, shards)),
+                 {"assign": "assigned", "revoke": "revoked", "lost": "lost"}[event])
+        with self._lock:
+            for shard in shards:
+                if event == "assign":
+                    self._assigned.add(shard)
+                else:
+                    self._assigned.discard(shard)
+                view = self._views.get(shard)
+                if view is not None:
+                    view.notify(event)
+
+    def run(self) -> None:
+        consumer = self._consumer
+        try:
+            consumer.subscribe([self.topic], on_assign=lambda _c, ps: self._changed("assign", ps),
+                               on_revoke=lambda _c, ps: self._changed("revoke", ps),
+                               on_lost=lambda _c, ps: self._changed("lost", ps))
+            while not self._stop_event.is_set():
+                for message in consumer.consume(num_messages=512, timeout=self._interval):
+                    error = message.error()
+                    if error is not None:
+                        if error.fatal():
+                            raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
+                        log.debug("Leader topic: %s", error.str())
+                        continue
+                    value = message.value() or b""
+                    with self._lock:
+                        view = self._views.get(message.partition())
+                    if view is not None and value.endswith(view.signature):
+                        view.heard()
+                self._producer.poll(0)
+        except BaseException as error:  # the harvester notices and stops as a whole
+            self.failure = error
+            log.error("Leader election failed: %s", error)
+        finally:
+            try:
+                consumer.close()  # leave the group, so the shards move at once
+            except (KafkaException, RuntimeError) as error:
+                log.warning("Closing the leader consumer: %s", error)
+            self._producer.flush(1.0)
+
+
+class ShardConnector(LiveConnector):
+    """The live connector of one shard's engine: its leader election is the replica's group (ShardGroup)."""
+
+    def __init__(self, config: HarvestConfig, group: ShardGroup) -> None:
+        super().__init__(config)
+        self._group = group
+        self.election: ShardElection | None = None
+
+    def ensure_leader_topic(self) -> None:
+        pass  # the sharded harvester did, with one partition per shard
+
+    def leader_election(self) -> ShardElection:  # type: ignore[override]
+        self.election = ShardElection(self._group, self.config.shard, self.config.name)
+        return self.election
+
+
+class ShardedHarvester:
+    """Harvests one outbox table in `config.shards` shards; any number of replicas may run, each shard is
+    led by one of them (module docstring)."""
+
+    def __init__(self, config: HarvestConfig, *, on_event: Callable[[Harvester, events.Event], None] | None = None,
+                 instruments: Callable[[int], Instruments] | None = None, tracer: PublishTracer | None = None,
+                 consumer_factory: Callable[[dict[str, Any]], ConsumerLike] = Consumer,
+                 producer_factory: Callable[[dict[str, Any]], ProducerLike] = Producer) -> None:
+        self.config = config
+        remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
+        self._on_event = on_event
+        self._instruments = instruments
+        self._tracer = tracer
+        self._consumer_factory, self._producer_factory = consumer_factory, producer_factory
+        self._lock = threading.Lock()
+        self._engines: dict[int, tuple[Harvester, ShardConnector]] = {}
+        self._retry_at: dict[int, float] = {}
+        self._group: ShardGroup | None = None
+        self._manager: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._failure: BaseException | None = None
+        self._state = State.CREATED
+
+    # -- the view (any thread) --------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def engines(self) -> dict[int, Harvester]:
+        """This replica's engines by shard (running, or settling a shard that moved)."""
+        with self._lock:
+            return {shard: engine for shard, (engine, _) in self._engines.items()}
+
+    @property
+    def leading_shards(self) -> list[int]:
+        """The shards this replica publishes now (assigned, own heartbeats seen, fence held)."""
+        return sorted(shard for shard, engine in self.engines.items() if engine.is_leader)
+
+    @property
+    def replica_state(self) -> ReplicaState:
+        if self._state in (State.STOPPING, State.STOPPED):
+            return ReplicaState.STOPPING if self._state is State.STOPPING else ReplicaState.STOPPED
+        return ReplicaState.LEADER if self.leading_shards else ReplicaState.STANDBY
+
+    @property
+    def published(self) -> int:
+        return sum(engine.published for engine in self.engines.values())
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check the table and the leader topic, join the group; raises HarvestError with a one-line reason."""
+        config = self.config
+        problems = config.validate()
+        if problems:
+            raise HarvestError("invalid configuration: " + "; ".join(map(str, problems)))
+        if config.shards < 2:
+            raise HarvestError("a sharded harvester needs shards > 1 (Harvester harvests one shard)")
+        try:
+            ensure_shard_index(config.dsn, config.table, config.shards)
+            found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT,
+                                 config.shards)
+            check_leader_partitions(config.leader_topic, found, config.shards)
+            consumer = self._consumer_factory(leader_consumer_config(config))
+            producer = self._producer_factory(heartbeat_producer_config(config))
+        except (StoreError, KafkaUnavailable) as error:
+            raise HarvestError(str(error)) from None
+        except KafkaException as error:
+            raise HarvestError(f"cannot create a Kafka client: {first_line(error)}") from None
+        self._group = ShardGroup(config, consumer, producer)
+        self._state = State.RUNNING
+        self._group.start()
+        self._manager = threading.Thread(target=self._manage, name="outbox-shards", daemon=True)
+        self._manager.start()
+        log.info("Harvesting %s in %d shards as %s (leader topic %s, group %s)", config.table, config.shards,
+                 config.name, config.leader_topic, config.leader_group)
+
+    def stop(self) -> None:
+        """Ask every engine to stop (each settles what it has in flight); returns at once."""
+        if self._state is State.CREATED:
+            self._state = State.STOPPED
+            self._stopped.set()
+            return
+        if self._state is State.RUNNING:
+            self._state = State.STOPPING
+        self._stopping.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped (True) or `timeout` passes (False); re-raises a background failure."""
+        if not self._stopped.wait(timeout):
+            return False
+        if self._failure is not None:
+            raise HarvestError(f"harvester failed: {first_line(self._failure)}") from self._failure
+        return True
+
+    # -- the manager thread -----------------------------------------------------------------------
+
+    def _manage(self) -> None:
+        group = self._group
+        assert group is not None
+        try:
+            while not self._stopping.is_set():
+                if group.failure is not None:
+                    raise group.failure
+                self._reconcile(group.owned())
+                self._stopping.wait(MANAGE_INTERVAL)
+        except BaseException as error:
+            self._failure = error
+            log.error("Sharded harvester stopping after a failure: %s", first_line(error))
+        finally:
+            self._state = State.STOPPING
+            for engine in self.engines.values():
+                engine.stop()
+            for engine in self.engines.values():
+                try:
+                    engine.wait()
+                except HarvestError as error:
+                    log.warning("Shard engine %s: %s", engine.config.name, error)
+            group.stop()
+            group.join(timeout=10)
+            self._state = State.STOPPED
+            log.info("Stopped")
+            self._stopped.set()
+
+    def _reconcile(self, owned: set[int]) -> None:
+        """Stop the engines of shards that moved (once they took the revoke in), forget stopped ones, start
+        engines for shards assigned and without one."""
+        for shard, (engine, connector) in list(self._engines.items()):
+            election = connector.election
+            if engine.state is State.STOPPED:
+                try:
+                    engine.wait(0)
+                except HarvestError as error:
+                    log.error("Shard %d's engine failed (started again in %gs if still assigned): %s", shard,
+                              RESTART_BACKOFF, error)
+                    self._retry_at[shard] = time.monotonic() + RESTART_BACKOFF
+                with self._lock:
+                    del self._engines[shard]
+            elif engine.state is State.RUNNING and shard not in owned and (
+                    election is None or election.gone or not election.was_assigned):
+                engine.stop()
+            elif engine.state is State.RUNNING and election is not None and election.gone:
+                engine.stop()  # revoked and assigned again: a fresh engine takes the new assignment
+        now = time.monotonic()
+        for shard in sorted(owned - set(self._engines)):
+            if now < self._retry_at.get(shard, 0.0):
+                continue
+            self._start_engine(shard)
+
+    def _start_engine(self, shard: int) -> None:
+        assert self._group is not None
+        config = dataclasses.replace(self.config.for_shard(shard), name=f"{self.config.name}-s{shard}")
+        connector = ShardConnector(config, self._group)
+        holder: list[Harvester] = []
+        on_event = None
+        if self._on_event is not None:
+            sink = self._on_event
+
+            def on_event(event: events.Event) -> None:
+                sink(holder[0], event)
+        engine = Harvester(config, connector=connector, on_event=on_event, tracer=self._tracer,
+                           instruments=self._instruments(shard) if self._instruments is not None else None)
+        holder.append(engine)
+        try:
+            engine.start()
+        except HarvestError as error:
+            log.error("Shard %d's engine cannot start (tried again in %gs): %s", shard, RESTART_BACKOFF, error)
+            self._retry_at[shard] = time.monotonic() + RESTART_BACKOFF
+            return
+        with self._lock:
+            self._engines[shard] = (engine, connector)

@@ -1,0 +1,134 @@
+"""Sharded harvesting against real Postgres and Kafka (outbox/harvest/shards.py, sharding.py).
+
+- The shard of a key is the same in Python and in Postgres, and a shard's mark reads through its index.
+- Two replicas with 4 shards share the work (both lead shards at once), every record arrives, in order.
+- A replica leaving hands its shards over: the other takes them, nothing is lost or reordered.
+- A replica whose N differs from its group's, or a group sharded differently on the same table, cannot
+  publish beside it.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox.harvest import contract, sharding
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.harvester import Harvester, HarvestError
+from outbox.harvest.shards import ShardedHarvester, ensure_shard_index
+from outbox.harvest.store import PostgresStore
+from tests.support.harness import Generator, assert_complete_and_ordered, outbox_count, read_topic, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+
+def config(group: str, name: str, database_url: str, bootstrap: str, shards: int) -> HarvestConfig:
+    return HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap}, leader_topic=group,
+                         leader_group=group, name=name, shards=shards,
+                         limits=Limits(heartbeat_timeout=2.0, status_interval=0.3))
+
+
+def test_the_shard_of_a_key_is_the_same_in_python_and_in_postgres(database_url):
+    keys = ["", "a", "order-42", "héllo wörld", "🙂" * 10, "x" * 1000, *[f"key-{i}" for i in range(200)]]
+    with psycopg.connect(database_url) as conn:
+        for shards in (2, 3, 7, 256):
+            rows = conn.execute(f"SELECT k, {sharding.shard_expression(shards, 'k')} FROM unnest(%s::text[]) AS k",
+                                [keys]).fetchall()
+            assert {key: shard for key, shard in rows} == {key: sharding.shard_of(key, shards) for key in keys}
+
+
+def test_a_shards_mark_reads_its_own_rows_through_its_index(database_url):
+    ensure_shard_index(database_url, "outbox", 4)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM outbox")
+        conn.execute("INSERT INTO outbox (kafka_topic, kafka_key, kafka_value) "
+                     "SELECT 't', 'k' || (i % 100), 'v' FROM generate_series(1, 20000) AS i")
+        conn.execute("ANALYZE outbox")
+        mark = sql.SQL(contract.MARK).format(table=sql.Identifier("outbox"), above=sql.SQL(contract.reads(4)[0]))
+        for after in (0, 10_000, 19_990):  # a mark from the head, from the middle, near the end
+            plan = "\n".join(row[0] for row in conn.execute(sql.SQL("EXPLAIN ") + mark,
+                                                             {"after": after, "shard": 1, "limit": 1000}))
+            assert sharding.index_name("outbox", 4) in plan and "outbox_pkey" not in plan, plan
+    store = PostgresStore.open(database_url, "outbox", name="t", group="g", shards=4, shard=1)
+    try:
+        assert store.take_fence() is None
+        records, _ = store.mark(1000, 0)
+    finally:
+        store.close()
+    assert len(records) == 1000 and {sharding.shard_of(r.key, 4) for r in records} == {1}
+    assert [r.id for r in records] == sorted(r.id for r in records)
+
+
+def test_two_replicas_share_the_shards_and_every_record_arrives_in_order(database_url, bootstrap_servers, new_topic):
+    topic = new_topic("shards")
+    group = f"shards-{uuid.uuid4().hex[:8]}"
+    first = ShardedHarvester(config(group, "replica-a", database_url, bootstrap_servers, 4))
+    second = ShardedHarvester(config(group, "replica-b", database_url, bootstrap_servers, 4))
+    generator = Generator(topic, keys=100, pause=0.005)
+    first.start()
+    try:
+        wait_until(lambda: len(first.leading_shards) == 4, 60, "replica a to lead all four shards")
+        generator.start()
+        wait_until(lambda: len(generator.ids) >= 1000, 60, "1000 records stashed")
+        second.start()
+        wait_until(lambda: first.leading_shards and second.leading_shards
+                   and len(first.leading_shards) + len(second.leading_shards) == 4, 60,
+                   "the shards spread over both replicas")
+        assert not set(first.leading_shards) & set(second.leading_shards)
+        wait_until(lambda: len(generator.ids) >= 3000, 60, "2000 more records stashed")
+        first.stop()  # its shards move to replica b once they settled
+        first.wait(timeout=60)
+        wait_until(lambda: len(second.leading_shards) == 4, 60, "replica b to lead every shard")
+        wait_until(lambda: len(generator.ids) >= 4000, 60, "1000 more records stashed")
+        stashed = generator.stop()
+        wait_until(lambda: outbox_count(database_url) == 0, 60, "the outbox to drain")
+    finally:
+        generator.halt.set()
+        for harvester in (first, second):
+            harvester.stop()
+            harvester.wait(timeout=60)
+    audit = read_topic(bootstrap_servers, topic, expected=len(stashed))
+    assert_complete_and_ordered(audit, stashed)
+
+
+def test_a_replica_with_another_number_of_shards_refuses_to_start(database_url, bootstrap_servers):
+    group = f"shards-{uuid.uuid4().hex[:8]}"
+    first = ShardedHarvester(config(group, "replica-a", database_url, bootstrap_servers, 3))
+    first.start()
+    try:
+        with pytest.raises(HarvestError, match=r"has 3 partition\(s\).*runs 2 shard\(s\)"):
+            ShardedHarvester(config(group, "replica-b", database_url, bootstrap_servers, 2)).start()
+        unsharded = Harvester(config(group, "replica-c", database_url, bootstrap_servers, 1))
+        with pytest.raises(HarvestError, match=r"has 3 partition\(s\).*runs 1 shard\(s\)"):
+            unsharded.start()
+    finally:
+        first.stop()
+        first.wait(timeout=60)
+
+
+def test_groups_sharded_differently_on_one_table_never_lead_at_once(database_url, bootstrap_servers):
+    suffix = uuid.uuid4().hex[:8]
+    three = ShardedHarvester(config(f"three-{suffix}", "replica-3", database_url, bootstrap_servers, 3))
+    two = ShardedHarvester(config(f"two-{suffix}", "replica-2", database_url, bootstrap_servers, 2))
+    unsharded = Harvester(config(f"one-{suffix}", "replica-1", database_url, bootstrap_servers, 1))
+    three.start()
+    try:
+        wait_until(lambda: len(three.leading_shards) == 3, 60, "the three-shard group to lead")
+        two.start()
+        unsharded.start()
+        wait_until(lambda: two.engines and all(e.replica_state.value == "blocked" for e in two.engines.values())
+                   and len(two.engines) == 2, 60, "the two-shard group's engines to be blocked")
+        wait_until(lambda: unsharded.replica_state.value == "blocked", 60, "the unsharded leader to be blocked")
+        assert len(three.leading_shards) == 3 and not two.leading_shards and not unsharded.is_leader
+        three.stop()
+        three.wait(timeout=60)
+        wait_until(lambda: len(two.leading_shards) == 2 or unsharded.is_leader, 60,
+                   "another group to lead once the first let go")
+        assert not (two.leading_shards and unsharded.is_leader)
+    finally:
+        for harvester in (three, two, unsharded):
+            harvester.stop()
+            harvester.wait(timeout=60)
