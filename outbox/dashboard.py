@@ -16,7 +16,17 @@ from django.db import connections
 
 from outbox import conf, horizon
 from outbox.models import OutboxRecord
-from outbox.states import Count, Facts, Held, RecordState, Replicas, Verdict, bounded_count, parked_count
+from outbox.states import (
+    Count,
+    Facts,
+    Held,
+    RecordState,
+    Replicas,
+    Verdict,
+    bounded_count,
+    parked_count,
+    shards_without_leader,
+)
 
 #: Stuck records are looked for among this many of the oldest rows (an index range, not a scan).
 HEAD_ROWS = 10_000
@@ -127,6 +137,10 @@ def stuck_records(facts: Facts, using: str) -> list[tuple[OutboxRecord, Verdict]
     return [(r, facts.state_of(r)) for _, r in sorted(found.items())][:STUCK_LIMIT]
 
 
+def _what(group: str, shard: int | None) -> str:
+    return f"group {group!r}" if shard is None else f"shard {shard} of group {group!r}"
+
+
 def warnings(found: Replicas) -> list[Alarm]:
     """Red lines: a replica blocked by the fence, nobody harvesting, two leaders claiming one group."""
     result = [Alarm("fence", (
@@ -140,10 +154,14 @@ def warnings(found: Replicas) -> list[Alarm]:
     elif not found.leaders:
         result.append(Alarm("no-leader", "No replica leads: nothing is being published (an election may be "
                                            "under way)."))
-    by_group: dict[str, list[str]] = {}
+    by_group: dict[tuple[str, int | None], list[str]] = {}
     for leader in found.leaders:
-        by_group.setdefault(leader.leader_group, []).append(leader.name)
-    result += [Alarm("two-leaders", f"More than one replica claims to lead group {group!r} ({', '.join(names)}): "
+        by_group.setdefault((leader.leader_group, leader.shard), []).append(leader.name)
+    result += [Alarm("two-leaders", f"More than one replica claims to lead {_what(group, shard)} ({', '.join(names)}): "
                                       f"until one gives way, per-key order is at risk.")
-               for group, names in by_group.items() if len(names) > 1]
+               for (group, shard), names in by_group.items() if len(names) > 1]
+    result += [Alarm("shard-no-leader", f"Group {group!r} has {shards} shards and no live replica leads shard"
+                                        f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: their keys "
+                                        f"are not published (a hand-off may be under way; docs/scaling.md)")
+               for group, shards, missing in shards_without_leader(found)]
     return result

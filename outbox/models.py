@@ -86,6 +86,10 @@ class HarvesterStatus(models.Model):
     throughput = models.FloatField(default=0.0)
     published = models.BigIntegerField(default=0)
     failed = models.BigIntegerField(default=0)
+    #: With shards (OUTBOX["shards"] > 1) each row is one engine of a replica: the shard it harvests
+    #: (NULL: the whole table), and how many shards its group has.
+    shard = models.IntegerField(null=True, blank=True)
+    shards = models.IntegerField(db_default=1, default=1)
 
     class Meta:
         db_table = "outbox_harvester"

@@ -115,6 +115,18 @@ class Replicas:
                    default=None)
 
 
+def shards_without_leader(found: Replicas) -> list[tuple[str, int, list[int]]]:
+    """Sharded groups with live replicas whose shards are not all led: (group, shards, the shards without one)."""
+    result = []
+    for group in sorted({r.leader_group for r in found.live if (r.shards or 1) > 1}):
+        shards = max(r.shards for r in found.live if r.leader_group == group)
+        led = {r.shard for r in found.leaders if r.leader_group == group}
+        missing = [shard for shard in range(shards) if shard not in led]
+        if missing:
+            result.append((group, shards, missing))
+    return result
+
+
 def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:
     """Read the status rows; a replica not seen for `status_gone_after` seconds is gone."""
     now = now or timezone.now()

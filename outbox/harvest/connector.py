@@ -117,8 +117,8 @@ class LiveConnector:
     def listener(self, channel: str) -> Listener | None:
         return Listener(self.config.dsn, channel) if self.config.listen else None
 
-    def status_reporter(self, snapshot: Callable[[], StatusSnapshot],
-                        on_backlog: Callable[[int], None]) -> StatusReporter | None:
+    def status_reporter(self, snapshot: Callable[[], StatusSnapshot], on_backlog: Callable[[int], None], *,
+                        sharded_replica: bool = False) -> StatusReporter | None:
         config = self.config
         if not (config.status_table and config.limits.status_interval):
             return None
@@ -134,4 +134,4 @@ class LiveConnector:
         if not exists:
             log.info("Status rows off: table %s does not exist (manage.py migrate creates it)", config.status_table)
             return None
-        return StatusReporter(config, snapshot=snapshot, on_backlog=on_backlog)
+        return StatusReporter(config, snapshot=snapshot, on_backlog=on_backlog, sharded_replica=sharded_replica)

@@ -122,10 +122,11 @@ class Core:
         if marking is None and (lanes.in_flight or self.poison.held):
             marking = leadership.last_term_id
         marked_upto = self.marking.high_water if marking is not None and self.marking.high_water else None
+        holder = None if leadership.handing_over else leadership.fence_holder
         return Snapshot(state=self.state, leader_id=leadership.leader_id if self.phase is Phase.ACTIVE else None,
                         marking_id=marking, in_flight=lanes.in_flight, queued=lanes.queued,
                         in_flight_keys=list(itertools.islice(lanes.busy, KEY_SAMPLE)),
-                        in_flight_key_count=len(lanes.busy), held=held, fence_holder=leadership.fence_holder,
+                        in_flight_key_count=len(lanes.busy), held=held, fence_holder=holder,
                         published=self.published, failed=self.failed, marked_upto=marked_upto)
 
     @property
@@ -134,7 +135,8 @@ class Core:
         if leadership.stopping:
             return ReplicaState.STOPPING
         if leadership.phase is Phase.BLOCKED:
-            return ReplicaState.BLOCKED
+            # Waiting for a shard's previous leader (of this group) to settle is a hand-off, not a conflict.
+            return ReplicaState.STANDBY if leadership.handing_over else ReplicaState.BLOCKED
         if leadership.assigned and leadership.fenced:
             return ReplicaState.FENCED
         if leadership.leading:

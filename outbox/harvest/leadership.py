@@ -88,6 +88,11 @@ class Leadership:
         return self.assigned and not self.fenced and not self.stopping
 
     @property
+    def handing_over(self) -> bool:
+        """Blocked only by the shard's previous leader of this group, while it settles."""
+        return self.phase is Phase.BLOCKED and self._holder_same_group
+
+    @property
     def active(self) -> bool:
         return self.phase is Phase.ACTIVE
 

@@ -57,6 +57,17 @@ def create_index_sql(table: str, shards: int, *, concurrently: bool) -> sql.Comp
         table=target, expr=sql.SQL(shard_expression(shards)))
 
 
+def engine_name(replica: str, shard: int) -> str:
+    """The name of a replica's engine for one shard: its status row, fence session and heartbeats say it."""
+    return f"{replica}-s{shard}"
+
+
+def replica_of(engine: str, shard: int) -> str:
+    """The replica an engine's name belongs to (the inverse of engine_name)."""
+    suffix = f"-s{shard}"
+    return engine[:-len(suffix)] if engine.endswith(suffix) else engine
+
+
 def shard_class(shards: int, shard: int) -> int:
     """The advisory-lock class of one shard's fence."""
     return SHARD_CLASS_BASE + (shards - 1) * MAX_SHARDS + shard

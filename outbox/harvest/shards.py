@@ -32,6 +32,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -54,6 +55,7 @@ from outbox.harvest.kafka import (
     leader_consumer_config,
 )
 from outbox.harvest.redaction import remember_secrets
+from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import StoreError, close_quietly, connect, describe_dsn, table_identifier, table_name
 from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line
@@ -282,6 +284,8 @@ class ShardedHarvester:
         self._stopped = threading.Event()
         self._failure: BaseException | None = None
         self._state = State.CREATED
+        self._status: StatusReporter | None = None
+        self._started_at = datetime.now(UTC)
 
     # -- the view (any thread) --------------------------------------------------------------------
 
@@ -310,6 +314,18 @@ class ShardedHarvester:
     def published(self) -> int:
         return sum(engine.published for engine in self.engines.values())
 
+    def _replica_status(self) -> StatusSnapshot:
+        """The replica's own status row: in the group (its engines' rows say which shards it leads), and its totals."""
+        engines = list(self.engines.values())
+        state = {State.STOPPING: ReplicaState.STOPPING, State.STOPPED: ReplicaState.STOPPED}.get(
+            self._state, ReplicaState.STANDBY)
+        meters = [engine.last_meter for engine in engines if engine.last_meter is not None]
+        return StatusSnapshot(state=state, leader_id=None, since=self._started_at, in_flight=0, queued=0,
+                              in_flight_keys=[], in_flight_key_count=0, held=[], blocked_by=None,
+                              throughput=sum(meter.rate for meter in meters),
+                              published=sum(engine.published for engine in engines),
+                              failed=sum(engine.failed for engine in engines))
+
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -332,8 +348,13 @@ class ShardedHarvester:
         except KafkaException as error:
             raise HarvestError(f"cannot create a Kafka client: {first_line(error)}") from None
         self._group = ShardGroup(config, consumer, producer)
+        self._status = LiveConnector(dataclasses.replace(config, limits=dataclasses.replace(
+            config.limits, history_interval=0.0))).status_reporter(self._replica_status, lambda _rows: None,
+                                                                   sharded_replica=True)
         self._state = State.RUNNING
         self._group.start()
+        if self._status is not None:
+            self._status.start()
         self._manager = threading.Thread(target=self._manage, name="outbox-shards", daemon=True)
         self._manager.start()
         log.info("Harvesting %s in %d shards as %s (leader topic %s, group %s)", config.table, config.shards,
@@ -382,6 +403,9 @@ class ShardedHarvester:
                     log.warning("Shard engine %s: %s", engine.config.name, error)
             group.stop()
             group.join(timeout=10)
+            if self._status is not None:
+                self._status.stop()
+                self._status.join(timeout=10)
             self._state = State.STOPPED
             log.info("Stopped")
             self._stopped.set()
@@ -413,7 +437,7 @@ class ShardedHarvester:
 
     def _start_engine(self, shard: int) -> None:
         assert self._group is not None
-        config = dataclasses.replace(self.config.for_shard(shard), name=f"{self.config.name}-s{shard}")
+        config = dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
         connector = ShardConnector(config, self._group)
         holder: list[Harvester] = []
         on_event = None

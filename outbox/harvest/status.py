@@ -80,6 +80,12 @@ ON CONFLICT (name) DO UPDATE SET
   blocked_by = EXCLUDED.blocked_by, throughput = EXCLUDED.throughput, published = EXCLUDED.published,
   failed = EXCLUDED.failed
 """
+# A shard's engine says which shard it harvests, where the status table has the columns (migration 0008).
+SET_SHARD = "UPDATE {table} SET shard = %(shard)s, shards = %(shards)s WHERE name = %(name)s"
+HAS_SHARD_COLUMNS = """
+SELECT count(*) = 2 FROM pg_attribute
+WHERE attrelid = to_regclass(%(table)s) AND attname IN ('shard', 'shards') AND NOT attisdropped
+"""
 PRUNE = "DELETE FROM {table} WHERE last_seen < now() - make_interval(secs => %(age)s)"
 # A clean stop keeps the row, saying so (and when: last_seen), until it is pruned like any other.
 STOPPED = """
@@ -87,6 +93,8 @@ UPDATE {table} SET state = 'stopped', since = now(), last_seen = now(), leader_i
   in_flight = 0, queued = 0, in_flight_keys = '{{}}', in_flight_key_count = 0, throughput = 0
 WHERE name = %(name)s AND pid = %(pid)s AND host = %(host)s
 """
+# A shard's engine that stops leaves no row: its shard moved, or its replica (whose own row stays) stopped.
+FORGET = "DELETE FROM {table} WHERE name = %(name)s AND pid = %(pid)s AND host = %(host)s"
 LEADERS = """
 SELECT name, host FROM {table}
 WHERE leader_group = %(group)s AND state = 'leader' AND name <> %(name)s
@@ -142,11 +150,23 @@ class StatusReporter(threading.Thread):
     """Upserts this replica's status row every `status_interval` seconds until stopped, then marks it stopped."""
 
     def __init__(self, config: HarvestConfig, *, snapshot: Callable[[], StatusSnapshot],
-                 on_backlog: Callable[[int], None], started: datetime | None = None) -> None:
+                 on_backlog: Callable[[int], None], started: datetime | None = None,
+                 sharded_replica: bool = False) -> None:
+        """With shards, each engine reports its shard's row (deleted when the engine stops: the shard moved
+        or the replica stopped), and the replica itself a row of its own (`sharded_replica`: no shard, no
+        history), which says it is in the group whether it leads shards or not."""
         super().__init__(name="outbox-status", daemon=True)
         self._dsn = config.dsn
         ident = table_identifier(config.status_table)
         self._upsert = sql.SQL(UPSERT).format(table=ident)
+        self._set_shard = sql.SQL(SET_SHARD).format(table=ident)
+        self._status_table = table_name(config.status_table)
+        self._shard = ({"shard": None if sharded_replica else config.shard, "shards": config.shards}
+                       if config.shards > 1 else None)
+        self._engine_row = config.shards > 1 and not sharded_replica
+        self._sharded_replica = sharded_replica
+        self._forget = sql.SQL(FORGET).format(table=ident)
+        self._shard_columns: bool | None = None
         self._prune = sql.SQL(PRUNE).format(table=ident)
         self._stopped = sql.SQL(STOPPED).format(table=ident)
         self._leaders = sql.SQL(LEADERS).format(table=ident)
@@ -172,17 +192,20 @@ class StatusReporter(threading.Thread):
         self._sample_costs = sql.SQL(SAMPLE.format(table="{table}", history="{history}", cost_columns=COST_COLUMNS,
                                                    cost_values=COST_VALUES)).format(table=harvested, history=history)
         self._prune_history = sql.SQL(PRUNE_HISTORY).format(history=history)
-        self._history_on: bool | None = None if self._history_table and self._history_interval else False
+        self._history_on: bool | None = (None if self._history_table and self._history_interval and not sharded_replica
+                                         else False)
         self._history_costs = False
         self._history_failing = False
         # The server's time per statement kind (pg_stat_statements), read by the leader with each sample.
         # Its own statements count as `status`: the status rows, the history, the dead letters' retention.
-        own = [statement.as_string() for statement in (self._upsert, self._prune, self._stopped, self._leaders,
+        own = [statement.as_string() for statement in (self._upsert, self._set_shard, self._forget, self._prune,
+                                                       self._stopped,
+                                                       self._leaders,
                                                        self._other_tables, self._sample, self._sample_costs,
                                                        self._prune_history)]
         if config.dead_letter_table:
             own.append(sql.SQL(retention.PRUNE).format(table=table_identifier(config.dead_letter_table)).as_string())
-        statements = {**dbtime.engine_statements(config.table, config.dead_letter_table),
+        statements = {**dbtime.engine_statements(config.table, config.dead_letter_table, config.shards),
                       **{text: "status" for text in [*own, BACKLOG]}}
         self._server_time = dbtime.ServerTime(dbtime.StatementKinds(statements), dbtime.server_patterns(
             [config.table, config.status_table, self._history_table or config.status_table,
@@ -206,7 +229,7 @@ class StatusReporter(threading.Thread):
             if self._stop_event.wait(self._interval):
                 break
         try:
-            self._connection().execute(self._stopped, self._identity)
+            self._connection().execute(self._forget if self._engine_row else self._stopped, self._identity)
         except psycopg.Error as error:
             log.debug("Could not mark the status row stopped: %s", first_line(error))
         conn, self._conn = self._conn, None
@@ -226,15 +249,23 @@ class StatusReporter(threading.Thread):
         }
         try:
             conn = self._connection()
+            if self._shard is not None and self._shard_columns is None:
+                self._shard_columns = conn.execute(HAS_SHARD_COLUMNS, {"table": self._status_table}).fetchone()[0]
+                if not self._shard_columns:
+                    log.warning("Status table %s has no shard columns (run manage.py migrate): the dashboard cannot "
+                                "tell this engine's shard", self._status_table)
             with conn.transaction():
                 conn.execute(self._upsert, params)
+                if self._shard is not None and self._shard_columns:
+                    conn.execute(self._set_shard, {**self._shard, "name": params["name"]})
                 conn.execute(self._prune, {"age": self._prune_after})
             row = conn.execute(BACKLOG, {"table": self._harvested}).fetchone()
             if row is not None:
                 self._on_backlog(int(row[0]))
             self._add_sample(conn, params, len(snapshot.held), snapshot.round_trips)
             self.retention.run(conn, snapshot.state is ReplicaState.LEADER)
-            if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since:
+            if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since \
+                    and not self._shard:
                 self._say_who_leads(conn, snapshot)
             self._say_if_group_shared(conn)
             if self._failing:

@@ -16,9 +16,10 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import DatabaseError
 
 from outbox import conf, horizon
+from outbox.harvest import sharding
 from outbox.harvest.events import rate_text
 from outbox.reasons import first_line
-from outbox.states import Facts, parked_count
+from outbox.states import Facts, parked_count, shards_without_leader
 
 
 class Command(BaseCommand):
@@ -59,7 +60,11 @@ class Command(BaseCommand):
             return False, f"cannot read harvester status: {first_line(error)}"
         found = facts.replicas
         if name:
-            scope, matches = f"replica {name!r}", lambda r: r.name == name
+            # A sharded replica's engines report rows of their own (one per shard it leads).
+            scope = f"replica {name!r}"
+
+            def matches(r: Any) -> bool:
+                return r.name == name or (r.shard is not None and sharding.replica_of(r.name, r.shard) == name)
         elif any:
             scope, matches = "any replica", lambda r: True
         else:
@@ -85,9 +90,20 @@ class Command(BaseCommand):
                            f"holds the table's database fence, so it publishes nothing; {counts}")
         if require_leader and not found.leaders:
             return False, f"{len(live)} live replica(s) for {scope}, but none leads; {counts}"
+        leaderless = shards_without_leader(found)
+        if require_leader and leaderless:
+            group, shards, missing = leaderless[0]
+            return False, (f"group {group} has {shards} shards and no live replica leads shard(s) "
+                           f"{', '.join(map(str, missing))}; {counts}")
         best = next((r for r in live if r in found.leaders), live[0])
         age = (facts.now - best.last_seen).total_seconds()
         detail = f"{best.name} is {best.state}"
-        if best in found.leaders:
+        engines = sorted((r for r in found.leaders if matches(r) and r.shard is not None), key=lambda r: r.shard)
+        if engines:  # a sharded replica: what its engines lead, together
+            shards = ", ".join(str(r.shard) for r in engines)
+            detail = (f"{sharding.replica_of(best.name, best.shard)} leads shard(s) {shards} of {best.shards} "
+                      f"({rate_text(sum(r.throughput for r in engines))} records/s, "
+                      f"{sum(r.in_flight for r in engines):,} in flight)")
+        elif best in found.leaders:
             detail += f" ({rate_text(best.throughput)} records/s, {best.in_flight:,} in flight)"
         return True, f"{detail}, seen {age:.1f}s ago; {len(live)} live replica(s) for {scope}; {counts}"
