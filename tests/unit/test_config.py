@@ -151,7 +151,10 @@ def test_the_engine_sql_matches_the_models():
     parked = re.search(r"INSERT INTO \{dead_letters\} \((.*?)\)", contract.PARK, re.S).group(1)
     assert {c.strip() for c in parked.split(",")} == {f.column for f in DeadLetter._meta.get_fields()} - {"id"}
     inserted = re.search(r"INSERT INTO \{table\} \((.*?)\)", status.UPSERT, re.S).group(1)
-    assert {c.strip() for c in inserted.split(",")} == {f.column for f in HarvesterStatus._meta.get_fields()}
+    set_shard = set(re.findall(r"(\w+) = %\(\w+\)s", status.SET_SHARD.split("WHERE")[0]))
+    assert set_shard == {"shard", "shards"}
+    columns = {f.column for f in HarvesterStatus._meta.get_fields()}
+    assert {c.strip() for c in inserted.split(",")} | set_shard == columns
 
 
 @pytest.mark.parametrize(("outbox", "code", "text"), [
