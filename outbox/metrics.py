@@ -25,6 +25,7 @@ from outbox.harvest.contract import ReplicaState
 from outbox.harvest.dbtime import ROUND_TRIP_KINDS, SERVER_KINDS
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
+from outbox.harvest.shards import ShardedHarvester
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.metrics")
@@ -68,7 +69,7 @@ class PrometheusInstruments(Instruments):
 class HarvesterCollector(Collector):
     """Reads the harvester's state at scrape time."""
 
-    def __init__(self, harvester: Harvester, parked: Callable[[], int | None] | None = None,
+    def __init__(self, harvester: Harvester | ShardedHarvester, parked: Callable[[], int | None] | None = None,
                  oldest_age: Callable[[], float | None] | None = None,
                  horizon: Callable[[], Any] | None = None) -> None:
         self._harvester = harvester
@@ -76,54 +77,77 @@ class HarvesterCollector(Collector):
         self._oldest_age = oldest_age
         self._horizon = horizon
 
+    def _engines(self) -> list[tuple[Harvester, str]]:
+        """Each engine of this replica with its `shard` label: the harvester itself (""), or a sharded
+        replica's engine for each shard it has now."""
+        h = self._harvester
+        if isinstance(h, ShardedHarvester):
+            return [(engine, str(shard)) for shard, engine in sorted(h.engines.items())]
+        return [(h, "")]
+
     def collect(self) -> Iterator[Any]:
         h = self._harvester
-        labels = ["name"]
-        name = [h.config.name]
-        published = CounterMetricFamily("outbox_records_published", "Records published and purged", labels=labels)
-        published.add_metric(name, h.published)
-        yield published
-        failed = CounterMetricFamily("outbox_records_failed", "Records whose delivery failed", labels=labels)
-        failed.add_metric(name, h.failed)
-        yield failed
-        in_flight = GaugeMetricFamily("outbox_in_flight_records", "Records sent and not yet purged", labels=labels)
-        in_flight.add_metric(name, h.in_flight_records)
-        yield in_flight
-        state = h.status().state
-        leader = GaugeMetricFamily("outbox_leader_state", "1 for this replica's current state",
-                                   labels=["name", "state"])
-        for candidate in ReplicaState:
-            leader.add_metric([h.config.name, candidate.value], 1.0 if state is candidate else 0.0)
+        replica = [h.config.name, h.config.table]
+        labels = ["name", "outbox"]
+        engines = self._engines()
+        per_engine = ["name", "outbox", "shard"]
+
+        def family(kind: type, metric: str, text: str, value: Callable[[Harvester], float]) -> Any:
+            found = kind(metric, text, labels=per_engine)
+            for engine, shard in engines:
+                found.add_metric([*replica, shard], value(engine))
+            return found
+
+        yield family(CounterMetricFamily, "outbox_records_published", "Records published and purged",
+                     lambda e: e.published)
+        yield family(CounterMetricFamily, "outbox_records_failed", "Records whose delivery failed", lambda e: e.failed)
+        yield family(GaugeMetricFamily, "outbox_in_flight_records", "Records sent and not yet purged",
+                     lambda e: e.in_flight_records)
+        leader = GaugeMetricFamily("outbox_leader_state", "1 for this replica's (with shards: each of its shard "
+                                   "engines') current state", labels=[*per_engine, "state"])
+        states = [(shard, engine.status().state) for engine, shard in engines]
+        if isinstance(h, ShardedHarvester) and not states:  # in the group, with no shard now
+            states = [("", h.replica_state)]
+        for shard, state in states:
+            for candidate in ReplicaState:
+                leader.add_metric([*replica, shard, candidate.value], 1.0 if state is candidate else 0.0)
         yield leader
-        held = GaugeMetricFamily("outbox_held_records", "Records held by this leader: they fail on their own, and "
-                                                        "their keys wait", labels=labels)
-        held.add_metric(name, len(h.held))
-        yield held
+        if isinstance(h, ShardedHarvester):
+            shards = GaugeMetricFamily("outbox_shards", "Shards of this replica's group", labels=labels)
+            shards.add_metric(replica, h.config.shards)
+            yield shards
+            led = GaugeMetricFamily("outbox_shards_led", "Shards this replica leads", labels=labels)
+            led.add_metric(replica, len(h.leading_shards))
+            yield led
+        yield family(GaugeMetricFamily, "outbox_held_records", "Records held by this leader: they fail on their own, "
+                                                               "and their keys wait", lambda e: len(e.held))
         parked_records = self._parked() if self._parked is not None else None
         if parked_records is not None:
             parked = GaugeMetricFamily("outbox_parked_records", "Records in the dead-letter table (parked)",
                                        labels=labels)
-            parked.add_metric(name, parked_records)
+            parked.add_metric(replica, parked_records)
             yield parked
         age = self._oldest_age() if self._oldest_age is not None else None
         if age is not None:
             oldest = GaugeMetricFamily("outbox_oldest_record_age_seconds", "Age of the oldest row in the outbox (0 "
                                                                            "when it is empty)", labels=labels)
-            oldest.add_metric(name, age)
+            oldest.add_metric(replica, age)
             yield oldest
-        statements = h.database_statements if state is ReplicaState.LEADER else None
-        if statements is not None:
+        leading = [(e, shard, e.database_statements) for e, shard in engines if e.status().state is ReplicaState.LEADER]
+        leading = [(e, shard, statements) for e, shard, statements in leading if statements is not None][:1]
+        if leading:  # the table's statements, whoever ran them: one leading engine exports them
+            statements = leading[0][2]
             seconds = CounterMetricFamily("outbox_database_server_seconds", "Postgres's execution time of the "
                                           "table's statements, by kind, since its statistics were reset "
                                           "(pg_stat_statements; all replicas; exported by the leader)",
-                                          labels=["name", "statement"])
+                                          labels=[*labels, "statement"])
             calls = CounterMetricFamily("outbox_database_server_calls", "Executions of the table's statements, by "
                                         "kind (pg_stat_statements; exported by the leader)",
-                                        labels=["name", "statement"])
+                                        labels=[*labels, "statement"])
             for kind in SERVER_KINDS:
                 found = statements.get(kind, (0, 0.0, 0))
-                seconds.add_metric([h.config.name, kind], found[1])
-                calls.add_metric([h.config.name, kind], found[0])
+                seconds.add_metric([*replica, kind], found[1])
+                calls.add_metric([*replica, kind], found[0])
             yield seconds
             yield calls
         held = self._horizon() if self._horizon is not None else None
@@ -131,16 +155,17 @@ class HarvesterCollector(Collector):
             age = GaugeMetricFamily("outbox_horizon_age_seconds", "How long the oldest transaction (or prepared "
                                     "transaction) has held the database's horizon back: vacuum cannot remove dead "
                                     "rows meanwhile", labels=labels)
-            age.add_metric(name, held.age)
+            age.add_metric(replica, held.age)
             yield age
             dead = GaugeMetricFamily("outbox_dead_rows", "Dead rows in the outbox table (Postgres's statistics)",
                                      labels=labels)
-            dead.add_metric(name, held.dead_rows)
+            dead.add_metric(replica, held.dead_rows)
             yield dead
-        if h.backlog is not None:
+        backlog_rows = next((e.backlog for e, _ in engines if e.backlog is not None), None)
+        if backlog_rows is not None:
             backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",
                                         labels=labels)
-            backlog.add_metric(name, h.backlog)
+            backlog.add_metric(replica, backlog_rows)
             yield backlog
 
 
@@ -194,7 +219,8 @@ def read_horizon() -> Any:
         connections.close_all()
 
 
-def serve(harvester: Harvester, registry: CollectorRegistry, port: int, address: str = "0.0.0.0") -> None:
+def serve(harvester: Harvester | ShardedHarvester, registry: CollectorRegistry, port: int,
+          address: str = "0.0.0.0") -> None:
     """Expose `registry` plus the harvester's gauges on http://address:port/metrics."""
     registry.register(HarvesterCollector(harvester, parked=read_parked, oldest_age=read_oldest_age,
                                          horizon=read_horizon))

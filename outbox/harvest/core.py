@@ -74,12 +74,15 @@ class Core:
     poison_class: type[PoisonBook] = PoisonBook
 
     def __init__(self, limits: Limits, *, new_leader_id: Callable[[], uuid.UUID] = uuid.uuid4,
-                 park_after: int | None = None, now: float = 0.0, handoff_by_fence: bool = False) -> None:
+                 park_after: int | None = None, now: float = 0.0, handoff_by_fence: bool = False,
+                 leads: str = "partition 0 of the leader topic") -> None:
         self.limits = limits
         self.now = now
         #: A shard's engine (shards.py): Kafka hands its partition on at once, so the database fence is what
         #: orders a hand-off (leadership.py).
         self.handoff_by_fence = handoff_by_fence
+        #: What being assigned makes this core lead, as its log lines say it.
+        self.leads = leads
         #: Assert the core's invariants after every input (see check_invariants).
         self.checking = False
         self._commands: list[cmd.Command] = []

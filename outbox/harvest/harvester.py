@@ -79,8 +79,9 @@ class Harvester:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._failure: BaseException | None = None
-        self._core = Core(config.limits, park_after=config.park_after, now=clock(),
-                          handoff_by_fence=config.shards > 1)
+        sharded = config.shards > 1
+        self._core = Core(config.limits, park_after=config.park_after, now=clock(), handoff_by_fence=sharded,
+                          **({"leads": f"shard {config.shard} of {config.shards}"} if sharded else {}))
         self._io = ThreadedIO(config, self._connector, clock, self._announce)
         self._driver = Driver(self._core, self._io, instruments=self._instruments,
                               parked_by=f"harvester {config.name}", tracer=tracer)

@@ -137,7 +137,7 @@ class Leadership:
     def on_assigned(self) -> None:
         if self.assigned:
             return
-        log.info("Assigned partition 0 of the leader topic: leading")
+        log.info("Assigned %s: leading", self.core.leads)
         self.assigned = True
         self.fenced = False
         self._acquired = False
@@ -164,7 +164,7 @@ class Leadership:
     def _lose(self, how: str, *, abort: bool) -> None:
         if not self.assigned:
             return
-        log.info("Partition 0 of the leader topic %s", how)
+        log.info("%s %s", self.core.leads[0].upper() + self.core.leads[1:], how)
         was_leading = self.leading
         self.assigned = False
         self.fenced = False
@@ -262,9 +262,9 @@ class Leadership:
             if not self._release_aborted:
                 self._release_aborted = True
                 self._release_at = core.now + REVOKE_GRACE
-                lanes.abort("partition 0 was revoked")
+                lanes.abort(f"{self.core.leads} was revoked")
             else:
-                log.warning("Letting partition 0 go with %d record(s) unsettled", lanes.in_flight)
+                log.warning("Letting %s go with %d record(s) unsettled", self.core.leads, lanes.in_flight)
                 self._release_at = None
                 self._give_up_fence()
                 core.command(cmd.ReleasePartition())

@@ -35,28 +35,31 @@ def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_u
                                            "--heartbeat-timeout", "2", "--status-interval", "0.5"])
     try:
         wait_until(replica.is_leading, 60, "leadership")
+        # Every series names the replica and the outbox; the engine's also its shard (none: the whole table).
+        replica_labels = f'name="{name}",outbox="outbox"'
+        engine = f'{replica_labels},shard=""'
         with transaction.atomic():
             stash_many([{"topic": topic, "key": f"k{i % 5}", "value": str(i)} for i in range(200)])
         wait_until(lambda: outbox_count(database_url) == 0, 60, "the outbox to drain")
-        metrics = wait_until(lambda: (m := scrape(port)).get(f'outbox_records_published_total{{name="{name}"}}')
+        metrics = wait_until(lambda: (m := scrape(port)).get(f'outbox_records_published_total{{{engine}}}')
                              == 200 and m, 30, "published_total to reach 200")
-        assert metrics[f'outbox_leader_state{{name="{name}",state="leader"}}'] == 1.0
-        assert metrics[f'outbox_in_flight_records{{name="{name}"}}'] == 0.0
+        assert metrics[f'outbox_leader_state{{{engine},state="leader"}}'] == 1.0
+        assert metrics[f'outbox_in_flight_records{{{engine}}}'] == 0.0
         assert metrics["outbox_mark_seconds_count"] > 0 and metrics["outbox_purge_seconds_count"] > 0
-        assert f'outbox_backlog_records{{name="{name}"}}' in metrics
-        assert metrics[f'outbox_held_records{{name="{name}"}}'] == 0.0
-        assert metrics[f'outbox_parked_records{{name="{name}"}}'] == 0.0
-        assert metrics[f'outbox_oldest_record_age_seconds{{name="{name}"}}'] == 0.0, "an empty outbox waits for none"
+        assert f'outbox_backlog_records{{{replica_labels}}}' in metrics
+        assert metrics[f'outbox_held_records{{{engine}}}'] == 0.0
+        assert metrics[f'outbox_parked_records{{{replica_labels}}}'] == 0.0
+        assert metrics[f'outbox_oldest_record_age_seconds{{{replica_labels}}}'] == 0.0, "an empty outbox waits for none"
 
         # A record too large for the producer is held; one parked earlier is in the dead-letter table.
         poison = OutboxRecord.objects.create(kafka_topic=topic, kafka_key="k0", kafka_value="x" * 1_200_000)
         DeadLetter.objects.create(outbox_id=1, create_time=timezone.now(), kafka_topic=topic, kafka_key="k1",
                                   reason="Broker: Message size too large", parked_by="admin root")
-        wait_until(lambda: scrape(port).get(f'outbox_held_records{{name="{name}"}}') == 1.0, 30,
+        wait_until(lambda: scrape(port).get(f'outbox_held_records{{{engine}}}') == 1.0, 30,
                    "the held gauge to count the poison record")
-        assert scrape(port)[f'outbox_parked_records{{name="{name}"}}'] == 1.0
+        assert scrape(port)[f'outbox_parked_records{{{replica_labels}}}'] == 1.0
         OutboxRecord.objects.filter(pk=poison.pk).update(create_time=timezone.now() - timedelta(minutes=10))
-        assert 600 <= scrape(port)[f'outbox_oldest_record_age_seconds{{name="{name}"}}'] < 700, "the held row's age"
+        assert 600 <= scrape(port)[f'outbox_oldest_record_age_seconds{{{replica_labels}}}'] < 700, "the held row's age"
 
         healthy = wait_until(lambda: (r := manage("harvest_health", "--name", name, "--require-leader", env=env))
                              .stdout.endswith("; 1 held, 1 parked\n") and r, 30, "the probe to count held records")
@@ -113,3 +116,34 @@ def test_health_reports_an_unreachable_database_in_one_line():
     result = manage("harvest_health", "--any", env={"DATABASE_URL": "postgres://outbox:outbox@127.0.0.1:1/outbox"})
     assert result.returncode == 1
     assert result.stdout.startswith("unhealthy: cannot read harvester status:") and not result.stderr.strip()
+
+
+def test_a_sharded_replicas_metrics_and_health_name_its_shards(database_url, bootstrap_servers, new_topic, tmp_path):
+    topic = new_topic("metrics-shards")
+    port = free_port()
+    env = replica_env(database_url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
+    name = f"probe-{uuid.uuid4().hex[:6]}"
+    replica = Replica(name, env, tmp_path, ["--shards", "2", "--metrics-port", str(port), "--metrics-address",
+                                           "127.0.0.1", "--heartbeat-timeout", "2", "--status-interval", "0.5"])
+    replica_labels = f'name="{name}",outbox="outbox"'
+    try:
+        wait_until(lambda: replica.state() == "standby", 60, "the replica's own row (in the group)")
+        wait_until(lambda: scrape(port).get(f"outbox_shards_led{{{replica_labels}}}") == 2.0, 60,
+                   "the replica to lead both shards")
+        with transaction.atomic():
+            stash_many([{"topic": topic, "key": f"k{i % 10}", "value": str(i)} for i in range(200)])
+        wait_until(lambda: outbox_count(database_url) == 0, 60, "the outbox to drain")
+        metrics = wait_until(lambda: (m := scrape(port)) and sum(
+            m.get(f'outbox_records_published_total{{{replica_labels},shard="{s}"}}', 0) for s in "01") == 200 and m,
+            30, "both shards' published_total to add up to 200")
+        assert metrics[f"outbox_shards{{{replica_labels}}}"] == 2.0
+        for shard in "01":
+            assert metrics[f'outbox_leader_state{{{replica_labels},shard="{shard}",state="leader"}}'] == 1.0
+            assert metrics[f'outbox_records_published_total{{{replica_labels},shard="{shard}"}}'] > 0
+        healthy = wait_until(lambda: (r := manage("harvest_health", "--name", name, "--require-leader", env=env))
+                             .returncode == 0 and "leads shard(s) 0, 1 of 2" in r.stdout and r, 30,
+                             "the probe to name the replica's shards")
+        assert healthy.stdout.startswith(f"ok: {name} leads shard(s) 0, 1 of 2"), healthy.stdout
+    finally:
+        replica.signal(signal.SIGTERM)
+        assert replica.wait() == 0

@@ -21,8 +21,9 @@ def scraped(registry: CollectorRegistry) -> dict[str, float]:
 
 
 def replica(state: ReplicaState, statements: dict | None) -> SimpleNamespace:
-    return SimpleNamespace(config=SimpleNamespace(name="r1"), published=0, failed=0, in_flight_records=0, held=[],
-                           backlog=None, status=lambda: SimpleNamespace(state=state), database_statements=statements)
+    return SimpleNamespace(config=SimpleNamespace(name="r1", table="outbox"), published=0, failed=0,
+                           in_flight_records=0, held=[], backlog=None, status=lambda: SimpleNamespace(state=state),
+                           database_statements=statements)
 
 
 def test_round_trips_are_counted_by_kind_every_kind_from_zero():
@@ -43,8 +44,8 @@ def test_the_leader_exports_the_servers_time_and_a_standby_does_not():
     leader.register(HarvesterCollector(replica(ReplicaState.LEADER, statements)))
     standby.register(HarvesterCollector(replica(ReplicaState.STANDBY, statements)))
     values = scraped(leader)
-    assert values['outbox_database_server_seconds_total{name="r1",statement="mark"}'] == 0.25
-    assert values['outbox_database_server_calls_total{name="r1",statement="writers"}'] == 10
+    assert values['outbox_database_server_seconds_total{name="r1",outbox="outbox",statement="mark"}'] == 0.25
+    assert values['outbox_database_server_calls_total{name="r1",outbox="outbox",statement="writers"}'] == 10
     assert len([v for v in values if v.startswith("outbox_database_server_calls_total")]) == len(SERVER_KINDS)
     assert scraped(standby) == {}
     without = CollectorRegistry()

@@ -13,7 +13,9 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
+from outbox.harvest.shards import ShardedHarvester
 from outbox.metrics import HarvesterCollector, PrometheusInstruments
 from outbox.queue import metrics as queue_metrics
 
@@ -31,11 +33,15 @@ def exported_names() -> set[str]:
     counter or histogram nobody has used yet has no samples: its names follow from its type)."""
     registry = CollectorRegistry()
     PrometheusInstruments(registry)
-    harvester = SimpleNamespace(config=SimpleNamespace(name="r1"), published=1, failed=0, in_flight_records=0,
-                                held=[], backlog=0, status=lambda: SimpleNamespace(state=ReplicaState.LEADER),
+    harvester = SimpleNamespace(config=SimpleNamespace(name="r1", table="outbox"), published=1, failed=0,
+                                in_flight_records=0, held=[], backlog=0,
+                                status=lambda: SimpleNamespace(state=ReplicaState.LEADER),
                                 database_statements={"mark": (1, 0.001, 10)})
     registry.register(HarvesterCollector(harvester, parked=lambda: 0, oldest_age=lambda: 0.0,
                                          horizon=lambda: SimpleNamespace(age=0.0, dead_rows=0)))
+    # A sharded replica (with no shard yet) adds its group's shards and those it leads.
+    sharded = ShardedHarvester(HarvestConfig(dsn="postgresql://localhost/x", name="r2", shards=4))
+    registry.register(HarvesterCollector(sharded))
     families = list(registry.collect())
     queue_metrics.default_instruments()  # the queue's counters and histogram, in the process's default registry
     families += [f for f in REGISTRY.collect() if f.name.startswith("outbox_queue_")]
@@ -62,7 +68,7 @@ def alert_rules() -> list[dict]:
 def test_the_alert_rules_query_only_exported_metrics():
     exported = exported_names() | PROMETHEUS_OWN
     rules = alert_rules()
-    assert len(rules) == 11
+    assert len(rules) == 12
     for rule in rules:
         assert queried_names(rule["expr"]) <= exported, rule["alert"]
         assert queried_names(rule["expr"]) - PROMETHEUS_OWN, f"{rule['alert']} queries no outbox metric"
