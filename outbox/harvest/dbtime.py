@@ -83,17 +83,17 @@ def normalize(text: str) -> str:
 def engine_statements(table: str, dead_letter_table: str | None = None, shards: int = 1) -> dict[str, str]:
     """The engine's statements on `table` (contract.py) as the store sends them, by kind."""
     ident = sql.Identifier(*table.split("."))
-    above, within = (sql.SQL(text) for text in contract.reads(shards))
+    above = sql.SQL(contract.mark_above(shards))
     texts = {
-        contract.MARK: "mark", contract.GAPS: "gaps", contract.WRITERS: "writers", contract.PURGE: "purge",
+        contract.MARK: "mark", (contract.GAPS if shards <= 1 else contract.shard_gaps(shards)): "gaps",
+        contract.WRITERS: "writers", contract.PURGE: "purge",
         contract.RESET: "reset", contract.RESET_COUNTED: "reset", contract.HOLD: "hold",
         contract.HOLD_COUNTED: "hold", contract.CHECK_HELD: "check_held", contract.TAKE_FENCE: "fence",
         contract.RELEASE_FENCE: "fence", contract.FENCE_HOLDER: "fence", contract.TERMINATE: "fence",
         contract.TAKE_SHARED_FENCE: "fence", contract.RELEASE_SHARED_FENCE: "fence",
         contract.OTHER_SHARD_COUNT: "fence",
     }
-    found = {sql.SQL(text).format(table=ident, above=above, within=within).as_string(): kind
-             for text, kind in texts.items()}
+    found = {sql.SQL(text).format(table=ident, above=above).as_string(): kind for text, kind in texts.items()}
     if dead_letter_table:
         park = sql.SQL(contract.PARK).format(table=ident, dead_letters=sql.Identifier(*dead_letter_table.split(".")))
         found[park.as_string()] = "park"

@@ -44,8 +44,11 @@ MIN_SERVER_VERSION = 140000
 def connect(dsn: str, purpose: str, *, name: str = "") -> psycopg.Connection:
     """An autocommit connection of the engine's own, named in pg_stat_activity by purpose (and replica)."""
     application = f"{APPLICATION_PREFIX}-{purpose}" + (f" {name}" if name else "")
-    return psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
-                           application_name=application[:63])
+    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT, application_name=application[:63])
+    # The engine's statements are short lookups whose cost estimates can pass jit_above_cost (a shard's gaps,
+    # estimated over the whole shard): compiling them would cost more than running them.
+    conn.execute("SET jit = off")
+    return conn
 
 
 def group_tag(group: str) -> str:
@@ -125,9 +128,8 @@ class PostgresStore:
         ident = table_identifier(table)
         #: This store's shard of the table (sharding.py): its marks read only that shard's rows.
         self.shards, self.shard = shards, shard
-        above, within = contract.reads(shards)
-        self._mark_sql = sql.SQL(contract.MARK).format(table=ident, above=sql.SQL(above))
-        self._gaps_sql = sql.SQL(contract.GAPS).format(table=ident, within=sql.SQL(within))
+        self._mark_sql = sql.SQL(contract.MARK).format(table=ident, above=sql.SQL(contract.mark_above(shards)))
+        self._gaps_sql = sql.SQL(contract.GAPS if shards <= 1 else contract.shard_gaps(shards)).format(table=ident)
         self._purge_sql = sql.SQL(contract.PURGE).format(table=ident)
         self._reset_sql = sql.SQL(contract.RESET_COUNTED if counts_failures else contract.RESET).format(table=ident)
         self._hold_sql = sql.SQL(contract.HOLD_COUNTED if counts_failures else contract.HOLD).format(table=ident)

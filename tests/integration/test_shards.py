@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import io
+import re
 import signal
 import time
 import uuid
@@ -21,7 +23,7 @@ from outbox.harvest import contract, sharding
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester, HarvestError
 from outbox.harvest.shards import ShardedHarvester, ensure_shard_index
-from outbox.harvest.store import PostgresStore
+from outbox.harvest.store import PostgresStore, connect
 from tests.support.harness import (
     Generator,
     Replica,
@@ -53,16 +55,29 @@ def test_the_shard_of_a_key_is_the_same_in_python_and_in_postgres(database_url):
 
 def test_a_shards_mark_reads_its_own_rows_through_its_index(database_url):
     ensure_shard_index(database_url, "outbox", 4)
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    with connect(database_url, "explain") as conn:  # a session as the engine opens them
         conn.execute("DELETE FROM outbox")
         conn.execute("INSERT INTO outbox (kafka_topic, kafka_key, kafka_value) "
                      "SELECT 't', 'k' || (i % 100), 'v' FROM generate_series(1, 20000) AS i")
         conn.execute("ANALYZE outbox")
-        mark = sql.SQL(contract.MARK).format(table=sql.Identifier("outbox"), above=sql.SQL(contract.reads(4)[0]))
-        for after in (0, 10_000, 19_990):  # a mark from the head, from the middle, near the end
-            plan = "\n".join(row[0] for row in conn.execute(sql.SQL("EXPLAIN ") + mark,
+        mark = sql.SQL(contract.MARK).format(table=sql.Identifier("outbox"), above=sql.SQL(contract.mark_above(4)))
+        first = conn.execute("SELECT min(id) FROM outbox").fetchone()[0]
+        for after in (0, first + 10_000, first + 19_990):  # a mark from the head, from the middle, near the end
+            plan = "\n".join(row[0] for row in conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + mark,
                                                              {"after": after, "shard": 1, "limit": 1000}))
             assert sharding.index_name("outbox", 4) in plan and "outbox_pkey" not in plan, plan
+            # It starts at `after` in the shard's index: a 1000-row mark reads its rows' pages, not the shard's.
+            assert int(re.search(r"Buffers: shared hit=(\d+)", plan).group(1)) < 200, plan
+        # The gaps' lookup (the ids between the shard's rows) walks the shard's index once, from the lowest
+        # gap to the highest: the shard's rows in between, not the other shards' (nor the rest of the shard).
+        gaps = sql.SQL(contract.shard_gaps(4)).format(table=sql.Identifier("outbox"))
+        los, his = list(range(first + 10_000, first + 12_000, 10)), list(range(first + 10_005, first + 12_005, 10))
+        plan = "\n".join(row[0] for row in conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + gaps,
+                                                         {"los": los, "his": his, "shard": 1, "limit": 1000}))
+        assert sharding.index_name("outbox", 4) in plan and "outbox_pkey" not in plan, plan
+        buffers = int(re.search(r"Buffers: shared hit=(\d+)", plan).group(1))
+        assert buffers < 2_000 // 4 + 100, plan  # the shard's 500-odd rows between, and the index's pages
+        assert "JIT" not in plan, "the engine's sessions run without JIT (its cost estimates are no guide here)"
     store = PostgresStore.open(database_url, "outbox", name="t", group="g", shards=4, shard=1)
     try:
         assert store.take_fence() is None
@@ -209,3 +224,50 @@ def test_a_killed_replicas_shards_move_and_the_others_keep_publishing(database_u
         for replica in replicas:
             replica.wait(timeout=60)
     assert_complete_and_ordered(tail.stop(), stashed)
+
+
+def test_resharding_waits_for_the_group_to_stop_then_changes_the_topic_and_the_index(database_url,
+                                                                                     bootstrap_servers, new_topic):
+    from django.core.management import CommandError, call_command
+
+    topic = new_topic("reshard")
+    group = f"reshard-{uuid.uuid4().hex[:8]}"
+    two = ShardedHarvester(config(group, "replica-a", database_url, bootstrap_servers, 2))
+    two.start()
+    try:
+        wait_until(lambda: len(two.leading_shards) == 2, 60, "the two-shard group to lead")
+        with pytest.raises(CommandError, match=r"a harvester leads on 'outbox' \(outbox-harvest-fence .*replica-a-s"):
+            call_command("outbox_reshard", "--shards", "3", "--leader-topic", group)
+    finally:
+        two.stop()
+        two.wait(timeout=60)
+    out = io.StringIO()
+    call_command("outbox_reshard", "--shards", "3", "--leader-topic", group, stdout=out)
+    said = out.getvalue()  # the other tests' indexes (other Ns) go too
+    assert f"leader topic {group!r} grown from 2 to 3 partition(s); index outbox_shard3_idx ready; dropped " in said
+    assert "outbox_shard2_idx" in said.split("dropped")[1], said
+    three = ShardedHarvester(config(group, "replica-a", database_url, bootstrap_servers, 3))
+    generator = Generator(topic, keys=30, pause=0.005, limit=1000)
+    three.start()
+    try:
+        wait_until(lambda: len(three.leading_shards) == 3, 60, "the three-shard group to lead")
+        generator.start()
+        generator.join(60)  # it stops by itself after 1000 records
+        stashed = generator.stop()
+        wait_until(lambda: outbox_count(database_url) == 0, 60, "the outbox to drain")
+    finally:
+        three.stop()
+        three.wait(timeout=60)
+    assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(stashed)), stashed)
+    out = io.StringIO()
+    call_command("outbox_reshard", "--shards", "1", "--leader-topic", group, stdout=out)
+    said = out.getvalue()
+    assert f"leader topic {group!r} made again with 1 partition(s); no shard index needed; dropped " in said
+    assert "outbox_shard3_idx" in said.split("dropped")[1], said
+    unsharded = Harvester(config(group, "replica-a", database_url, bootstrap_servers, 1))
+    unsharded.start()
+    try:
+        wait_until(lambda: unsharded.is_leader, 60, "the unsharded replica to lead")
+    finally:
+        unsharded.stop()
+        unsharded.wait(timeout=60)
