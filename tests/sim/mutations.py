@@ -3,10 +3,12 @@
     python -m tests.sim.mutations            # for each bug, the first seeds that catch it
     python -m tests.sim.mutations --check    # only the seeds listed in CAUGHT_BY (what CI runs)
     python -m tests.sim.mutations --queue    # the queue's only (--only TEXT: those whose name has TEXT)
+    python -m tests.sim.mutations --shards   # the shards' only
 
 Each mutation is a small change to the real core or driver (a subclass) or to the simulated table's
 SQL; the runs use one record per key in flight, goharvest's mode, where the stricter order applies.
-The queue's mutations (tests/sim/queue_mutations.py) run in the queue's simulator.
+The queue's mutations (tests/sim/queue_mutations.py) run in the queue's simulator, the shards'
+(SHARD_MUTATIONS) in the sharded runs (tests/sim/shard_scenario.py).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from outbox.harvest.driver import Driver
 from outbox.harvest.lanes import EntryState, Lane, Lanes
 from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
+from outbox.harvest.memory.table import MemoryTable, Row, Session
 from outbox.harvest.topics import UNLIMITED
-from tests.sim import queue_scenario
+from tests.sim import queue_scenario, shard_scenario
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
 from tests.sim.replay import quiet
 from tests.sim.scenario import Options, run
+from tests.sim.shard_scenario import ShardOptions
 
 # -- the core's parts -------------------------------------------------------------------------
 
@@ -94,6 +98,35 @@ class GapsForgottenEarly(Marking):
         for gap in self.gaps:
             gap.watch, gap.watched_at = frozenset(), -1
         super()._resolve(looked, found, upto, frozenset())
+
+
+# -- shards: the hand-off through the fence (leadership.py) and the shard's reads -----------------
+
+class ShardFenceLetGoAtOnce(Leadership):
+    """A shard's engine lets its fence go as soon as its term ends, with records still in flight (no
+    `_fence_release_owed`): its successor may mark before they land."""
+
+    def _end_term(self, event: Any, *, abort: bool) -> None:
+        super()._end_term(event, abort=abort)
+        if self._fence_release_owed:
+            self._fence_release_owed = False
+            self.core.command(cmd.ReleaseFence())
+
+
+class PredecessorEndedAtOnce(Leadership):
+    """A shard's next leader ends the session of the previous one (of its own group) at once, as a stale
+    leader, instead of waiting while it settles."""
+
+    def _end_stale(self) -> bool:
+        return True
+
+
+class UnfilteredShardMark(MemoryTable):
+    """A shard's mark (and its gap lookups) read every shard's rows: contract.reads() without the shard."""
+
+    @staticmethod
+    def in_shard(row: Row, session: Session) -> bool:
+        return True
 
 
 def with_part(**parts: type) -> Callable[..., Core]:
@@ -196,6 +229,14 @@ MUTATIONS: dict[str, Options] = {
                                                        topic_limits=True),
 }
 
+SHARD_MUTATIONS: dict[str, ShardOptions] = {
+    "a shard's fence let go at once when its term ends": ShardOptions(
+        core_factory=with_part(leadership=ShardFenceLetGoAtOnce)),
+    "a shard's previous leader ended at once by the next": ShardOptions(
+        core_factory=with_part(leadership=PredecessorEndedAtOnce)),
+    "a shard's mark reads every shard's rows": ShardOptions(table_factory=UnfilteredShardMark),
+}
+
 #: Seeds that catch each mutation, as `python -m tests.sim.mutations` found them. A change to the
 #: simulator or the core can change which seeds catch what: run it again and update this list
 #: (and docs/simulation.md).
@@ -212,6 +253,10 @@ CAUGHT_BY: dict[str, list[int]] = {
     "a producer restart that forgets what was in flight": [15, 16, 24],
     "records produced without reading the topic's limit": [4, 8, 9],
     "batches not fitted to the topic's limit": [4, 6, 8],
+    # Shards (SHARD_MUTATIONS, tests/sim/shard_scenario.py).
+    "a shard's fence let go at once when its term ends": [36, 98, 99],
+    "a shard's previous leader ended at once by the next": [13, 98, 99],
+    "a shard's mark reads every shard's rows": [1, 2, 3],
     # The queue (tests/sim/queue_mutations.py).
     "a tracker that takes the last stable offset for the end of its partition": [289, 451, 598],
     "a tracker that redelivers before reading its partition to the end": [40, 102, 138],
@@ -229,6 +274,8 @@ def run_mutant(name: str, seed: int) -> str | None:
     """The violation the mutation `name` causes on `seed`, or None."""
     if name in QUEUE_MUTATIONS:
         return queue_scenario.run(seed, QUEUE_MUTATIONS[name]).violation
+    if name in SHARD_MUTATIONS:
+        return shard_scenario.run(seed, SHARD_MUTATIONS[name]).violation
     return run(seed, MUTATIONS[name]).violation
 
 
@@ -250,11 +297,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--want", type=int, default=3, help="seeds to find per mutation (default 3)")
     parser.add_argument("--only", default="", help="only the mutations whose name contains this")
     parser.add_argument("--queue", action="store_true", help="only the queue's mutations")
+    parser.add_argument("--shards", action="store_true", help="only the shards' mutations")
     args = parser.parse_args(argv)
     quiet()
 
     missed = 0
-    for name in [*([] if args.queue else MUTATIONS), *QUEUE_MUTATIONS]:
+    names = [*([] if args.queue or args.shards else MUTATIONS), *([] if args.shards else QUEUE_MUTATIONS),
+             *([] if args.queue else SHARD_MUTATIONS)]
+    for name in names:
         if args.only not in name:
             continue
         if args.check:

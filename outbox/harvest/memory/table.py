@@ -1,15 +1,17 @@
 """The outbox table in memory: rows that become visible when their transaction commits, database
-sessions that can drop, the table's advisory-lock fence, and statements that fail before or after
+sessions that can drop, the table's advisory-lock fence (with shards, each shard's fence and the
+shared locks store.py takes beside it, sharding.py), and statements that fail before or after
 they commit. `MemoryStore` is the engine's Store (connector.py) over it, with the real store's two
 sessions; a statement that fails raises psycopg.OperationalError, as the real store's do.
 
-It runs the engine's statements with the same meaning as contract.py's SQL, and checks two of the
-invariants as it goes: no row is deleted unless its record is in Kafka, and no purge or reset
-touches a row marked under another leader id.
+It runs the engine's statements with the same meaning as contract.py's SQL (a shard's store marks
+only its shard's rows, contract.reads()), and checks invariants as it goes: no row is deleted unless
+its record is in Kafka, and nobody marks the table (or a shard) without holding its fence.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import uuid
 from collections.abc import Callable, Sequence
@@ -20,6 +22,7 @@ import psycopg
 
 from outbox.harvest.contract import Record
 from outbox.harvest.memory.world import Violation, World
+from outbox.harvest.sharding import shard_of
 from outbox.harvest.store import FenceHolder
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
@@ -28,6 +31,12 @@ POISON = "POISON"
 #: ...and one the producer refuses before it leaves the process (over the producer's own limit).
 HUGE = "HUGE"
 POISONS = frozenset({POISON, HUGE})
+
+
+@functools.lru_cache(maxsize=4096)
+def key_shard(key: str, shards: int) -> int:
+    """shard_of, remembered (a simulated mark looks at every row's key)."""
+    return shard_of(key, shards)
 
 
 @dataclass(slots=True)
@@ -62,6 +71,9 @@ class Session:
     alive: bool = True
     holds_fence: bool = False  # the database's truth
     believes_fence: bool = False  # what the client thinks (store.PostgresStore._fence_held)
+    #: The store's shards and shard (sharding.py): 1 is the unsharded table's store.
+    shards: int = 1
+    shard: int = 0
 
 
 class StatementFailed(Exception):
@@ -86,6 +98,13 @@ class MemoryTable:
     db_fence: bool = True
     rows: dict[int, Row] = field(default_factory=dict)
     fence_holder: Session | None = None
+    #: Shards (store.py): each shard's fence, held exclusively, by (N, shard); beside it a shard's leader
+    #: holds the table's fence key shared and its N's key shared (in the order they were taken).
+    shard_fences: dict[tuple[int, int], Session] = field(default_factory=dict)
+    table_shared: dict[Session, None] = field(default_factory=dict)
+    count_shared: dict[int, dict[Session, None]] = field(default_factory=dict)
+    #: Who marked each shard last (its session's owner), by (N, shard): the simulator's hand-off check.
+    marked_by: dict[tuple[int, int], str] = field(default_factory=dict)
     removed_by_operator: set[int] = field(default_factory=set)
     parked: set[int] = field(default_factory=set)
     dead_letters: list[tuple[Row, str]] = field(default_factory=list)
@@ -161,6 +180,16 @@ class MemoryTable:
         if self.fence_holder is session:
             self.fence_holder = None
             session.holds_fence = False
+        if session.shards > 1:
+            self._let_go(session)  # pg_terminate_backend, or the connection closed: its locks go with it
+
+    def _let_go(self, session: Session) -> None:
+        key = (session.shards, session.shard)
+        if self.shard_fences.get(key) is session:
+            del self.shard_fences[key]
+        self.table_shared.pop(session, None)
+        self.count_shared.get(session.shards, {}).pop(session, None)
+        session.holds_fence = False
 
     def _run(self, session: Session, apply: Callable[[], object]) -> object:
         """Run one statement with the configured faults; raises StatementFailed like a broken connection."""
@@ -176,12 +205,26 @@ class MemoryTable:
         return result
 
     def take_fence(self, session: Session, end_stale: bool = True) -> str | FenceHolder | None:
+        if session.shards > 1:
+            return self._take_shard_fence(session, end_stale)
+
         def apply() -> str | FenceHolder | None:
             if not self.db_fence:
                 return None
             holder = self.fence_holder
             if holder is session:
                 return None
+            tries = 3
+            while holder is None and self.table_shared:
+                # Shards' leaders hold the table's key shared (store.py): the exclusive lock waits for all
+                # of them, and one of our own group is ended as stale, as the store does (three tries).
+                shared = next(iter(self.table_shared))
+                same = shared.group == session.group
+                if not same or not end_stale or tries == 0:
+                    return FenceHolder(0, shared.owner, shared.group, "sim", same_group=same)
+                self.world.note(f"fence: {session.owner} ends the session of shard leader {shared.owner}")
+                self.drop(shared)
+                tries -= 1
             if holder is not None and holder.alive and holder.group == session.group and not end_stale:
                 return FenceHolder(0, holder.owner, holder.group, "sim", same_group=True)
             if holder is not None and holder.alive and holder.group == session.group:
@@ -198,10 +241,55 @@ class MemoryTable:
             session.believes_fence = True
         return result  # type: ignore[return-value]
 
+    def _take_shard_fence(self, session: Session, end_stale: bool) -> FenceHolder | None:
+        """store.take_fence with shards: the shard's key exclusively (a stale holder of our own group ended
+        with `end_stale`), then the table's key and the N's key shared; none of it kept when an unsharded
+        leader holds the table's key or a leader of another N holds its N's."""
+        def apply() -> FenceHolder | None:
+            if not self.db_fence:
+                return None
+            key = (session.shards, session.shard)
+            holder = self.shard_fences.get(key)
+            if holder is session:
+                return None
+            if holder is not None:
+                same = holder.group == session.group
+                if not same or not end_stale:
+                    return FenceHolder(0, holder.owner, holder.group, "sim", same_group=same)
+                self.world.note(f"fence: {session.owner} ends the session of stale {holder.owner}")
+                self.drop(holder)
+            table = self.fence_holder
+            if table is not None:
+                return FenceHolder(0, table.owner, table.group, "sim", same_group=table.group == session.group)
+            other = next(((n, s) for n, holders in self.count_shared.items() if n != session.shards
+                          for s in holders), None)
+            if other is not None:
+                n, other_session = other
+                return FenceHolder(0, f"{other_session.owner} (sharded {n} ways)", other_session.group, "sim",
+                                   same_group=False)
+            self.shard_fences[key] = session
+            self.table_shared[session] = None
+            self.count_shared.setdefault(session.shards, {})[session] = None
+            session.holds_fence = True
+            return None
+        result = self._run(session, apply)
+        if result is None:
+            session.believes_fence = True
+        return result  # type: ignore[return-value]
+
     def release_fence(self, session: Session) -> None:
         if self.fence_holder is session:
             self.fence_holder = None
+        if session.shards > 1:
+            self._let_go(session)
         session.holds_fence = session.believes_fence = False
+
+    def holds(self, session: Session) -> bool:
+        """Whether the session holds what its marks need: the table's fence, or its shard's (and the shared two)."""
+        if session.shards <= 1:
+            return self.fence_holder is session
+        return (self.shard_fences.get((session.shards, session.shard)) is session and session in self.table_shared
+                and session in self.count_shared.get(session.shards, {}))
 
     # -- the engine's statements ----------------------------------------------------------------
 
@@ -213,16 +301,27 @@ class MemoryTable:
             raise StatementFailed("the database fence was lost with its session")
 
         def apply() -> tuple[list[Record], frozenset[str] | None]:
-            if self.db_fence and self.fence_holder is not session:
-                raise Violation(f"{session.owner} marked without holding the table's fence")
+            if self.db_fence and not self.holds(session):
+                what = f"shard {session.shard} of {session.shards}" if session.shards > 1 else "the table"
+                raise Violation(f"{session.owner} marked {what} without holding its fence")
+            if session.shards > 1:
+                self.marked_by[(session.shards, session.shard)] = session.owner
             writers = frozenset(self.writers) if gaps else None
-            visible = sorted((r for r in self.rows.values() if r.committed), key=lambda r: r.id)
+            visible = sorted((r for r in self.rows.values() if r.committed and self.in_shard(r, session)),
+                             key=lambda r: r.id)
             above = [r for r in visible if r.id > after][:limit]
             within = [r for r in visible if any(lo <= r.id <= hi for lo, hi in gaps)][:limit] if gaps else []
             return sorted((row.record() for row in above + within), key=lambda r: r.id), writers
         return self._run(session, apply)  # type: ignore[return-value]
 
+    @staticmethod
+    def in_shard(row: Row, session: Session) -> bool:
+        """contract.reads(): a shard's store reads only its shard's rows."""
+        return session.shards <= 1 or key_shard(row.key, session.shards) == session.shard
+
     def _fence_held(self, fence: Session | None) -> bool:
+        if fence is not None and fence.shards > 1:
+            return not self.db_fence or self.shard_fences.get((fence.shards, fence.shard)) is fence
         return fence is None or not self.db_fence or self.fence_holder is fence
 
     def purge(self, session: Session, ids: Sequence[int], fence: Session | None = None) -> tuple[int, bool]:
@@ -305,18 +404,20 @@ class MemoryStore:
     partitioned = False
 
     def __init__(self, table: MemoryTable, owner: str, group: str, *,
-                 reachable: Callable[[], bool] = lambda: True) -> None:
+                 reachable: Callable[[], bool] = lambda: True, shards: int = 1, shard: int = 0) -> None:
         self.table = table
         self.owner = owner
         self.group = group
         self._reachable = reachable
-        self.fence = Session(owner, group)
-        self.purger = Session(owner, group)
+        #: This store's shard of the table (store.PostgresStore's shards and shard).
+        self.shards, self.shard = shards, shard
+        self.fence = Session(owner, group, shards=shards, shard=shard)
+        self.purger = Session(owner, group, shards=shards, shard=shard)
 
     def _session(self, fence: bool) -> Session:
         current = self.fence if fence else self.purger
         if not current.alive:
-            current = Session(self.owner, self.group)
+            current = Session(self.owner, self.group, shards=self.shards, shard=self.shard)
             if fence:
                 self.fence = current
             else:

@@ -1,0 +1,372 @@
+"""One simulated sharded harvester process (`harvest --shards N`, outbox/harvest/shards.py): one group
+consumer of the leader topic, and an engine (the real Core and the real Driver) for each shard it is given.
+
+What runs is the real code where it can be stepped: the group's rebalance callbacks and its table of
+shards (`shards.ShardGroup`, not started as a thread), each engine's view of its shard
+(`shards.ShardElection`: its events, its own heartbeats, `gone`), and the core and driver of every
+engine. The threads are world events, as in replica.py: the group thread consumes the leader topic
+every min_poll_interval through the memory consumer (groups.py: cooperative-sticky, so a moving
+partition is revoked, the callback returns at once, as ShardGroup's does, and then assigned to its new
+owner); each engine's election thread polls its ShardElection, blocking in a revoke until the core
+answers ReleasePartition (runtime.ElectionThread); the manager thread reconciles every MANAGE_INTERVAL
+what the group assigned with the engines it has (a model of ShardedHarvester._reconcile: an engine
+started on assignment, stopped once its revoke settled or its shard was lost).
+
+The process can crash, pause (SIGSTOP), stop gracefully (every engine settles, then the consumer
+leaves the group) and lose its links to the leader topic, the record brokers or Postgres.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from operator import methodcaller
+from types import SimpleNamespace
+from typing import Any
+
+from outbox.harvest.config import Limits
+from outbox.harvest.core import Core
+from outbox.harvest.driver import Driver
+from outbox.harvest.memory.broker import MemoryBroker, MemoryProducer
+from outbox.harvest.memory.consumer import MemoryConsumer
+from outbox.harvest.memory.table import MemoryStore, MemoryTable
+from outbox.harvest.memory.world import SimWorld, Violation
+from outbox.harvest.shards import MANAGE_INTERVAL, ShardElection, ShardGroup
+from tests.sim.replica import Links, Log, SimIO
+
+#: The engine whose turn runs now (a trace's log lines name it).
+RUNNING: list[str] = [""]
+
+
+class _InRevoke(Exception):
+    """The engine's election thread entered the revoke callback: it blocks there until released."""
+
+
+class HeartbeatProducer:
+    """The replica's heartbeat producer (ShardGroup.heartbeat): a heartbeat lands a moment later, if the link holds."""
+
+    def __init__(self, replica: ShardedReplica) -> None:
+        self._replica = replica
+
+    def produce(self, topic: str, value: bytes | None = None, partition: int = -1, **_: Any) -> None:
+        replica = self._replica
+
+        def lands() -> None:
+            if replica.links.leader and not replica.crashed:
+                replica.kafka.append(topic, partition, None, value, None, replica=replica.name)
+        if replica.links.leader:
+            replica.world.after(replica.world.latency(0.001, 0.01), lands)
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0
+
+    def flush(self, timeout: float = 0) -> int:
+        return 0
+
+
+class ShardEngine:
+    """One shard's engine (a Harvester in shards.py): the real Core(handoff_by_fence=True) and Driver over
+    SimIO, its own database sessions and record producer, and its election thread over a ShardElection."""
+
+    def __init__(self, replica: ShardedReplica, shard: int, number: int) -> None:
+        self.replica = replica
+        self.shard = shard
+        self.world = replica.world
+        self.name = f"{replica.name}-s{shard}#{number}"
+        self.limits = replica.limits
+        self.kafka = replica.kafka
+        self.table = replica.table
+        self.log = replica.log
+        self.links = replica.links
+        self.store = MemoryStore(replica.table, self.name, replica.group_name, reachable=lambda: replica.links.database,
+                                 shards=replica.shards, shard=shard)
+        self.core = replica.core_factory(replica.limits, new_leader_id=self.world.uuid, park_after=replica.park_after,
+                                         now=self.world.now, handoff_by_fence=True)
+        self.core.checking = True
+        self._busy_until = {"fence": 0.0, "purge": 0.0}
+        self.io = SimIO(self)  # type: ignore[arg-type]  # duck-typed: the attributes SimIO reads are here
+        self.driver = replica.driver_factory(self.core, self.io)
+        self.driver.wake = lambda: self._wake(0.0)
+        self.election = ShardElection(replica.group, shard, self.name)
+        #: Publish heartbeats (the driver says so after each turn).
+        self.heartbeat = False
+        self.state = "running"  # running, stopping, stopped
+        self._revoking = False  # the election thread is inside the revoke callback
+        self._election_stopped = False
+        self._wake_at: float | None = None
+        self._last_turn = -1.0
+        self._spins = 0
+
+    # -- what SimIO reads -----------------------------------------------------------------------
+
+    @property
+    def crashed(self) -> bool:
+        return self.replica.crashed or self.state == "stopped"
+
+    @property
+    def slow_until(self) -> float:
+        return self.replica.slow_until
+
+    def new_producer(self) -> MemoryProducer:
+        pipelined = self.limits.max_in_flight_per_key > 1
+        replica = self.replica
+        return MemoryProducer(self.kafka, self.name, gapless=pipelined,
+                              delivery_timeout=None if pipelined else self.limits.delivery_timeout,
+                              is_running=replica.process_running, can_reach=lambda: replica.links.records)
+
+    def on_session(self, name: str, job: Callable[[], None]) -> None:
+        """Each session runs one statement at a time, with a latency (replica.SimReplica.on_session)."""
+        faults = self.table.faults
+        start = max(self.world.now, self._busy_until[name])
+        slow = self.world.now < self.replica.slow_until or self.world.chance(faults.slow)
+        finish = start + self.world.latency(*(faults.slow_latency if slow else faults.latency))
+        self._busy_until[name] = finish
+
+        def execute() -> None:
+            if not self.crashed:
+                job()
+        self.world.at(finish, execute)
+
+    def released(self) -> None:
+        """ReleasePartition: the revoke callback returns (ElectionThread._revoked), after which the view is gone."""
+        if not self._revoking:
+            return
+        self._revoking = False
+        self.election.gone = True
+        self.driver.post(lambda core: core.on_polled(False))  # the poll that was blocked returns
+        self.world.after(self.limits.min_poll_interval, self._poll_election)
+
+    # -- life (Harvester.start / stop / its engine thread) -----------------------------------------
+
+    def start(self) -> None:
+        replica = self.replica
+        self.election.start(lambda: self.driver.post(methodcaller("on_assigned")), self._revoked,
+                            lambda: self.driver.post(methodcaller("on_lost")))
+        self.world.after(0.0, self._poll_election)
+        self._wake(0.0)
+        self.world.note(f"{self.name} started (shard {self.shard} of {replica.shards})")
+
+    def stop(self) -> None:
+        """Harvester.stop: the core stops (settling what is in flight, bounded), then everything closes."""
+        if self.state == "running":
+            self.state = "stopping"
+            self.driver.post(methodcaller("stop"))
+            self._wake(0.0)
+
+    def crash(self) -> None:
+        self.store.close()
+        self.io.producer.purge()  # what was not transmitted is gone with the process
+        self.io.producer.close()
+
+    def _close(self) -> None:
+        """The engine thread's end (ThreadedIO.close): the election thread stops (a revoke callback under way
+        returns at once), the producer, then the store's sessions (the fence goes with them)."""
+        self._stop_election()
+        self.io.producer.purge()  # a stopped core has nothing in flight, or gave it up: nothing is left
+        self.io.producer.close()
+        self.store.close()
+        self.state = "stopped"
+        self.world.note(f"{self.name} stopped")
+
+    def _stop_election(self) -> None:
+        if not self._election_stopped:
+            self._election_stopped = True
+            if self._revoking:
+                self._revoking = False
+                self.election.gone = True
+            self.election.close()
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _wake(self, delay: float) -> None:
+        if self.crashed:
+            return
+        when = self.world.now + max(0.0, delay)
+        if self._wake_at is not None and self._wake_at <= when:
+            return
+        self._wake_at = when
+        self.world.at(when, lambda: self._turn(when))
+
+    def resumed(self) -> None:
+        """SIGCONT: the engine thread runs at once."""
+        self._wake_at = None
+        self._wake(0.0)
+
+    def _turn(self, scheduled: float) -> None:
+        if self._wake_at != scheduled:
+            return
+        self._wake_at = None
+        if self.crashed or not self.replica.process_running():
+            return
+        if scheduled == self._last_turn:
+            self._spins += 1
+            if self._spins > 10_000:
+                raise Violation(f"{self.name}: the core keeps asking to run again at once (phase "
+                                f"{self.core.phase.value}, deadline {self.core.next_deadline()})")
+        else:
+            self._last_turn, self._spins = scheduled, 0
+        RUNNING[0] = self.name
+        deadline = self.driver.turn()
+        RUNNING[0] = ""
+        if self.core.finished:
+            self._close()
+            return
+        self._wake(deadline - self.world.now)
+
+    # -- the election thread (runtime.ElectionThread over the ShardElection) ------------------------
+
+    def _revoked(self) -> None:
+        self._revoking = True
+        self.driver.post(methodcaller("on_revoked"))
+        raise _InRevoke  # the thread blocks in the callback; released() resumes it
+
+    def _poll_election(self) -> None:
+        if self.crashed or self._election_stopped or self._revoking:
+            return
+        replica = self.replica
+        if not replica.process_running():
+            self.world.at(replica.paused_until, self._poll_election)
+            return
+        try:
+            seen = self.election.poll(heartbeat=self.heartbeat)
+        except _InRevoke:
+            return
+        self.driver.post(lambda core: core.on_polled(seen))
+        self.world.after(self.limits.min_poll_interval, self._poll_election)
+
+
+class ShardedReplica:
+    """One `harvest --shards N` process (ShardedHarvester)."""
+
+    def __init__(self, world: SimWorld, name: str, group: str, shards: int, limits: Limits, kafka: MemoryBroker,
+                 table: MemoryTable, log: Log, *, park_after: int | None = None,
+                 core_factory: Callable[..., Core] = Core, driver_factory: Callable[..., Driver] = Driver) -> None:
+        self.world = world
+        self.name = name
+        self.group_name = group
+        self.shards = shards
+        self.limits = limits
+        self.kafka = kafka
+        self.table = table
+        self.log = log
+        self.park_after = park_after
+        self.core_factory, self.driver_factory = core_factory, driver_factory
+        self.links = Links()
+        self.running = False
+        self.crashed = False
+        self.stopped = False  # asked to stop
+        self.finished = False  # stopped: its engines settled and its consumer left the group
+        self.paused_until = 0.0
+        self.slow_until = 0.0
+        self.leader_topic = f"leader-{group}"
+        kafka.create_topic(self.leader_topic, shards)
+        self.consumer = MemoryConsumer(kafka, {"group.id": group,
+                                               "session.timeout.ms": int(3 * limits.heartbeat_timeout * 1000)},
+                                       name=name, alive=lambda: self.process_running() and self.links.leader)
+        config = SimpleNamespace(leader_topic=self.leader_topic, limits=limits)
+        self.group = ShardGroup(config, self.consumer, HeartbeatProducer(self))  # type: ignore[arg-type]
+        self.engines: dict[int, ShardEngine] = {}
+        self._numbers = 0
+
+    def process_running(self) -> bool:
+        return self.running and not self.crashed and self.world.now >= self.paused_until
+
+    @property
+    def live(self) -> bool:
+        return self.running and not self.crashed and not self.stopped
+
+    # -- the process ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.running = True
+        group = self.group
+        self.consumer.subscribe([self.leader_topic], on_assign=lambda _c, ps: group._changed("assign", ps),
+                                on_revoke=lambda _c, ps: group._changed("revoke", ps),
+                                on_lost=lambda _c, ps: group._changed("lost", ps))
+        self.world.note(f"{self.name} started ({self.shards} shards)")
+        self.world.after(0.0, self._poll_group)
+        self.world.after(0.0, self._manage)
+
+    def pause(self, seconds: float) -> None:
+        """SIGSTOP for `seconds`, then SIGCONT."""
+        if not self.process_running():
+            return
+        self.world.note(f"{self.name} paused for {seconds:.2f}s")
+        self.paused_until = self.world.now + seconds
+
+        def resume() -> None:
+            for engine in list(self.engines.values()):
+                engine.resumed()
+        self.world.at(self.paused_until, resume)
+
+    def crash(self) -> None:
+        """SIGKILL: its sessions end, its producers' unsent records are gone; Kafka notices in a session timeout."""
+        if self.crashed or not self.running:
+            return
+        self.world.note(f"{self.name} crashed")
+        self.crashed = True
+        for engine in self.engines.values():
+            engine.crash()
+
+    def stop(self) -> None:
+        """SIGTERM (ShardedHarvester.stop): every engine settles and stops; then the consumer leaves the group."""
+        if not self.process_running() or self.stopped:
+            return
+        self.world.note(f"{self.name} stopping")
+        self.stopped = True
+
+    # -- the group thread (ShardGroup.run) --------------------------------------------------------
+
+    def _poll_group(self) -> None:
+        if self.crashed or self.finished:
+            return
+        if not self.process_running():
+            self.world.at(self.paused_until, self._poll_group)
+            return
+        if self.links.leader:  # else the consumer hears nothing, and the coordinator nothing from it
+            group = self.group
+            for message in self.consumer.consume(num_messages=512, timeout=self.limits.min_poll_interval):
+                value = message.value() or b""
+                view = group._views.get(message.partition())
+                if view is not None and value.endswith(view.signature):
+                    view.heard()
+        self.world.after(self.limits.min_poll_interval, self._poll_group)
+
+    # -- the manager thread (ShardedHarvester._manage and _reconcile) -----------------------------
+
+    def _manage(self) -> None:
+        if self.crashed or self.finished:
+            return
+        if not self.process_running():
+            self.world.at(self.paused_until, self._manage)
+            return
+        if self.stopped:
+            self._shut_down()
+        else:
+            self._reconcile(self.group.owned())
+        if not self.finished:
+            self.world.after(MANAGE_INTERVAL, self._manage)
+
+    def _reconcile(self, owned: set[int]) -> None:
+        for shard, engine in list(self.engines.items()):
+            election = engine.election
+            if engine.state == "stopped":
+                del self.engines[shard]
+            elif engine.state == "running" and shard not in owned and (election.gone or not election.was_assigned):
+                engine.stop()
+            elif engine.state == "running" and election.gone:
+                engine.stop()  # revoked and assigned again: a fresh engine takes the new assignment
+        for shard in sorted(owned - set(self.engines)):
+            self._numbers += 1
+            engine = ShardEngine(self, shard, self._numbers)
+            self.engines[shard] = engine
+            engine.start()
+
+    def _shut_down(self) -> None:
+        """The manager's `finally`: stop every engine, wait for each, then the group thread closes the consumer."""
+        for engine in self.engines.values():
+            engine.stop()
+        if all(engine.state == "stopped" for engine in self.engines.values()):
+            self.consumer.close()  # leave the group: the shards move at once
+            self.finished = True
+            self.running = False
+            self.world.note(f"{self.name} stopped")

@@ -1,0 +1,315 @@
+"""A whole simulated run of a sharded group (`harvest --shards N`) from one seed, then the checks.
+
+    python -m tests.sim.shard_scenario 1234          # run one seed, print what happened
+    python -m tests.sim.shard_scenario 1234 --trace  # and the trace of every fault, rebalance and term
+
+The seed picks the number of shards (2, 3, 4 or 6), 2 to 4 replicas (shard_replica.py), one or several
+records per key in flight, the keys and their causal writers (late commits and rollbacks: gaps in each
+shard), poison records now and then, and a schedule of faults: crashes, pauses (some past the session
+timeout: zombies), graceful restarts, rolling restarts of every replica one by one, joins of new
+replicas, links to Kafka or Postgres cut, database sessions dropped, statements that fail, batches
+refused or their acknowledgement lost. Faults stop at a fixed time; the run then goes on until every
+record is published (or a deadline passes).
+
+Checked as the run goes: nobody marks a shard without holding its fence (memory/table.py), and no
+engine publishes a record of a shard for the first time after another engine marked that shard (the
+hand-off: a shard moves only once its old leader settled or fenced itself). At the end, as for the
+unsharded runs (checks.py): per-key order, nothing lost, everything published, leader ids never reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from outbox.harvest.core import Core
+from outbox.harvest.driver import Driver
+from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults, StoredMessage
+from outbox.harvest.memory.table import HUGE, POISON, MemoryTable, TableFaults, key_shard
+from outbox.harvest.memory.world import SimWorld, Violation
+from tests.sim import checks, replay, shard_replica
+from tests.sim.replica import Log
+from tests.sim.scenario import Result, limits_for
+from tests.sim.shard_replica import ShardedReplica
+
+#: Seeds that break an invariant through what the simulator found in the shard code and is not fixed yet
+#: (docs/simulation.md, "Shards"): a shard's fence lost with its database session while its leader still
+#: has records in flight lets the next leader in at once. The tests check that every other seed passes
+#: and that these still fail: once fixed, they pass, and the test says to remove them from here.
+KNOWN_FAILURES: dict[int, str] = {
+    103: "a leader's fence session dropped with records in flight; the shard moved and its records landed late",
+    706: "a zombie saw a heartbeat from before its pause and took the fence a dropped session had freed",
+    1000: "a leader's fence session dropped with records in flight; the next leader marked before they landed",
+}
+
+FAULTS_END = 25.0
+DEADLINE = FAULTS_END + 60.0
+SHARD_COUNTS = (2, 3, 4, 6)
+
+
+@dataclass
+class ShardOptions:
+    """What a mutation (tests/sim/mutations.py) may change about a sharded run."""
+
+    core_factory: Callable[..., Core] = Core
+    driver_factory: Callable[..., Driver] = Driver
+    table_factory: Callable[..., MemoryTable] = MemoryTable
+    per_key: int | None = None
+
+
+class TraceLog(logging.Handler):
+    """With --trace, the engines' log lines go into the trace, named by the engine whose turn logged them."""
+
+    def __init__(self, world: SimWorld) -> None:
+        super().__init__(logging.INFO)
+        self.world = world
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.world.note(f"{shard_replica.RUNNING[0] or '-'}: {record.getMessage()}")
+
+
+class HandOffLedger:
+    """Watches the records topic: a record of a shard published for the first time by an engine other than
+    the one that marked the shard last is a hand-off that did not wait (the old leader's record landed
+    after its successor began). Repeats of records already published are allowed, as in the order check."""
+
+    def __init__(self, table: MemoryTable, shards: int) -> None:
+        self.table = table
+        self.shards = shards
+        self.seen: set[int] = set()
+
+    def visible(self, messages: list[StoredMessage]) -> None:
+        for message in messages:
+            record_id = message.record_id
+            if message.topic() != checks.TOPIC or record_id is None:
+                continue
+            shard = key_shard(message.key_text, self.shards)
+            leader = self.table.marked_by.get((self.shards, shard))
+            if record_id not in self.seen and leader is not None and leader != message.replica:
+                raise Violation(f"{message.replica} published record {record_id} (key {message.key_text}, shard "
+                                f"{shard}) after {leader} had begun marking that shard")
+            self.seen.add(record_id)
+
+    def committed(self, group: str, offsets: object) -> None:
+        pass
+
+
+def run(seed: int, options: ShardOptions | None = None, *, trace: bool = False) -> Result:
+    options = options or ShardOptions()
+    world = SimWorld(seed)
+    world.keep_trace = trace
+    handler = TraceLog(world) if trace else None
+    if handler is not None:
+        logger = logging.getLogger("outbox")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    try:
+        return _run(seed, options, world)
+    finally:
+        if handler is not None:
+            logger.removeHandler(handler)
+            logger.propagate = True
+            replay.quiet()
+
+
+def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
+    rng = world.rng
+    shards = rng.choice(SHARD_COUNTS)
+    kafka = MemoryBroker(world, partitions=rng.randint(1, 4), faults=ProducerFaults())
+    table = options.table_factory(world, published=kafka.published.__contains__, faults=TableFaults())
+    kafka.watchers.append(HandOffLedger(table, shards))
+    log = Log()
+    per_key = options.per_key or rng.choice((1, 4))
+    limits = limits_for(world, per_key)
+    park_after = 2 if world.chance(0.15) else None
+    replicas: list[ShardedReplica] = []
+    counter = iter(range(1_000_000))
+
+    def spawn(delay: float = 0.0) -> ShardedReplica:
+        replica = ShardedReplica(world, f"r{next(counter)}", "g1", shards, limits, kafka, table, log,
+                                 park_after=park_after, core_factory=options.core_factory,
+                                 driver_factory=options.driver_factory)
+        replicas.append(replica)
+        world.after(delay, replica.start)
+        return replica
+
+    for _ in range(rng.randint(2, 4)):
+        spawn(rng.uniform(0, 1.0))
+
+    # -- writers: each key's records are causal (the next is written after the last committed) ----
+    keys = [f"k{i}" for i in range(rng.randint(2, 16))]
+    total = rng.randint(80, 400)
+    poison_count = rng.choice((0, 0, 0, 0, 1, 2))
+    write_window = rng.uniform(4.0, 22.0)  # the faults come while records are written
+    per_key_rate = total / (len(keys) * write_window)
+    written = {"n": 0}
+    rollbacks = rng.choice((0.0, 0.0, 0.02, 0.1))
+    poison_ids: list[int] = []
+
+    def write(key: str) -> None:
+        if written["n"] >= total:
+            return
+        written["n"] += 1
+        value = "v"
+        if poison_count and len(poison_ids) < poison_count and world.chance(0.02):
+            value = rng.choice((POISON, HUGE))
+        row = table.insert(key, value)
+        commit_in = rng.uniform(0.0001, 0.02) if not world.chance(0.03) else rng.uniform(0.2, 2.0)
+        if world.chance(rollbacks):
+            written["n"] -= 1
+            world.after(commit_in, lambda: (table.rollback(row), write(key)))
+            return
+        if value != "v":
+            poison_ids.append(row.id)
+
+        def commit() -> None:
+            table.commit(row)
+            world.after(rng.expovariate(per_key_rate), lambda: write(key))
+        world.after(commit_in, commit)
+
+    for key in keys:
+        world.after(rng.uniform(0, 0.5), lambda key=key: write(key))
+
+    # -- faults -----------------------------------------------------------------------------------
+    table.faults = TableFaults(fail_before=rng.choice((0, 0.005, 0.02)), fail_after=rng.choice((0, 0.005, 0.02)),
+                               slow=rng.choice((0, 0, 0.02, 0.1)))
+    kafka.faults = ProducerFaults(transient=rng.choice((0, 0.01, 0.05)), ack_lost=rng.choice((0, 0.01, 0.05)),
+                                  fatal=rng.choice((0, 0, 0.002)))
+
+    def live() -> list[ShardedReplica]:
+        return [r for r in replicas if r.live]
+
+    def restart(replica: ShardedReplica, then: Callable[[], None] | None = None) -> None:
+        """Stop gracefully; once it has stopped, start a new incarnation (and then `then`)."""
+        replica.stop()
+
+        def watch() -> None:
+            if replica.finished or replica.crashed:
+                world.after(rng.uniform(0.1, 2.0), lambda: (spawn(), then() if then else None))
+            else:
+                world.after(0.1, watch)
+        world.after(0.1, watch)
+
+    def rolling(order: list[ShardedReplica]) -> None:
+        if order:
+            restart(order[0], lambda: world.after(rng.uniform(0.5, 3.0), lambda: rolling(order[1:])))
+
+    def fault() -> None:
+        candidates = live()
+        if not candidates:
+            return
+        replica = rng.choice(candidates)
+        kind = rng.choice(("crash", "pause", "pause_long", "stop", "rolling", "join", "join_slow", "join_slow",
+                           "slow_kafka", "leader_link", "records_link", "database_link", "drop_sessions",
+                           "slow_database", "long_transaction"))
+        world.note(f"fault: {kind} on {replica.name}")
+        if kind in ("join", "join_slow"):
+            # Scaled out: shards move to the newcomer, now and then while the records of their old leader
+            # are slow to land (its link to the record brokers blinks): the hand-off waits for them.
+            spawn()
+            if kind == "join_slow":
+                replica.links.records = False
+                world.after(rng.uniform(0.3, 3.0), lambda: setattr(replica.links, "records", True))
+        elif kind == "slow_kafka":
+            # The brokers answer slowly for a while: every engine has records in flight for longer.
+            kafka.faults.latency = (0.05, 0.6)
+            world.after(rng.uniform(1.0, 6.0), lambda: setattr(kafka.faults, "latency", ProducerFaults().latency))
+        elif kind == "rolling":
+            rolling(candidates)
+        elif kind == "stop":
+            restart(replica)
+        elif kind == "crash":
+            replica.crash()
+            spawn(rng.uniform(0.2, 4.0))
+        elif kind == "pause":
+            replica.pause(rng.uniform(0.2, 2.5))
+        elif kind == "pause_long":
+            replica.pause(rng.uniform(3.0, 8.0))  # past the session timeout: a zombie on resume
+        elif kind == "slow_database":
+            replica.slow_until = world.now + rng.uniform(1.0, 6.0)
+        elif kind == "long_transaction":
+            xid = table.begin("a long transaction")
+            world.after(rng.uniform(1.0, 12.0), lambda: table.end(xid))
+        elif kind == "drop_sessions":
+            for engine in list(replica.engines.values()):
+                if world.chance(0.5):
+                    table.drop(engine.store.fence)
+                    table.drop(engine.store.purger)
+        else:
+            link = kind.split("_")[0]
+            setattr(replica.links, link, False)
+            world.after(rng.uniform(0.3, 5.0), lambda: setattr(replica.links, link, True))
+
+    for _ in range(rng.randint(0, 12)):
+        world.at(rng.uniform(0.5, FAULTS_END - 1), fault)
+
+    def calm() -> None:
+        table.faults = TableFaults()
+        kafka.faults = ProducerFaults()
+        for replica in replicas:
+            replica.links.leader = replica.links.records = replica.links.database = True
+        if not live():
+            spawn()
+
+    world.at(FAULTS_END, calm)
+
+    operator = rng.choice(("fix", "delete", "nothing"))
+
+    def operate() -> None:
+        for row_id in poison_ids:
+            if row_id in table.rows:
+                if operator == "fix":
+                    table.operator_update(row_id, value="fixed")
+                elif operator == "delete":
+                    table.operator_delete(row_id)
+
+    if poison_ids or poison_count:
+        world.at(FAULTS_END + rng.uniform(0, 10), operate)
+
+    # -- run ----------------------------------------------------------------------------------------
+    done = {"flag": False}
+
+    def watch() -> None:
+        if world.now > FAULTS_END and written["n"] >= total and not table.pending():
+            done["flag"] = True
+            return
+        world.after(1.0, watch)
+
+    world.at(FAULTS_END, watch)
+
+    def summary() -> str:
+        return (f"seed {seed}: {shards} shards, {per_key} per key, {len(keys)} key(s), {total} records, "
+                f"{kafka.partitions} partition(s), {len(poison_ids)} poison ({operator}), park_after={park_after}")
+    try:
+        world.run_until(DEADLINE, done=lambda: done["flag"])
+        if written["n"] < total:
+            raise Violation(f"the writers did not finish ({written['n']} of {total})")
+        checks.check_order(kafka, strict=per_key == 1)
+        checks.check_leader_ids(log)
+        checks.check_nothing_lost(kafka, table)
+        checks.check_drained(table)
+    except AssertionError as violation:
+        return Result(seed, False, f"t={world.now:.3f}: {violation}", summary(), world.trace)
+    published = len(kafka.messages(checks.TOPIC))
+    leaders = len({name.split("-s")[0] for name, _ in log.leader_ids})
+    text = (f"{summary()}; {len(replicas)} replica incarnation(s), {leaders} of them led, {published} messages, "
+            f"done at t={world.now:.1f}")
+    return Result(seed, True, None, text, world.trace)
+
+
+def run_quietly(seed: int) -> tuple[int, str | None, str]:
+    """run(), for a pool of processes: (seed, violation or None, summary)."""
+    replay.quiet()
+    result = run(seed)
+    return seed, result.violation, result.summary
+
+
+def main(argv: list[str]) -> int:
+    return replay.main(argv, run, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
