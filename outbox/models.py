@@ -100,6 +100,33 @@ class HarvesterStatus(models.Model):
         return f"{self.name} ({self.state})"
 
 
+class ShardTerm(models.Model):
+    """Who last led each shard of a sharded outbox, and whether it let go settled (outbox.harvest.sharding).
+
+    A shard's leader claims the row when it takes the shard's fence and marks it settled just before it lets
+    the fence go with nothing in flight. A successor that finds it unsettled (the session holding the fence
+    ended: a crash, a dropped connection, a terminated backend) waits for that leader's last records to land
+    before it marks, as after a fence taken from another group."""
+
+    id = models.BigAutoField(primary_key=True)
+    #: The outbox table (its oid), how many shards, which one.
+    table_oid = models.BigIntegerField()
+    shards = models.IntegerField()
+    shard = models.IntegerField()
+    #: The leader's engine and its fence session, e.g. "replica-a-s3 (session 4242)".
+    holder = models.TextField()
+    settled = models.BooleanField(default=False)
+    updated = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "outbox_harvester_shards"
+        verbose_name = "shard term"
+        constraints = [models.UniqueConstraint(fields=["table_oid", "shards", "shard"], name="outbox_shard_term_key")]
+
+    def __str__(self) -> str:
+        return f"shard {self.shard}/{self.shards}: {self.holder} ({'settled' if self.settled else 'leading'})"
+
+
 class HarvesterSample(models.Model):
     """A replica's figures at one moment, for the dashboard's charts: written by its status reporter every
     `history_interval` seconds (outbox.harvest.status), deleted after `history_retention` seconds."""

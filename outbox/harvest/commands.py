@@ -44,6 +44,10 @@ class TakeFence:
 class ReleaseFence:
     """Give the fence up (revoked, fenced, stopping)."""
 
+    #: Nothing of this leader's is in flight (a shard's successor need not wait for stragglers); False when
+    #: records were given up unsettled.
+    settled: bool = True
+
 
 @dataclass(frozen=True, slots=True)
 class Mark:

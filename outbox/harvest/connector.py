@@ -42,7 +42,7 @@ class Store(Protocol):
     partitioned: bool
 
     def take_fence(self, *, end_stale: bool = True) -> FenceHolder | None: ...
-    def release_fence(self) -> None: ...
+    def release_fence(self, *, settled: bool = True) -> None: ...
     def mark(self, limit: int, after: int,
              gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str] | None]: ...
     def check_held(self, ids: Sequence[int]) -> dict[int, Record]: ...
@@ -112,7 +112,7 @@ class LiveConnector:
     def leader_election(self) -> LeaderElection:
         config = self.config
         return LeaderElection(config.leader_topic, config.name, Consumer(leader_consumer_config(config)),
-                              Producer(heartbeat_producer_config(config)))
+                              Producer(heartbeat_producer_config(config)), max_age=config.limits.heartbeat_timeout)
 
     def listener(self, channel: str) -> Listener | None:
         return Listener(self.config.dsn, channel) if self.config.listen else None

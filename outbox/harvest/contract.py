@@ -244,6 +244,24 @@ RELEASE_FENCE = "SELECT pg_advisory_unlock(%(key)s)"
 # Shards (sharding.py): each shard's leader holds its own fence, and shares the table's fence and its N's key.
 TAKE_SHARED_FENCE = "SELECT pg_try_advisory_lock_shared(%(key)s)"
 RELEASE_SHARED_FENCE = "SELECT pg_advisory_unlock_shared(%(key)s)"
+# A shard's leader claims its shard's row on taking the fence (store.py), answering how the last leader
+# left it: unsettled means its fence went with its session, with records maybe still in flight.
+CLAIM_SHARD = """
+WITH previous AS (
+  SELECT settled, holder FROM {terms} WHERE table_oid = %(table_oid)s AND shards = %(shards)s AND shard = %(shard)s
+), claimed AS (
+  INSERT INTO {terms} (table_oid, shards, shard, holder, settled, updated)
+  VALUES (%(table_oid)s, %(shards)s, %(shard)s, %(holder)s, false, now())
+  ON CONFLICT (table_oid, shards, shard) DO UPDATE SET holder = EXCLUDED.holder, settled = false, updated = now()
+  RETURNING 1
+)
+SELECT (SELECT settled FROM previous), (SELECT holder FROM previous), (SELECT count(*) FROM claimed)
+"""
+# ...and says it settled just before it lets the fence go with nothing in flight.
+SETTLE_SHARD = """
+UPDATE {terms} SET settled = true, updated = now()
+WHERE table_oid = %(table_oid)s AND shards = %(shards)s AND shard = %(shard)s AND holder = %(holder)s
+"""
 # A leader of a group sharded another number of ways, holding its N's key (the N is in the class).
 OTHER_SHARD_COUNT = """
 SELECT a.pid, a.application_name, coalesce(a.client_addr::text, 'local'), l.classid::bigint - %(lo)s

@@ -244,9 +244,10 @@ class Core:
     # ============================================================================ inputs: the database
 
     def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None = None, *,
-                 same_group: bool = False) -> None:
-        """The answer to TakeFence (`same_group`: the holder is a replica of this leader group)."""
-        self.leadership.on_fence(leader_id, taken, holder, same_group)
+                 same_group: bool = False, unsettled: str | None = None) -> None:
+        """The answer to TakeFence (`same_group`: the holder is a replica of this leader group; `unsettled`:
+        taken, from a shard's previous leader whose fence went with its session, unsettled)."""
+        self.leadership.on_fence(leader_id, taken, holder, same_group, unsettled)
 
     def on_fence_failed(self, leader_id: uuid.UUID, error: str) -> None:
         """TakeFence raised (the database is unreachable): try again after io_error_backoff."""

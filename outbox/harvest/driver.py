@@ -341,17 +341,21 @@ class Driver:
     def _take_fence(self, command: cmd.TakeFence) -> None:
         leader_id = command.leader_id
 
-        def answered(core: Core, holder: object) -> None:
+        def answered(core: Core, taken: tuple[object, str | None]) -> None:
+            holder, unsettled = taken
             core.on_fence(leader_id, holder is None, None if holder is None else str(holder),
-                          same_group=bool(getattr(holder, "same_group", False)))
+                          same_group=bool(getattr(holder, "same_group", False)), unsettled=unsettled)
 
-        end_stale = command.end_stale
-        self._run(FENCE_SESSION, self._timed("fence", lambda store: store.take_fence(end_stale=end_stale), _no_rows),
-                  answered,
+        def take(store: Store) -> tuple[object, str | None]:
+            holder = store.take_fence(end_stale=command.end_stale)
+            return holder, getattr(store, "unsettled_predecessor", None) if holder is None else None
+
+        self._run(FENCE_SESSION, self._timed("fence", take, _no_rows), answered,
                   lambda core, error: core.on_fence_failed(leader_id, error))
 
     def _release_fence(self, command: cmd.ReleaseFence) -> None:
-        self._run(FENCE_SESSION, self._timed("fence", lambda store: store.release_fence(), _no_rows),
+        settled = command.settled
+        self._run(FENCE_SESSION, self._timed("fence", lambda store: store.release_fence(settled=settled), _no_rows),
                   lambda core, _: None, None)
 
     def _mark(self, command: cmd.Mark) -> None:

@@ -254,9 +254,9 @@ class FakeStore(MemoryStore):
             self.fence_taken = holder is None
             return holder
 
-    def release_fence(self) -> None:
+    def release_fence(self, *, settled: bool = True) -> None:
         with self.lock:
-            super().release_fence()
+            super().release_fence(settled=settled)
             self.fence_taken = False
 
     def mark(self, limit: int, after: int,

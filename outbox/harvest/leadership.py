@@ -180,17 +180,24 @@ class Leadership:
 
     # -- the database fence -----------------------------------------------------------------------
 
-    def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None, same_group: bool = False) -> None:
+    def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None, same_group: bool = False,
+                 unsettled: str | None = None) -> None:
         if leader_id != self.leader_id or self.phase not in (Phase.FENCING, Phase.BLOCKED):
             return
         now = self.core.now
         self._fence_pending = False
         if taken:
+            grace = self.limits.delivery_timeout + self.limits.heartbeat_timeout
             if self.fence_holder is not None and not self._holder_same_group:
                 # Another group published until a moment ago: let its last records land first.
-                grace = self.limits.delivery_timeout + self.limits.heartbeat_timeout
                 log.warning("Database fence taken (it was held by %s); marking in %.1fs, once that replica's last "
                             "records have landed", self.fence_holder, grace)
+                self.grace_until = now + grace
+            elif unsettled is not None and self.core.handoff_by_fence:
+                # The shard's previous leader did not settle: its fence went with its session (a crash, a dropped
+                # connection), and what it had sent may still land.
+                log.warning("Took %s from %s, which did not settle (its database session ended); marking in %.1fs, "
+                            "once its last records have landed", self.core.leads, unsettled, grace)
                 self.grace_until = now + grace
             self.fence_holder = None
             self._handoff_since = None
@@ -288,7 +295,7 @@ class Leadership:
         waited as long as a settle can take, and would end this session next)."""
         if self._fence_release_owed:
             self._fence_release_owed = False
-            self.core.command(cmd.ReleaseFence())
+            self.core.command(cmd.ReleaseFence(settled=False))
 
     def _end_stale(self) -> bool:
         """Whether a holder of our own group may be ended as stale: always, unless a shard's previous

@@ -26,8 +26,12 @@ log = logging.getLogger(__name__)
 class LeaderElection:
     """The leader topic's consumer (whose ownership of partition 0 elects) and heartbeat producer."""
 
-    def __init__(self, topic: str, name: str, consumer: ConsumerLike, producer: ProducerLike) -> None:
+    def __init__(self, topic: str, name: str, consumer: ConsumerLike, producer: ProducerLike,
+                 max_age: float | None = None) -> None:
         self._topic = topic
+        #: A heartbeat sent longer ago than this counts for nothing (a replica resuming from a pause must not
+        #: lead again on one it sent before).
+        self._max_age_ns = None if max_age is None else int(max_age * 1e9)
         self._consumer = consumer
         self._producer = producer
         # Heartbeats carry this replica's name and a random incarnation, so a replica only ever
@@ -63,12 +67,23 @@ class LeaderElection:
                 if error.fatal():
                     raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
                 log.debug("Leader topic: %s", error.str())
-            elif message.partition() == 0 and (message.value() or b"").endswith(self._signature):
+            elif message.partition() == 0 and self._fresh_own(message.value() or b""):
                 seen = True
         if heartbeat:
             self._heartbeat()
         self._producer.poll(0)
         return seen
+
+    def _fresh_own(self, value: bytes) -> bool:
+        if not value.endswith(self._signature):
+            return False
+        if self._max_age_ns is None:
+            return True
+        try:
+            sent = int(value[:-len(self._signature)])
+        except ValueError:
+            return False
+        return time.time_ns() - sent <= self._max_age_ns
 
     def _heartbeat(self) -> None:
         try:

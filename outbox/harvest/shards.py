@@ -56,7 +56,15 @@ from outbox.harvest.kafka import (
 )
 from outbox.harvest.redaction import remember_secrets
 from outbox.harvest.status import StatusReporter, StatusSnapshot
-from outbox.harvest.store import StoreError, close_quietly, connect, describe_dsn, table_identifier, table_name
+from outbox.harvest.store import (
+    StoreError,
+    close_quietly,
+    connect,
+    describe_dsn,
+    shard_terms_table,
+    table_identifier,
+    table_name,
+)
 from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line
 
@@ -92,6 +100,27 @@ def ensure_shard_index(dsn: str, table: str, shards: int) -> None:
         raise StoreError(f"cannot create the index for {shards} shards on {table!r}: {first_line(error)}") from None
     finally:
         close_quietly(conn)
+
+
+def check_shard_terms(config: HarvestConfig) -> None:
+    """A shard's hand-off needs the table of shard terms (store.py, CLAIM_SHARD): is it there?"""
+    if not config.status_table:
+        raise StoreError("sharded harvesting needs the status table (status_table) and the table of shard terms "
+                         "beside it: set status_table")
+    terms = shard_terms_table(config.status_table)
+    try:
+        conn = connect(config.dsn, "shards")
+    except psycopg.Error as error:
+        raise StoreError(f"cannot connect to Postgres at {describe_dsn(config.dsn)}: {first_line(error)}") from None
+    try:
+        found = conn.execute("SELECT to_regclass(%s)", [table_name(terms)]).fetchone()[0]
+    except psycopg.Error as error:
+        raise StoreError(f"cannot read table {terms!r}: {first_line(error)}") from None
+    finally:
+        close_quietly(conn)
+    if found is None:
+        raise StoreError(f"sharded harvesting needs table {terms!r}, where each shard's leader says whether it "
+                         f"let go settled (run manage.py migrate)")
 
 
 class ShardElection:
@@ -157,9 +186,14 @@ class ShardElection:
 class ShardGroup(threading.Thread):
     """The replica's one consumer of the leader topic (the group protocol assigns shards) and heartbeat producer."""
 
-    def __init__(self, config: HarvestConfig, consumer: ConsumerLike, producer: ProducerLike) -> None:
+    def __init__(self, config: HarvestConfig, consumer: ConsumerLike, producer: ProducerLike,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(name="outbox-shards-group", daemon=True)
         self.topic = config.leader_topic
+        #: Heartbeats carry when they were sent (this clock): one older than heartbeat_timeout counts for
+        #: nothing, so a replica resuming from a pause does not lead again on one it sent before.
+        self._clock = clock
+        self._max_age = config.limits.heartbeat_timeout
         self._interval = config.limits.min_poll_interval
         self._consumer = consumer
         self._producer = producer
@@ -186,7 +220,7 @@ class ShardGroup(threading.Thread):
 
     def heartbeat(self, shard: int, signature: bytes) -> None:
         try:
-            self._producer.produce(self.topic, value=str(time.time_ns()).encode() + signature, partition=shard)
+            self._producer.produce(self.topic, value=repr(self._clock()).encode() + signature, partition=shard)
         except BufferError:
             log.debug("Heartbeat queue full; Kafka unreachable?")
         except KafkaException as error:
@@ -197,6 +231,20 @@ class ShardGroup(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+    def route(self, partition: int, value: bytes) -> None:
+        """A message of the leader topic: an engine's own heartbeat, sent less than heartbeat_timeout ago,
+        tells it so."""
+        with self._lock:
+            view = self._views.get(partition)
+        if view is None or not value.endswith(view.signature):
+            return
+        try:
+            sent = float(value[:-len(view.signature)])
+        except ValueError:
+            return
+        if self._clock() - sent <= self._max_age:
+            view.heard()
 
     def _changed(self, event: str, partitions: list[Any]) -> None:
         shards = sorted(p.partition for p in partitions)
@@ -228,11 +276,7 @@ class ShardGroup(threading.Thread):
                             raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
                         log.debug("Leader topic: %s", error.str())
                         continue
-                    value = message.value() or b""
-                    with self._lock:
-                        view = self._views.get(message.partition())
-                    if view is not None and value.endswith(view.signature):
-                        view.heard()
+                    self.route(message.partition(), message.value() or b"")
                 self._producer.poll(0)
         except BaseException as error:  # the harvester notices and stops as a whole
             self.failure = error
@@ -337,6 +381,7 @@ class ShardedHarvester:
         if config.shards < 2:
             raise HarvestError("a sharded harvester needs shards > 1 (Harvester harvests one shard)")
         try:
+            check_shard_terms(config)
             ensure_shard_index(config.dsn, config.table, config.shards)
             found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT,
                                  config.shards)

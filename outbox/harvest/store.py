@@ -13,6 +13,7 @@ import hashlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,11 @@ def table_identifier(table: str) -> sql.Composable:
     return sql.Identifier(*table.split("."))
 
 
+def shard_terms_table(status_table: str) -> str:
+    """The table of shard terms beside a status table: `outbox_harvester` -> `outbox_harvester_shards`."""
+    return f"{status_table}_shards"
+
+
 def table_name(table: str) -> str:
     """The table as to_regclass() wants it: each part quoted, so case is kept."""
     return ".".join('"' + part.replace('"', '""') + '"' for part in table.split("."))
@@ -137,6 +143,14 @@ class PostgresStore:
         self._park_sql = (sql.SQL(contract.PARK).format(table=ident,
                                                         dead_letters=table_identifier(dead_letter_table))
                           if dead_letter_table else None)
+        #: With shards: the table of shard terms (contract.CLAIM_SHARD), and, after a take_fence() that took
+        #: the fence, the previous leader of the shard if it did not settle (None: it did, or there was none).
+        self._terms_sql = (tuple(sql.SQL(text).format(terms=table_identifier(shard_terms_table(status_table)))
+                                 for text in (contract.CLAIM_SHARD, contract.SETTLE_SHARD))
+                           if shards > 1 and status_table else None)
+        self.unsettled_predecessor: str | None = None
+        self._incarnation = uuid.uuid4().hex[:8]  # this store's sessions, one after another: its own terms
+        self._holder = ""
         self._fence_conn: psycopg.Connection | None = None
         self._fence_held = False
         #: The fence session's backend pid while it holds the fence (read by the purge session's checks).
@@ -219,6 +233,7 @@ class PostgresStore:
         succeed, and the fence is taken. Without it (a shard handed over by a rebalance, whose old
         leader settles what it has in flight before it lets the fence go) the holder is returned.
         """
+        self.unsettled_predecessor = None
         try:
             conn = self._fence_connection()
             if self._fence_held:
@@ -232,6 +247,7 @@ class PostgresStore:
                     if other is None:
                         self._fence_held = True
                         self.fence_pid = conn.info.backend_pid
+                        self.unsettled_predecessor = self._claim_shard(conn) if self.shards > 1 else None
                         return None
                     conn.execute(contract.RELEASE_FENCE, params)
                     return other
@@ -247,6 +263,19 @@ class PostgresStore:
         except psycopg.Error:
             self._drop_fence()
             raise
+
+    def _claim_shard(self, conn: psycopg.Connection) -> str | None:
+        """Claim the shard's term row; the previous leader if it did not settle. Without the table, every
+        predecessor is taken as unsettled (the sharded harvester checks the table is there before it starts)."""
+        own = f"{self._name} ({self._incarnation},"
+        self._holder = f"{own} session {conn.info.backend_pid})"
+        if self._terms_sql is None:
+            return "an unknown leader (no table of shard terms)"
+        settled, holder, _ = conn.execute(self._terms_sql[0], {
+            "table_oid": self.table_oid, "shards": self.shards, "shard": self.shard, "holder": self._holder,
+        }).fetchone()
+        # This store's own earlier session (lost, say, with a dropped connection) settled before this term began.
+        return holder if settled is False and not holder.startswith(own) else None
 
     def _take_shared_fences(self, conn: psycopg.Connection) -> FenceHolder | None:
         """A shard's leader also holds, shared, the table's unsharded fence and its N's key (sharding.py);
@@ -287,10 +316,15 @@ class PostgresStore:
                 group, host = row[0], row[1]
         return FenceHolder(pid, name or application, group, host, same_group=tag == group_tag(self._group))
 
-    def release_fence(self) -> None:
+    def release_fence(self, *, settled: bool = True) -> None:
+        """Let the fence go; `settled`: nothing this leader sent is in flight, which a shard's term row says
+        first (so its successor need not wait for stragglers)."""
         if self._fence_conn is None or not self._fence_held:
             return
         try:
+            if settled and self._terms_sql is not None:
+                self._fence_conn.execute(self._terms_sql[1], {"table_oid": self.table_oid, "shards": self.shards,
+                                                              "shard": self.shard, "holder": self._holder})
             self._fence_conn.execute(contract.RELEASE_FENCE,
                                      {"key": sharding.lock_key(self._fence_class, self.table_oid)})
             if self.shards > 1:

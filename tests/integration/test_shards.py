@@ -24,6 +24,7 @@ from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester, HarvestError
 from outbox.harvest.shards import ShardedHarvester, ensure_shard_index
 from outbox.harvest.store import PostgresStore, connect
+from outbox.models import ShardTerm
 from tests.support.harness import (
     Generator,
     Replica,
@@ -88,7 +89,8 @@ def test_a_shards_mark_reads_its_own_rows_through_its_index(database_url):
     assert [r.id for r in records] == sorted(r.id for r in records)
 
 
-def test_two_replicas_share_the_shards_and_every_record_arrives_in_order(database_url, bootstrap_servers, new_topic):
+def test_two_replicas_share_the_shards_and_every_record_arrives_in_order(database_url, bootstrap_servers, new_topic,
+                                                                         caplog):
     topic = new_topic("shards")
     group = f"shards-{uuid.uuid4().hex[:8]}"
     first = ShardedHarvester(config(group, "replica-a", database_url, bootstrap_servers, 4))
@@ -108,6 +110,11 @@ def test_two_replicas_share_the_shards_and_every_record_arrives_in_order(databas
         first.stop()  # its shards move to replica b once they settled
         first.wait(timeout=60)
         wait_until(lambda: len(second.leading_shards) == 4, 60, "replica b to lead every shard")
+        # Each shard's row says who leads it now: replica b, or replica a before it let go settled.
+        terms = {shard: (holder, settled) for shard, holder, settled in ShardTerm.objects.filter(
+            shards=4).values_list("shard", "holder", "settled")}
+        assert sorted(terms) == [0, 1, 2, 3] and all(h.startswith("replica-b-s") and not ok for h, ok in terms.values())
+        assert "did not settle" not in caplog.text, "a graceful hand-off needs no wait for stragglers"
         wait_until(lambda: len(generator.ids) >= 4000, 60, "1000 more records stashed")
         stashed = generator.stop()
         wait_until(lambda: outbox_count(database_url) == 0, 60, "the outbox to drain")
@@ -214,6 +221,9 @@ def test_a_killed_replicas_shards_move_and_the_others_keep_publishing(database_u
         assert delivered >= 0.4, f"only {delivered:.0%} of the records written in the 7 s after the kill arrived"
         wait_until(lambda: sum(map(len, replicas_leading(database_url).values())) == 6
                    and victim.name not in replicas_leading(database_url), 60, "the survivors to lead all six shards")
+        # The victim's fences went with its sessions, unsettled: its successors waited for its stragglers.
+        waited = "".join(replica.log() for replica in replicas[1:]).count("which did not settle")
+        assert waited == len(victims_shards), f"{waited} waits for {len(victims_shards)} shards taken over"
         stashed = generator.stop()
         wait_until(lambda: outbox_count(database_url) == 0, 60, "the outbox to drain")
         wait_until(lambda: tail.has(stashed), 60, "every record to arrive")

@@ -263,7 +263,8 @@ class ShardedReplica:
                                                "session.timeout.ms": int(3 * limits.heartbeat_timeout * 1000)},
                                        name=name, alive=lambda: self.process_running() and self.links.leader)
         config = SimpleNamespace(leader_topic=self.leader_topic, limits=limits)
-        self.group = ShardGroup(config, self.consumer, HeartbeatProducer(self))  # type: ignore[arg-type]
+        self.group = ShardGroup(config, self.consumer, HeartbeatProducer(self),  # type: ignore[arg-type]
+                                clock=lambda: self.world.now)
         self.engines: dict[int, ShardEngine] = {}
         self._numbers = 0
 
@@ -323,12 +324,8 @@ class ShardedReplica:
             self.world.at(self.paused_until, self._poll_group)
             return
         if self.links.leader:  # else the consumer hears nothing, and the coordinator nothing from it
-            group = self.group
             for message in self.consumer.consume(num_messages=512, timeout=self.limits.min_poll_interval):
-                value = message.value() or b""
-                view = group._views.get(message.partition())
-                if view is not None and value.endswith(view.signature):
-                    view.heard()
+                self.group.route(message.partition(), message.value() or b"")
         self.world.after(self.limits.min_poll_interval, self._poll_group)
 
     # -- the manager thread (ShardedHarvester._manage and _reconcile) -----------------------------

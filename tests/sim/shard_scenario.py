@@ -34,14 +34,15 @@ from tests.sim.replica import Log
 from tests.sim.scenario import Result, limits_for
 from tests.sim.shard_replica import ShardedReplica
 
-#: Seeds that break an invariant through what the simulator found in the shard code and is not fixed yet
-#: (docs/simulation.md, "Shards"): a shard's fence lost with its database session while its leader still
-#: has records in flight lets the next leader in at once. The tests check that every other seed passes
-#: and that these still fail: once fixed, they pass, and the test says to remove them from here.
-KNOWN_FAILURES: dict[int, str] = {
-    103: "a leader's fence session dropped with records in flight; the shard moved and its records landed late",
-    706: "a zombie saw a heartbeat from before its pause and took the fence a dropped session had freed",
-    1000: "a leader's fence session dropped with records in flight; the next leader marked before they landed",
+#: Seeds that broke an invariant through what the simulator found in the shard code, now fixed
+#: (docs/simulation.md, "Shards"); they run with every test of the sharded runs, and must pass.
+REGRESSIONS: dict[int, str] = {
+    103: "a leader's fence session dropped with records in flight; the shard moved and its records landed late "
+         "(fixed: the shard terms row says the leader did not settle, and its successor waits)",
+    706: "a zombie saw a heartbeat from before its pause and took the fence a dropped session had freed "
+         "(fixed: a heartbeat older than heartbeat_timeout counts for nothing)",
+    1000: "a leader's fence session dropped with records in flight; the next leader marked before they landed "
+          "(fixed as 103)",
 }
 
 FAULTS_END = 25.0

@@ -14,17 +14,8 @@ from tests.support.simulation import assert_every_seed_passes
 
 
 def test_every_sharded_seed_keeps_the_invariants(shard_sim_seeds):
-    seeds = [seed for seed in shard_sim_seeds if seed not in shard_scenario.KNOWN_FAILURES]
+    seeds = sorted(set(shard_sim_seeds) | set(shard_scenario.REGRESSIONS))
     assert_every_seed_passes(shard_scenario.run_quietly, seeds, "tests/unit/test_shard_simulation.py")
-
-
-@pytest.mark.parametrize("seed", list(shard_scenario.KNOWN_FAILURES))
-def test_known_failures_still_fail(seed):
-    """The seeds of what the simulator found and is not fixed yet (shard_scenario.KNOWN_FAILURES): when one
-    passes, the fix worked, and it belongs with the seeds that must pass."""
-    replay.quiet()
-    result = shard_scenario.run(seed)
-    assert not result.ok, f"seed {seed} passes now: remove it from shard_scenario.KNOWN_FAILURES"
 
 
 def test_one_sharded_seed_replays_the_same_run():

@@ -74,6 +74,8 @@ class Session:
     #: The store's shards and shard (sharding.py): 1 is the unsharded table's store.
     shards: int = 1
     shard: int = 0
+    #: After taking a shard's fence: its previous leader, if that one did not settle.
+    unsettled: str | None = None
 
 
 class StatementFailed(Exception):
@@ -103,6 +105,9 @@ class MemoryTable:
     shard_fences: dict[tuple[int, int], Session] = field(default_factory=dict)
     table_shared: dict[Session, None] = field(default_factory=dict)
     count_shared: dict[int, dict[Session, None]] = field(default_factory=dict)
+    #: The shard terms table (contract.CLAIM_SHARD), by (N, shard): the last leader's store and whether it
+    #: let go settled.
+    shard_terms: dict[tuple[int, int], tuple[str, bool]] = field(default_factory=dict)
     #: Who marked each shard last (its session's owner), by (N, shard): the simulator's hand-off check.
     marked_by: dict[tuple[int, int], str] = field(default_factory=dict)
     removed_by_operator: set[int] = field(default_factory=set)
@@ -271,16 +276,24 @@ class MemoryTable:
             self.table_shared[session] = None
             self.count_shared.setdefault(session.shards, {})[session] = None
             session.holds_fence = True
+            previous = self.shard_terms.get(key)
+            self.shard_terms[key] = (session.owner, False)
+            # The store's own earlier session settled before this term began (the core waits for that).
+            session.unsettled = (previous[0] if previous is not None and not previous[1]
+                                 and previous[0] != session.owner else None)
             return None
         result = self._run(session, apply)
         if result is None:
             session.believes_fence = True
         return result  # type: ignore[return-value]
 
-    def release_fence(self, session: Session) -> None:
+    def release_fence(self, session: Session, settled: bool = True) -> None:
         if self.fence_holder is session:
             self.fence_holder = None
         if session.shards > 1:
+            key = (session.shards, session.shard)
+            if settled and self.holds(session) and self.shard_terms.get(key, ("", False))[0] == session.owner:
+                self.shard_terms[key] = (session.owner, True)
             self._let_go(session)
         session.holds_fence = session.believes_fence = False
 
@@ -413,6 +426,8 @@ class MemoryStore:
         self.shards, self.shard = shards, shard
         self.fence = Session(owner, group, shards=shards, shard=shard)
         self.purger = Session(owner, group, shards=shards, shard=shard)
+        #: After a take_fence() that took the fence: the shard's previous leader, if it did not settle.
+        self.unsettled_predecessor: str | None = None
 
     def _session(self, fence: bool) -> Session:
         current = self.fence if fence else self.purger
@@ -433,10 +448,14 @@ class MemoryStore:
             raise psycopg.OperationalError(str(error)) from None
 
     def take_fence(self, *, end_stale: bool = True) -> str | FenceHolder | None:
-        return self._run(True, lambda session: self.table.take_fence(session, end_stale))  # type: ignore[return-value]
+        self.unsettled_predecessor = None
+        holder = self._run(True, lambda session: self.table.take_fence(session, end_stale))
+        if holder is None:
+            self.unsettled_predecessor, self.fence.unsettled = self.fence.unsettled, None
+        return holder  # type: ignore[return-value]
 
-    def release_fence(self) -> None:
-        self._run(True, self.table.release_fence)
+    def release_fence(self, *, settled: bool = True) -> None:
+        self._run(True, lambda session: self.table.release_fence(session, settled))
 
     def mark(self, limit: int, after: int,
              gaps: Sequence[tuple[int, int]] = ()) -> tuple[list[Record], frozenset[str] | None]:
