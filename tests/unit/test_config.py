@@ -169,6 +169,8 @@ def test_the_engine_sql_matches_the_models():
     ({"max_in_flight_per_key": 8, "producer_kafka_config": {"delivery.timeout.ms": 5000}}, "outbox.E014",
      "OUTBOX['producer_kafka_config'] delivery.timeout.ms must not be set when max_in_flight_per_key > 1"),
     ({"park_after": 0}, "outbox.E004", "OUTBOX['park_after'] must be a positive integer or None, got 0"),
+    ({"shards": 0}, "outbox.E017", "OUTBOX['shards'] must be a whole number from 1 to 256, got 0"),
+    ({"shards": "4"}, "outbox.E017", "OUTBOX['shards'] must be a whole number from 1 to 256, got '4'"),
     ({"history_retention": 0}, "outbox.E004",
      "OUTBOX['history_retention'] must be a positive number of seconds, got 0"),
     ({"dead_letter_retention": -1}, "outbox.E004",
