@@ -132,6 +132,23 @@ def test_dashboard_warns_when_two_replicas_claim_to_lead(viewer_client):
     assert "More than one replica claims to lead group &#x27;g&#x27; (replica-a, replica-b)" in page
 
 
+def test_dashboard_shows_which_replica_leads_which_shard_and_warns_of_a_shard_without_one(viewer_client):
+    status_row("replica-a", shards=3)  # the sharded replica's own row: in the group
+    status_row("replica-a-s0", ReplicaState.LEADER, leader_id=uuid.uuid4(), shard=0, shards=3)
+    status_row("replica-a-s1", ReplicaState.LEADER, leader_id=uuid.uuid4(), shard=1, shards=3)
+    page = viewer_client.get(DASHBOARD).content.decode()
+    assert "<h2>Leaders</h2>" in page and '<td class="leader-shard">1 of 3</td>' in page
+    assert "leader of shard 0 of 3" in page and "in the group (3 shards;" in page
+    assert "More than one replica claims" not in page, "two leaders of two shards are not two leaders of one"
+    alarm = re.search(r'id="outbox-warning-shard-no-leader">([^<]*)<', page)
+    assert alarm and "has 3 shards and no live replica leads shard 2" in alarm.group(1).replace("&#x27;", "'")
+    status_row("replica-b-s2", ReplicaState.LEADER, leader_id=uuid.uuid4(), shard=2, shards=3, host="host-b")
+    status_row("replica-b-s1", ReplicaState.LEADER, leader_id=uuid.uuid4(), shard=1, shards=3, host="host-b")
+    page = viewer_client.get(DASHBOARD).content.decode()
+    assert "shard-no-leader" not in page
+    assert "More than one replica claims to lead shard 1 of group &#x27;g&#x27; (replica-a-s1, replica-b-s1)" in page
+
+
 def test_dashboard_raises_the_fence_alarm_for_a_blocked_replica(viewer_client):
     status_row("replica-a", ReplicaState.LEADER, leader_id=uuid.uuid4())
     status_row("replica-b", ReplicaState.BLOCKED, group="billing", blocked_by=FENCE_HOLDER)

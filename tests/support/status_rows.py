@@ -17,7 +17,7 @@ from django.db import connections
 from psycopg import sql
 
 from outbox.harvest.contract import HeldRecord, ReplicaState
-from outbox.harvest.status import UPSERT
+from outbox.harvest.status import SET_SHARD, UPSERT
 from outbox.models import HarvesterStatus
 
 
@@ -30,8 +30,10 @@ def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_
                marked_upto: int | None = None, group: str = "g", host: str = "host-a", seen: float = 0.0,
                held: Sequence[HeldRecord] = (),
                in_flight_keys: Sequence[str] = (), queued: int = 0, blocked_by: str | None = None,
-               throughput: float = 0.0, published: int = 0, using: str = "default") -> HarvesterStatus:
-    """Upsert a replica's status row; `seen` seconds ago."""
+               throughput: float = 0.0, published: int = 0, using: str = "default",
+               shard: int | None = None, shards: int = 1) -> HarvesterStatus:
+    """Upsert a replica's status row; `seen` seconds ago. With `shards`, a shard engine's row (`shard`), or the
+    sharded replica's own (no shard), as their reporters write them (status.SET_SHARD)."""
     if leader_id is not None and state is not ReplicaState.LEADER:
         raise ValueError("only a leader reports a leader id")
     if marked_upto is not None and leader_id is None:
@@ -54,6 +56,9 @@ def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_
     connection.ensure_connection()
     with connection.connection.cursor() as cursor:
         cursor.execute(sql.SQL(UPSERT).format(table=sql.Identifier(HarvesterStatus._meta.db_table)), params)
+        if shards > 1:
+            cursor.execute(sql.SQL(SET_SHARD).format(table=sql.Identifier(HarvesterStatus._meta.db_table)),
+                           {"name": name, "shard": shard, "shards": shards})
     if seen:
         HarvesterStatus.objects.using(using).filter(name=name).update(last_seen=now - timedelta(seconds=seen))
     return HarvesterStatus.objects.using(using).get(name=name)
