@@ -86,15 +86,7 @@ class LeaderElection:
         return time.time_ns() - sent <= self._max_age_ns
 
     def _heartbeat(self) -> None:
-        try:
-            self._producer.produce(self._topic, value=str(time.time_ns()).encode() + self._signature, partition=0)
-        except BufferError:
-            log.debug("Heartbeat queue full; Kafka unreachable?")
-        except KafkaException as error:
-            kafka_error: KafkaError = error.args[0]
-            if kafka_error.fatal():
-                raise KafkaUnavailable(f"heartbeat producer failed: {kafka_error.str()}") from None
-            log.warning("Heartbeat not sent: %s", kafka_error.str())
+        publish_heartbeat(self._producer, self._topic, 0, str(time.time_ns()).encode() + self._signature)
 
     def close(self) -> None:
         """Leave the group (so a standby takes over at once) and flush the last heartbeats."""
@@ -106,3 +98,17 @@ class LeaderElection:
         except (KafkaException, RuntimeError) as error:
             log.warning("Closing the leader consumer: %s", error)
         self._producer.flush(1.0)
+
+
+def publish_heartbeat(producer: ProducerLike, topic: str, partition: int, value: bytes) -> None:
+    """Produce one heartbeat; a full queue or a transient error is only logged (the next poll sends another),
+    a fatal one stops the harvester."""
+    try:
+        producer.produce(topic, value=value, partition=partition)
+    except BufferError:
+        log.debug("Heartbeat queue full; Kafka unreachable?")
+    except KafkaException as error:
+        kafka_error: KafkaError = error.args[0]
+        if kafka_error.fatal():
+            raise KafkaUnavailable(f"heartbeat producer failed: {kafka_error.str()}") from None
+        log.warning("Heartbeat not sent: %s", kafka_error.str())

@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaException, Producer
 
 from outbox.harvest import events, sharding
 from outbox.harvest.config import HarvestConfig
@@ -54,6 +54,7 @@ from outbox.harvest.kafka import (
     heartbeat_producer_config,
     leader_consumer_config,
 )
+from outbox.harvest.neli import publish_heartbeat
 from outbox.harvest.redaction import remember_secrets
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import (
@@ -219,15 +220,7 @@ class ShardGroup(threading.Thread):
                 del self._views[view.shard]
 
     def heartbeat(self, shard: int, signature: bytes) -> None:
-        try:
-            self._producer.produce(self.topic, value=repr(self._clock()).encode() + signature, partition=shard)
-        except BufferError:
-            log.debug("Heartbeat queue full; Kafka unreachable?")
-        except KafkaException as error:
-            kafka_error: KafkaError = error.args[0]
-            if kafka_error.fatal():
-                raise KafkaUnavailable(f"heartbeat producer failed: {kafka_error.str()}") from None
-            log.warning("Heartbeat not sent: %s", kafka_error.str())
+        publish_heartbeat(self._producer, self.topic, shard, repr(self._clock()).encode() + signature)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -217,29 +217,10 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
     world.at(FAULTS_END, calm)
 
     # -- operators: what happens to poison ----------------------------------------------------------
-    operator = rng.choice(("fix", "delete", "nothing"))
-
-    def operate() -> None:
-        for row_id in poison_ids:
-            if row_id in table.rows:
-                if operator == "fix":
-                    table.operator_update(row_id, value="fixed")
-                elif operator == "delete":
-                    table.operator_delete(row_id)
-
-    if poison_ids or poison_count:
-        world.at(FAULTS_END + rng.uniform(0, 10), operate)
+    operator = operate_on_poison(world, rng, table, poison_ids, poison_count, FAULTS_END)
 
     # -- run ----------------------------------------------------------------------------------------
-    done = {"flag": False}
-
-    def watch() -> None:
-        if world.now > FAULTS_END and written["n"] >= total and not table.pending():
-            done["flag"] = True
-            return
-        world.after(1.0, watch)
-
-    world.at(FAULTS_END, watch)
+    done = finished_when_drained(world, table, written, total, FAULTS_END)
     def summary() -> str:
         limit = f", topic limit {topic_limit} bytes" if topic_limit else ""
         return (f"seed {seed}: {len(groups)} group(s){'' if table.db_fence else ' (no db fence)'}{limit}, "
@@ -247,7 +228,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
                 f"{len(keys)} key(s), {total} records, "
                 f"{kafka.partitions} partition(s), {len(poison_ids)} poison ({operator}), park_after={park_after}")
     try:
-        world.run_until(DEADLINE, done=lambda: done["flag"])
+        world.run_until(DEADLINE, done=done)
         if written["n"] < total:
             raise Violation(f"the writers did not finish ({written['n']} of {total})")
         checks.check_order(kafka, strict=per_key == 1)
@@ -275,3 +256,36 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def operate_on_poison(world: SimWorld, rng: random.Random, table: MemoryTable, poison_ids: list[int], poison_count: int,
+                      after: float) -> str:
+    """An operator who, a while after the faults, fixes or deletes the poison rows (or does nothing)."""
+    operator = rng.choice(("fix", "delete", "nothing"))
+
+    def operate() -> None:
+        for row_id in poison_ids:
+            if row_id in table.rows:
+                if operator == "fix":
+                    table.operator_update(row_id, value="fixed")
+                elif operator == "delete":
+                    table.operator_delete(row_id)
+
+    if poison_ids or poison_count:
+        world.at(after + rng.uniform(0, 10), operate)
+    return operator
+
+
+def finished_when_drained(world: SimWorld, table: MemoryTable, written: dict[str, int], total: int,
+                          after: float) -> Callable[[], bool]:
+    """Whether the run is over: after the faults, every record written and none pending (looked at every second)."""
+    done = {"flag": False}
+
+    def watch() -> None:
+        if world.now > after and written["n"] >= total and not table.pending():
+            done["flag"] = True
+            return
+        world.after(1.0, watch)
+
+    world.at(after, watch)
+    return lambda: done["flag"]

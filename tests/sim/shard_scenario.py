@@ -31,7 +31,7 @@ from outbox.harvest.memory.table import HUGE, POISON, MemoryTable, TableFaults, 
 from outbox.harvest.memory.world import SimWorld, Violation
 from tests.sim import checks, replay, shard_replica
 from tests.sim.replica import Log
-from tests.sim.scenario import Result, limits_for
+from tests.sim.scenario import Result, finished_when_drained, limits_for, operate_on_poison
 from tests.sim.shard_replica import ShardedReplica
 
 #: Seeds that broke an invariant through what the simulator found in the shard code, now fixed
@@ -257,35 +257,16 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
 
     world.at(FAULTS_END, calm)
 
-    operator = rng.choice(("fix", "delete", "nothing"))
-
-    def operate() -> None:
-        for row_id in poison_ids:
-            if row_id in table.rows:
-                if operator == "fix":
-                    table.operator_update(row_id, value="fixed")
-                elif operator == "delete":
-                    table.operator_delete(row_id)
-
-    if poison_ids or poison_count:
-        world.at(FAULTS_END + rng.uniform(0, 10), operate)
+    operator = operate_on_poison(world, rng, table, poison_ids, poison_count, FAULTS_END)
 
     # -- run ----------------------------------------------------------------------------------------
-    done = {"flag": False}
-
-    def watch() -> None:
-        if world.now > FAULTS_END and written["n"] >= total and not table.pending():
-            done["flag"] = True
-            return
-        world.after(1.0, watch)
-
-    world.at(FAULTS_END, watch)
+    done = finished_when_drained(world, table, written, total, FAULTS_END)
 
     def summary() -> str:
         return (f"seed {seed}: {shards} shards, {per_key} per key, {len(keys)} key(s), {total} records, "
                 f"{kafka.partitions} partition(s), {len(poison_ids)} poison ({operator}), park_after={park_after}")
     try:
-        world.run_until(DEADLINE, done=lambda: done["flag"])
+        world.run_until(DEADLINE, done=done)
         if written["n"] < total:
             raise Violation(f"the writers did not finish ({written['n']} of {total})")
         checks.check_order(kafka, strict=per_key == 1)
