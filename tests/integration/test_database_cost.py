@@ -133,9 +133,10 @@ def test_a_leader_samples_its_round_trips_and_the_servers_time_and_the_dashboard
     assert metrics['outbox_database_round_trips_total{statement="purge"}'] >= 1
     assert metrics['outbox_database_seconds_total{statement="purge"}'] > 0
     assert metrics['outbox_database_round_trips_total{statement="mark"}'] >= 1
-    served = f'outbox_database_server_seconds_total{{name="{name}",statement="mark"}}'
+    served = f'outbox_database_server_seconds_total{{name="{name}",outbox="outbox",statement="mark"}}'
     assert metrics[served] > 0
-    assert metrics[f'outbox_database_server_calls_total{{name="{name}",statement="purge"}}'] >= trips["purge"][0]
+    assert metrics[f'outbox_database_server_calls_total{{name="{name}",outbox="outbox",statement="purge"}}'] \
+        >= trips["purge"][0]
     # The dashboard reads 20-second buckets over an hour: the run's first and last samples, as if a minute apart.
     HarvesterSample.objects.filter(name=name).exclude(pk__in=[first.pk, sample.pk]).delete()
     HarvesterSample.objects.filter(pk=first.pk).update(at=timezone.now() - timedelta(seconds=60))
