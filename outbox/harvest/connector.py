@@ -84,6 +84,9 @@ class Connector(Protocol):
 class LiveConnector:
     """The real thing: Postgres through psycopg 3, Kafka through confluent-kafka."""
 
+    #: The store it opens (outboxes.RestingStore: one that closes its fence session while standing by).
+    store_class: type[PostgresStore] = PostgresStore
+
     def __init__(self, config: HarvestConfig) -> None:
         self.config = config
         self.batch_limit: int | None = None
@@ -94,9 +97,9 @@ class LiveConnector:
 
     def open_store(self) -> PostgresStore:
         config = self.config
-        return PostgresStore.open(config.dsn, config.table, name=config.name, group=config.leader_group,
-                                  dead_letter_table=config.dead_letter_table, status_table=config.status_table,
-                                  shards=config.shards, shard=config.shard)
+        return self.store_class.open(config.dsn, config.table, name=config.name, group=config.leader_group,
+                                     dead_letter_table=config.dead_letter_table, status_table=config.status_table,
+                                     shards=config.shards, shard=config.shard)
 
     def ensure_leader_topic(self) -> None:
         config = self.config

@@ -28,8 +28,9 @@ DELETE FROM {table} WHERE id IN (
 class DeadLetterRetention:
     """One pass every PASS_INTERVAL while leading; a missing table (parking off) is asked about once."""
 
-    def __init__(self, config: HarvestConfig) -> None:
+    def __init__(self, config: HarvestConfig, *, pass_interval: float = PASS_INTERVAL) -> None:
         self._table = config.dead_letter_table
+        self._pass_interval = pass_interval
         self._age = config.dead_letter_retention
         self._on: bool | None = None if self._table and self._age is not None else False
         self._prune = sql.SQL(PRUNE).format(table=table_identifier(self._table or "unused"))
@@ -42,7 +43,7 @@ class DeadLetterRetention:
         """Delete a batch of expired dead letters if it is time and this replica leads; returns how many."""
         if self._on is False or not leading or time.monotonic() < self._next:
             return 0
-        self._next = time.monotonic() + PASS_INTERVAL
+        self._next = time.monotonic() + self._pass_interval
         try:
             if self._on is None:
                 row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table_name(self._table or ""),)).fetchone()

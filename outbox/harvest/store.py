@@ -42,10 +42,12 @@ class StoreError(Exception):
 MIN_SERVER_VERSION = 140000
 
 
-def connect(dsn: str, purpose: str, *, name: str = "") -> psycopg.Connection:
-    """An autocommit connection of the engine's own, named in pg_stat_activity by purpose (and replica)."""
+def connect(dsn: str, purpose: str, *, name: str = "", **params: str) -> psycopg.Connection:
+    """An autocommit connection of the engine's own, named in pg_stat_activity by purpose (and replica);
+    `params` adds libpq parameters (e.g. keepalives)."""
     application = f"{APPLICATION_PREFIX}-{purpose}" + (f" {name}" if name else "")
-    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT, application_name=application[:63])
+    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT, application_name=application[:63],
+                           **params)
     # The engine's statements are short lookups whose cost estimates can pass jit_above_cost (a shard's gaps,
     # estimated over the whole shard): compiling them would cost more than running them.
     conn.execute("SET jit = off")
