@@ -50,4 +50,6 @@ def describe(problem: Problem) -> str:
     where = "OUTBOX" if problem.field == "OUTBOX" else f"OUTBOX[{problem.field!r}]"
     if problem.field.startswith("cloudevents."):  # a key of the nested dict
         where = f"OUTBOX['cloudevents'][{problem.field.split('.', 1)[1]!r}]"
+    if problem.field.startswith("outboxes."):  # an entry of OUTBOX['outboxes'], or a key of one
+        where = "OUTBOX" + "".join(f"[{part!r}]" for part in problem.field.split(".", 2))
     return scrub(f"{where} {problem.message}", conf.secret_values())

@@ -50,6 +50,10 @@ DJANGO_DEFAULTS: dict[str, Any] = {
     "tracing": True,
     # CloudEvents binary mode for these topics (outbox/cloudevents.py): {"source", "types", "content_type"}
     "cloudevents": None,
+    # Several outboxes in one harvest process (outbox/many.py): {name: {"database", "table", "tenant_schemas", ...}}
+    "outboxes": None,
+    # How often those outboxes are looked for again (a tenant schema created meanwhile gets harvested).
+    "discover_interval": 30.0,
 }
 #: Settings that did something once and do nothing now: accepted, with a warning saying so.
 RETIRED_KEYS: dict[str, str] = {
@@ -116,7 +120,7 @@ def settings_problems() -> list[Problem]:
         value = raw.get(key, DJANGO_DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             found.append(Problem("E003", key, f"must be a positive integer, got {value!r}"))
-    for key in ("status_gone_after", "stuck_after", "horizon_warn_after"):
+    for key in ("status_gone_after", "stuck_after", "horizon_warn_after", "discover_interval"):
         value = _seconds(raw.get(key, DJANGO_DEFAULTS[key]))
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))
@@ -130,6 +134,9 @@ def settings_problems() -> list[Problem]:
     from outbox.cloudevents import settings_problems as cloudevent_problems
 
     found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))
+    from outbox.many import problems as outboxes_problems
+
+    found.extend(outboxes_problems(raw.get("outboxes")))
     database = raw.get("database", DJANGO_DEFAULTS["database"])
     problem = alias_problem(database)
     if problem is not None:
@@ -243,6 +250,11 @@ def _build(**overrides: Any) -> tuple[HarvestConfig, set[str]]:
            "name": engine.get("name") or default_name(), "limits": limits},
     )
     return config, given
+
+
+def given_limits(**overrides: Any) -> set[str]:
+    """The limits set explicitly, in OUTBOX or by an override whose value is not None."""
+    return _build(**overrides)[1]
 
 
 def harvest_config(**overrides: Any) -> HarvestConfig:

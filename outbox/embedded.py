@@ -14,6 +14,7 @@ from typing import Any
 from outbox import conf, signals
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
+from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.tracing import PublishTracer
 from outbox.tracing.switch import tracing_on
@@ -40,3 +41,24 @@ def create_harvester(*, instruments: Instruments | None = None, tracer: PublishT
                           on_event=lambda event: signals.send_event(holder[0], event), tracer=tracer)
     holder.append(harvester)
     return harvester
+
+
+def create_many_harvester(names: list[str] | None = None, *, tenant_schemas: bool = False,
+                          exclude_schemas: list[str] | None = None, instruments: Instruments | None = None,
+                          tracer: PublishTracer | None = None, **overrides: Any) -> ManyHarvester:
+    """A ManyHarvester over the outboxes of OUTBOX["outboxes"] (those in `names`, else all) and, with
+    `tenant_schemas`, the table (overrides' `table`, else OUTBOX's) of every schema that has one
+    (outbox/many.py); each engine the sender of its signals. Raises ValueError naming a bad entry."""
+    from outbox import many
+
+    if tracer is None and tracing_on():
+        from outbox.tracing.publish import OtelPublishTracer
+
+        tracer = OtelPublishTracer()
+    entries = many.selected_entries(names, tenant_schemas=tenant_schemas, table=overrides.get("table"),
+                                    database=overrides.get("database"), exclude_schemas=exclude_schemas)
+    base = conf.harvest_config(**overrides)
+    discover = many.discoverer(base, entries, conf.given_limits(**overrides))
+    return ManyHarvester(discover, name=base.name, rescan_interval=conf.setting("discover_interval"),
+                         on_event=signals.send_event, tracer=tracer,
+                         instruments=(lambda _label: instruments) if instruments is not None else None)

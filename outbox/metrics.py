@@ -25,6 +25,7 @@ from outbox.harvest.contract import ReplicaState
 from outbox.harvest.dbtime import ROUND_TRIP_KINDS, SERVER_KINDS
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
+from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.shards import ShardedHarvester
 from outbox.reasons import first_line
 
@@ -69,33 +70,42 @@ class PrometheusInstruments(Instruments):
 class HarvesterCollector(Collector):
     """Reads the harvester's state at scrape time."""
 
-    def __init__(self, harvester: Harvester | ShardedHarvester, parked: Callable[[], int | None] | None = None,
-                 oldest_age: Callable[[], float | None] | None = None,
+    def __init__(self, harvester: Harvester | ShardedHarvester | ManyHarvester,
+                 parked: Callable[[], int | None] | None = None, oldest_age: Callable[[], float | None] | None = None,
                  horizon: Callable[[], Any] | None = None) -> None:
         self._harvester = harvester
         self._parked = parked
         self._oldest_age = oldest_age
         self._horizon = horizon
 
-    def _engines(self) -> list[tuple[Harvester, str]]:
-        """Each engine of this replica with its `shard` label: the harvester itself (""), or a sharded
-        replica's engine for each shard it has now."""
+    def _engines(self) -> list[tuple[Harvester, list[str]]]:
+        """Each engine of this replica with its labels (name, outbox, shard): the harvester itself (shard ""),
+        a sharded replica's engine for each shard it has now, or each outbox's engine(s) of a process harvesting
+        several (`outbox` is the outbox's table, `name` the process's)."""
         h = self._harvester
+        if isinstance(h, ManyHarvester):
+            found: list[tuple[Harvester, list[str]]] = []
+            for _label, engine in sorted(h.engines.items()):
+                if isinstance(engine, ShardedHarvester):
+                    found += [(each, [h.name, engine.config.table, str(shard)])
+                              for shard, each in sorted(engine.engines.items())]
+                elif isinstance(engine, Harvester):
+                    found.append((engine, [h.name, engine.config.table, ""]))
+            return found
+        replica = [h.config.name, h.config.table]
         if isinstance(h, ShardedHarvester):
-            return [(engine, str(shard)) for shard, engine in sorted(h.engines.items())]
-        return [(h, "")]
+            return [(engine, [*replica, str(shard)]) for shard, engine in sorted(h.engines.items())]
+        return [(h, [*replica, ""])]
 
     def collect(self) -> Iterator[Any]:
         h = self._harvester
-        replica = [h.config.name, h.config.table]
-        labels = ["name", "outbox"]
         engines = self._engines()
         per_engine = ["name", "outbox", "shard"]
 
         def family(kind: type, metric: str, text: str, value: Callable[[Harvester], float]) -> Any:
             found = kind(metric, text, labels=per_engine)
-            for engine, shard in engines:
-                found.add_metric([*replica, shard], value(engine))
+            for engine, engine_labels in engines:
+                found.add_metric(engine_labels, value(engine))
             return found
 
         yield family(CounterMetricFamily, "outbox_records_published", "Records published and purged",
@@ -105,13 +115,18 @@ class HarvesterCollector(Collector):
                      lambda e: e.in_flight_records)
         leader = GaugeMetricFamily("outbox_leader_state", "1 for this replica's (with shards: each of its shard "
                                    "engines') current state", labels=[*per_engine, "state"])
-        states = [(shard, engine.status().state) for engine, shard in engines]
+        states = [(engine_labels, engine.status().state) for engine, engine_labels in engines]
         if isinstance(h, ShardedHarvester) and not states:  # in the group, with no shard now
-            states = [("", h.replica_state)]
-        for shard, state in states:
+            states = [([h.config.name, h.config.table, ""], h.replica_state)]
+        for engine_labels, state in states:
             for candidate in ReplicaState:
-                leader.add_metric([*replica, shard, candidate.value], 1.0 if state is candidate else 0.0)
+                leader.add_metric([*engine_labels, candidate.value], 1.0 if state is candidate else 0.0)
         yield leader
+        if isinstance(h, ManyHarvester):
+            yield from self._collect_many(engines)
+            return
+        replica = [h.config.name, h.config.table]
+        labels = ["name", "outbox"]
         if isinstance(h, ShardedHarvester):
             shards = GaugeMetricFamily("outbox_shards", "Shards of this replica's group", labels=labels)
             shards.add_metric(replica, h.config.shards)
@@ -133,7 +148,8 @@ class HarvesterCollector(Collector):
                                                                            "when it is empty)", labels=labels)
             oldest.add_metric(replica, age)
             yield oldest
-        leading = [(e, shard, e.database_statements) for e, shard in engines if e.status().state is ReplicaState.LEADER]
+        leading = [(e, shard, e.database_statements) for e, (*_, shard) in engines
+                   if e.status().state is ReplicaState.LEADER]
         leading = [(e, shard, statements) for e, shard, statements in leading if statements is not None][:1]
         if leading:  # the table's statements, whoever ran them: one leading engine exports them
             statements = leading[0][2]
@@ -167,6 +183,23 @@ class HarvesterCollector(Collector):
                                         labels=labels)
             backlog.add_metric(replica, backlog_rows)
             yield backlog
+
+
+    def _collect_many(self, engines: list[tuple[Harvester, list[str]]]) -> Iterator[Any]:
+        """What a process harvesting several outboxes adds per outbox: held records and backlog (the figures
+        read from the model's table, parked records and the oldest row's age, are one outbox's: not here)."""
+        held = GaugeMetricFamily("outbox_held_records", "Records held by this leader: they fail on their own, and "
+                                 "their keys wait", labels=["name", "outbox", "shard"])
+        backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",
+                                    labels=["name", "outbox"])
+        seen: set[str] = set()
+        for engine, engine_labels in engines:
+            held.add_metric(engine_labels, len(engine.held))
+            if engine.backlog is not None and engine_labels[1] not in seen:
+                seen.add(engine_labels[1])
+                backlog.add_metric(engine_labels[:2], engine.backlog)
+        yield held
+        yield backlog
 
 
 def read_parked() -> int | None:
@@ -219,7 +252,7 @@ def read_horizon() -> Any:
         connections.close_all()
 
 
-def serve(harvester: Harvester | ShardedHarvester, registry: CollectorRegistry, port: int,
+def serve(harvester: Harvester | ShardedHarvester | ManyHarvester, registry: CollectorRegistry, port: int,
           address: str = "0.0.0.0") -> None:
     """Expose `registry` plus the harvester's gauges on http://address:port/metrics."""
     registry.register(HarvesterCollector(harvester, parked=read_parked, oldest_age=read_oldest_age,

@@ -13,8 +13,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from outbox import conf, logs
-from outbox.embedded import create_harvester
+from outbox import conf, logs, many
+from outbox.embedded import create_harvester, create_many_harvester
 from outbox.gc_tuning import tune_gc
 from outbox.harvest.config import Limits, name_problem
 from outbox.harvest.harvester import HarvestError
@@ -34,6 +34,14 @@ class Command(BaseCommand):
         parser.add_argument("--shards", type=int, metavar="N",
                             help="harvest the table in N shards, each led by one replica of the group (default: "
                                  "OUTBOX['shards'], 1); every replica of a group runs the same N")
+        parser.add_argument("--outbox", action="append", metavar="NAME",
+                            help="harvest this outbox of OUTBOX['outboxes'] (repeat for several; default: all of "
+                                 "them, when OUTBOX['outboxes'] is set)")
+        parser.add_argument("--tenant-schemas", action="store_true",
+                            help="harvest the table (--table, else OUTBOX['table']) in every schema that has one, "
+                                 "django-tenants style; a schema created while running is picked up")
+        parser.add_argument("--exclude-schema", action="append", metavar="SCHEMA",
+                            help="with --tenant-schemas: leave this schema out (repeat for several)")
         parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
                             help="do not LISTEN for stash()'s NOTIFY; find new records by polling only")
         parser.add_argument("--metrics-port", type=int, metavar="PORT",
@@ -57,6 +65,11 @@ class Command(BaseCommand):
             raise CommandError(f"--database: {problem}")
         if options["name"] is not None and (problem := name_problem(options["name"])):
             raise CommandError(f"--name: {problem}")
+        if options["exclude_schema"] and not options["tenant_schemas"]:
+            raise CommandError("--exclude-schema: applies only with --tenant-schemas")
+        if options["outbox"] or options["tenant_schemas"] or many.configured():
+            self._harvest_many(options, overrides)
+            return
         try:
             config = conf.harvest_config(**overrides)
         except (TypeError, ValueError) as error:
@@ -73,40 +86,91 @@ class Command(BaseCommand):
         if problems:
             raise CommandError(scrub("invalid OUTBOX setting: " + "; ".join(map(str, problems)), conf.secret_values()))
         logs.configure_logging(options["verbosity"])
-        registry = instruments = None
-        if options["metrics_port"] is not None:
-            try:
-                from prometheus_client import CollectorRegistry
-            except ImportError:
-                raise CommandError("--metrics-port needs prometheus-client: "
-                                   "pip install 'django-outbox-harvest[metrics]'") from None
-
-            from outbox.metrics import PrometheusInstruments
-
-            registry = CollectorRegistry()
-            instruments = PrometheusInstruments(registry)
+        registry, instruments = self._metrics_registry(options)
         harvester = create_harvester(instruments=instruments, **overrides)
         tune_gc()
         try:
             harvester.start()
         except HarvestError as error:
             raise CommandError(str(error)) from None
-        if registry is not None:
-            from outbox.metrics import serve
+        self._serve_metrics(harvester, registry, options)
+        self._run(harvester)
 
-            try:
-                serve(harvester, registry, options["metrics_port"], options["metrics_address"])
-            except OSError as error:
-                harvester.stop()
-                harvester.wait()
-                raise CommandError(f"cannot serve metrics on port {options['metrics_port']}: {error}") from None
-            logging.getLogger("outbox").info("Metrics on http://%s:%d/metrics", options["metrics_address"],
-                                             options["metrics_port"])
-
+    def _run(self, harvester: Any) -> None:
         with on_stop_signals(harvester.stop):
             try:
                 while not harvester.wait(timeout=0.5):
                     pass
             except HarvestError as error:
                 raise CommandError(str(error)) from None
+
+    def _harvest_many(self, options: dict[str, Any], overrides: dict[str, Any]) -> None:
+        """Several outboxes in this process (outbox/many.py, outbox/harvest/outboxes.py)."""
+        for flag in ("leader_topic", "leader_group"):
+            if options[flag] is not None:
+                raise CommandError(f"--{flag.replace('_', '-')}: cannot be given with several outboxes; each derives "
+                                   f"its own (or set it in its OUTBOX['outboxes'] entry)")
+        problems = conf.settings_problems()
+        if problems:
+            raise CommandError(scrub("invalid OUTBOX setting: " + "; ".join(map(str, problems)), conf.secret_values()))
+        for flag in ("table", "database"):
+            if options[flag] is not None and not options["tenant_schemas"]:
+                raise CommandError(f"--{flag}: with OUTBOX['outboxes'], each outbox names its own (--{flag} goes "
+                                   f"with --tenant-schemas)")
+        registry, instruments = self._metrics_registry(options)
+        try:
+            harvester = create_many_harvester(options["outbox"], tenant_schemas=options["tenant_schemas"],
+                                              exclude_schemas=options["exclude_schema"], instruments=instruments,
+                                              **overrides)
+        except (TypeError, ValueError) as error:
+            raise CommandError(scrub(f"invalid configuration: {error}", conf.secret_values())) from None
+        if options["print_config"]:  # each outbox found now, by label
+            try:
+                found = harvester.discover()
+            except Exception as error:
+                raise CommandError(scrub(f"cannot find the outboxes: {error}", conf.secret_values())) from None
+            self.stdout.write(json.dumps({label: config.redacted() for label, config in sorted(found.items())},
+                                         indent=2, default=str))
+            problems = [f"{label}: {problem}" for label, config in sorted(found.items())
+                        for problem in config.validate()]
+            if problems:
+                raise CommandError(scrub("invalid configuration: " + "; ".join(problems), conf.secret_values()))
+            return
+        logs.configure_logging(options["verbosity"])
+        tune_gc()
+        try:
+            harvester.start()
+        except HarvestError as error:
+            raise CommandError(str(error)) from None
+        self._serve_metrics(harvester, registry, options)
+        self._run(harvester)
+
+    def _metrics_registry(self, options: dict[str, Any]) -> tuple[Any, Any]:
+        """With --metrics-port: a Prometheus registry and the engine's instruments in it; else (None, None)."""
+        if options["metrics_port"] is None:
+            return None, None
+        try:
+            from prometheus_client import CollectorRegistry
+        except ImportError:
+            raise CommandError("--metrics-port needs prometheus-client: "
+                               "pip install 'django-outbox-harvest[metrics]'") from None
+
+        from outbox.metrics import PrometheusInstruments
+
+        registry = CollectorRegistry()
+        return registry, PrometheusInstruments(registry)
+
+    def _serve_metrics(self, harvester: Any, registry: Any, options: dict[str, Any]) -> None:
+        if registry is None:
+            return
+        from outbox.metrics import serve
+
+        try:
+            serve(harvester, registry, options["metrics_port"], options["metrics_address"])
+        except OSError as error:
+            harvester.stop()
+            harvester.wait()
+            raise CommandError(f"cannot serve metrics on port {options['metrics_port']}: {error}") from None
+        logging.getLogger("outbox").info("Metrics on http://%s:%d/metrics", options["metrics_address"],
+                                         options["metrics_port"])
 

@@ -60,11 +60,13 @@ class Command(BaseCommand):
             return False, f"cannot read harvester status: {first_line(error)}"
         found = facts.replicas
         if name:
-            # A sharded replica's engines report rows of their own (one per shard it leads).
+            # A sharded replica's engines report rows of their own (one per shard it leads), and so do a process's
+            # outboxes when it harvests several (`replica-a/shop`: outbox/many.py).
             scope = f"replica {name!r}"
 
             def matches(r: Any) -> bool:
-                return r.name == name or (r.shard is not None and sharding.replica_of(r.name, r.shard) == name)
+                return r.name == name or (r.shard is not None and sharding.replica_of(r.name, r.shard) == name) \
+                    or ("/" not in name and r.name.partition("/")[0] == name)
         elif any:
             scope, matches = "any replica", lambda r: True
         else:

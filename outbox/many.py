@@ -1,0 +1,170 @@
+"""Several outboxes in one `manage.py harvest`: OUTBOX["outboxes"] (or `--tenant-schemas`) to the
+engine's supervisor (outbox/harvest/outboxes.py), which asks `discover()` for {label: HarvestConfig}.
+
+    OUTBOX = {
+        "outboxes": {
+            "shop": {},                                              # the default database's table outbox
+            "billing": {"database": "billing", "shards": 4},         # another database, sharded
+            "tenants": {"tenant_schemas": True, "exclude_schemas": ["public"]},   # outbox in every schema
+        },
+    }
+
+Every outbox gets the settings of OUTBOX, with what its entry sets; its leader topic and group are
+derived from its database and table (conf.default_leader_name) unless the entry names them, and its
+engine's name (status row, fence session, heartbeats) is the process's name and the outbox's label:
+`replica-a/shop`, `replica-a/tenants.acme`. A tenant entry stands for one outbox per schema holding
+its (unqualified) table, found at start and every `discover_interval`; its dead-letter table is the
+one of the tenant's schema.
+
+Idle cost. An outbox's engine listens through its database's one shared LISTEN session
+(notify_hub.py), which wakes it at each NOTIFY and after every reconnect; so its safety-net poll,
+`idle_poll_interval`, defaults to MANY_IDLE_POLL_INTERVAL here instead of a second (unless set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from outbox import conf
+from outbox.harvest.config import TABLE_PATTERN, HarvestConfig, Problem, name_problem
+from outbox.harvest.sharding import shards_problem
+from outbox.harvest.store import close_quietly, connect
+from outbox.harvest.tenants import find_tenant_tables
+
+#: The keys an entry of OUTBOX["outboxes"] may set (the rest come from OUTBOX itself).
+ENTRY_KEYS = frozenset({"database", "table", "leader_topic", "leader_group", "shards", "listen", "dead_letter_topic",
+                        "park_after", "tenant_schemas", "exclude_schemas"})
+#: The safety-net poll of an idle outbox when several share a process (seconds), unless idle_poll_interval is set.
+MANY_IDLE_POLL_INTERVAL = 60.0
+#: The label of the outboxes `harvest --tenant-schemas` finds: `tenants.<schema>`.
+TENANTS = "tenants"
+
+
+def configured() -> bool:
+    """Whether OUTBOX names several outboxes (OUTBOX["outboxes"])."""
+    raw = conf.raw_settings()
+    return isinstance(raw, dict) and bool(raw.get("outboxes"))
+
+
+def problems(raw: Any) -> list[Problem]:
+    """What is wrong with OUTBOX["outboxes"] (None: not set), each naming the entry and its key (E018)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, Mapping) or not raw:
+        return [Problem("E018", "outboxes", f"must be a non-empty dict of outbox names to dicts, got {raw!r}")]
+    found = []
+    for name, entry in raw.items():
+        where = f"outboxes.{name}"
+        if (problem := name_problem(name)) is not None or any(c in str(name) for c in "./"):
+            # `/` separates the process's name from the outbox's in an engine's name, `.` a tenant entry's schema
+            found.append(Problem("E018", where, problem or f"must not contain '.' or '/', got {name!r}"))
+            continue
+        if not isinstance(entry, Mapping):
+            found.append(Problem("E018", where, f"must be a dict, got {entry!r}"))
+            continue
+        for key in sorted(set(entry) - ENTRY_KEYS, key=str):
+            found.append(Problem("E018", f"{where}.{key}", f"is not a key of an outbox (known: "
+                                                           f"{', '.join(sorted(ENTRY_KEYS))})"))
+        alias = entry.get("database", conf.DJANGO_DEFAULTS["database"])
+        if (problem := conf.alias_problem(alias)) is not None:
+            found.append(Problem("E018", f"{where}.database", problem))
+        tenant = entry.get("tenant_schemas", False)
+        if not isinstance(tenant, bool):
+            found.append(Problem("E018", f"{where}.tenant_schemas", f"must be True or False, got {tenant!r}"))
+        table = entry.get("table", conf.setting("table"))
+        if not isinstance(table, str) or not TABLE_PATTERN.fullmatch(table) or (tenant is True and "." in table):
+            kind = "an unqualified SQL identifier (each tenant schema's table)" if tenant is True else \
+                "an SQL identifier, optionally schema.table"
+            found.append(Problem("E018", f"{where}.table", f"must be {kind}, got {table!r}"))
+        exclude = entry.get("exclude_schemas", [])
+        if not isinstance(exclude, list | tuple) or not all(isinstance(s, str) for s in exclude):
+            found.append(Problem("E018", f"{where}.exclude_schemas",
+                                 f"must be a list of schema names, got {exclude!r}"))
+        elif exclude and tenant is not True:
+            found.append(Problem("E018", f"{where}.exclude_schemas", "applies only with tenant_schemas: True"))
+        if tenant is True and (entry.get("leader_topic") or entry.get("leader_group")):
+            found.append(Problem("E018", f"{where}.leader_topic", "cannot be set with tenant_schemas: each schema's "
+                                                                  "outbox derives its own leader topic and group"))
+        if "shards" in entry and (problem := shards_problem(entry["shards"])) is not None:
+            found.append(Problem("E018", f"{where}.shards", problem))
+    return found
+
+
+def selected_entries(names: list[str] | None, *, tenant_schemas: bool = False,
+                     table: str | None = None, database: str | None = None,
+                     exclude_schemas: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """The entries `harvest` runs: those of OUTBOX["outboxes"] named by `--outbox` (all when none is),
+    plus, with `--tenant-schemas`, one for `table` in every schema. Raises ValueError naming the problem."""
+    raw = conf.raw_settings()
+    configured_entries = dict(raw.get("outboxes") or {}) if isinstance(raw, dict) else {}
+    if names:
+        unknown = [name for name in names if name not in configured_entries]
+        if unknown:
+            known = ", ".join(sorted(configured_entries)) or "none"
+            raise ValueError(f"--outbox: no outbox named {unknown[0]!r} in OUTBOX['outboxes'] (there are: {known})")
+        chosen = {name: dict(configured_entries[name]) for name in names}
+    else:
+        chosen = {} if tenant_schemas else {name: dict(entry) for name, entry in configured_entries.items()}
+    if tenant_schemas:
+        entry: dict[str, Any] = {"tenant_schemas": True}
+        if table is not None:
+            entry["table"] = table
+        if database is not None:
+            entry["database"] = database
+        if exclude_schemas:
+            entry["exclude_schemas"] = list(exclude_schemas)
+        chosen[TENANTS] = entry
+    found = problems({name: entry for name, entry in chosen.items()}) if chosen else []
+    if found:
+        raise ValueError("; ".join(f"{p.field}: {p.message}" for p in found))
+    return chosen
+
+
+def outbox_config(base: HarvestConfig, label: str, entry: Mapping[str, Any], table: str,
+                  given_limits: set[str]) -> HarvestConfig:
+    """One outbox's engine config: OUTBOX's (`base`), its entry's keys, its own derived leader topic and group."""
+    alias = entry.get("database", conf.database_alias())
+    derived = conf.default_leader_name(alias, table)
+    limits = base.limits
+    if "idle_poll_interval" not in given_limits:
+        limits = dataclasses.replace(limits, idle_poll_interval=MANY_IDLE_POLL_INTERVAL)
+    dead_letter_table = base.dead_letter_table
+    if entry.get("tenant_schemas") and dead_letter_table and "." not in dead_letter_table:
+        dead_letter_table = f"{table.split('.')[0]}.{dead_letter_table}"  # the tenant's own (parking off if none)
+    return dataclasses.replace(
+        base, dsn=conf.dsn_for(alias), table=table, leader_topic=entry.get("leader_topic") or derived,
+        leader_group=entry.get("leader_group") or derived, name=f"{base.name}/{label}",
+        shards=entry.get("shards", base.shards), listen=entry.get("listen", base.listen),
+        dead_letter_topic=entry.get("dead_letter_topic", base.dead_letter_topic),
+        park_after=entry.get("park_after", base.park_after), dead_letter_table=dead_letter_table, limits=limits)
+
+
+def discoverer(base: HarvestConfig, entries: Mapping[str, Mapping[str, Any]],
+               given_limits: set[str]) -> Callable[[], dict[str, HarvestConfig]]:
+    """The supervisor's discover(): every fixed entry's outbox, and each tenant entry's schemas as found now
+    (one query per tenant entry)."""
+    skipped: set[str] = set()
+    default_table = base.table
+
+    def discover() -> dict[str, HarvestConfig]:
+        found: dict[str, HarvestConfig] = {}
+        for name, entry in entries.items():
+            table = entry.get("table", default_table)
+            if not entry.get("tenant_schemas"):
+                found[name] = outbox_config(base, name, entry, table, given_limits)
+                continue
+            alias = entry.get("database", conf.database_alias())
+            conn = connect(conf.dsn_for(alias), "discover", name=base.name)
+            try:
+                tables = find_tenant_tables(conn, table.rpartition(".")[2], exclude=entry.get("exclude_schemas", ()),
+                                            skipped=skipped)
+            finally:
+                close_quietly(conn)
+            for qualified in tables:
+                label = f"{name}.{qualified.split('.')[0]}"
+                found[label] = outbox_config(base, label, entry, qualified, given_limits)
+        return found
+
+    return discover

@@ -1,0 +1,606 @@
+"""Many outboxes in one process, with fakes: the supervisor (outbox/harvest/outboxes.py), the shared
+LISTEN session's dispatch (notify_hub.py), tenant discovery (tenants.py) and OUTBOX["outboxes"] (many.py).
+
+The real SQL and a real LISTEN session are tested in tests/integration/test_many_outboxes.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from outbox import conf, many
+from outbox.harvest.config import HarvestConfig
+from outbox.harvest.contract import ReplicaState
+from outbox.harvest.harvester import Harvester, HarvestError, State
+from outbox.harvest.notify_hub import NotifyHub
+from outbox.harvest.outboxes import MAX_BACKOFF, RESTART_BACKOFF, ManyHarvester
+from outbox.harvest.tenants import find_tenant_tables
+
+# ---------------------------------------------------------------------------------------------- the supervisor
+
+
+class FakeEngine:
+    """An engine that runs until stopped, or fails when told to."""
+
+    def __init__(self, label: str, config: HarvestConfig, *, refuse: bool = False) -> None:
+        self.label, self.config, self.refuse = label, config, refuse
+        self.state = State.CREATED
+        self.replica_state = ReplicaState.STANDBY
+        self.published = 0
+        self.failure: str | None = None
+
+    def start(self) -> None:
+        if self.refuse:
+            raise HarvestError(f"table {self.config.table!r} does not exist")
+        self.state = State.RUNNING
+
+    def stop(self) -> None:
+        self.state = State.STOPPED
+
+    def fail(self, why: str) -> None:
+        self.failure, self.state = why, State.STOPPED
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.failure is not None:
+            raise HarvestError(f"harvester failed: {self.failure}")
+        return self.state is State.STOPPED
+
+
+class World:
+    """What discover() finds, a clock the test moves, and every engine the supervisor built."""
+
+    def __init__(self, *labels: str) -> None:
+        self.found = {label: self.config(label) for label in labels}
+        self.now = 1000.0
+        self.built: list[FakeEngine] = []
+        self.refusing: set[str] = set()
+        self.discovery_fails = False
+
+    @staticmethod
+    def config(label: str, **changes: Any) -> HarvestConfig:
+        return HarvestConfig(dsn="dbname=x", table=f"{label}.outbox", name=f"replica/{label}",
+                             leader_topic=f"leader-{label}", leader_group=f"leader-{label}", **changes)
+
+    def discover(self) -> dict[str, HarvestConfig]:
+        if self.discovery_fails:
+            raise OSError("connection refused")
+        return dict(self.found)
+
+    def factory(self, label: str, config: HarvestConfig) -> FakeEngine:
+        engine = FakeEngine(label, config, refuse=label in self.refusing)
+        self.built.append(engine)
+        return engine
+
+    def supervisor(self, rescan: float = 30.0) -> ManyHarvester:
+        harvester = ManyHarvester(self.discover, name="replica", rescan_interval=rescan, engine_factory=self.factory,
+                                  clock=lambda: self.now)
+        return harvester
+
+    def running(self, harvester: ManyHarvester) -> dict[str, FakeEngine]:
+        return {label: engine for label, engine in harvester.engines.items() if engine.state is State.RUNNING}
+
+
+def started(world: World, harvester: ManyHarvester) -> ManyHarvester:
+    """Discover and take the first look, as start() and the supervisor's first tick do, without its thread."""
+    harvester._wanted = world.discover()
+    harvester._next_scan = world.now + harvester._rescan_interval
+    harvester.tick()
+    return harvester
+
+
+def test_each_outbox_found_gets_an_engine_of_its_own():
+    world = World("acme", "globex")
+    harvester = started(world, world.supervisor())
+    running = world.running(harvester)
+    assert sorted(running) == ["acme", "globex"]
+    assert running["acme"].config.table == "acme.outbox" and running["globex"].config.leader_group == "leader-globex"
+    harvester.tick()
+    assert len(world.built) == 2, "a running engine is not started twice"
+
+
+def test_a_schema_created_while_running_is_picked_up_at_the_next_rescan_and_a_dropped_one_stopped():
+    world = World("acme", "globex")
+    harvester = started(world, world.supervisor(rescan=30.0))
+    world.found["initech"] = World.config("initech")
+    del world.found["globex"]
+    globex = harvester.engines["globex"]
+    world.now += 29.0
+    harvester.tick()
+    assert sorted(world.running(harvester)) == ["acme", "globex"], "not before the rescan is due"
+    world.now += 1.0
+    harvester.tick()
+    assert sorted(world.running(harvester)) == ["acme", "initech"]
+    assert globex.state is State.STOPPED
+    harvester.tick()
+    assert sorted(harvester.engines) == ["acme", "initech"], "a stopped engine of a gone outbox is forgotten"
+
+
+def test_a_failed_engine_starts_again_after_a_backoff_that_doubles_and_the_others_go_on():
+    world = World("acme", "globex")
+    harvester = started(world, world.supervisor())
+    acme_engines = []
+    for backoff in (RESTART_BACKOFF, 2 * RESTART_BACKOFF, 4 * RESTART_BACKOFF):
+        engine = harvester.engines["acme"]
+        acme_engines.append(engine)
+        engine.fail("Kafka went away")
+        harvester.tick()
+        assert "acme" not in harvester.engines
+        world.now += backoff - 0.01
+        harvester.tick()
+        assert "acme" not in harvester.engines, f"not before {backoff}s"
+        world.now += 0.01
+        harvester.tick()
+        assert world.running(harvester)["acme"] is not engine, "a fresh engine"
+        assert world.running(harvester)["globex"] is world.built[1], "the other outbox's engine was never touched"
+    # One that ran for MAX_BACKOFF before failing is a new failure: the backoff starts again.
+    world.now += MAX_BACKOFF
+    harvester.engines["acme"].fail("Kafka went away")
+    harvester.tick()
+    world.now += RESTART_BACKOFF
+    harvester.tick()
+    assert "acme" in world.running(harvester)
+
+
+def test_an_outbox_whose_engine_cannot_start_is_tried_again_and_the_backoff_is_capped():
+    world = World("acme", "broken")
+    world.refusing.add("broken")
+    harvester = started(world, world.supervisor(rescan=10_000.0))
+    assert sorted(world.running(harvester)) == ["acme"]
+    attempts = []
+    for _ in range(12):
+        before = len(world.built)
+        world.now += MAX_BACKOFF
+        harvester.tick()
+        attempts.append(len(world.built) - before)
+    assert attempts == [1] * 12, "at most MAX_BACKOFF between two attempts, and one attempt each time"
+    world.refusing.clear()
+    world.now += MAX_BACKOFF
+    harvester.tick()
+    assert sorted(world.running(harvester)) == ["acme", "broken"]
+
+
+def test_an_outbox_whose_config_changed_gets_a_fresh_engine():
+    world = World("acme")
+    harvester = started(world, world.supervisor(rescan=1.0))
+    old = harvester.engines["acme"]
+    world.found["acme"] = World.config("acme", shards=4)
+    world.now += 1.0
+    harvester.tick()  # the old one is asked to stop (it settles first)...
+    assert old.state is State.STOPPED
+    harvester.tick()  # ...and once stopped, a new one starts with the new config
+    assert world.running(harvester)["acme"].config.shards == 4
+
+
+def test_when_discovery_fails_the_outboxes_found_before_go_on_and_it_is_said_once(caplog):
+    world = World("acme")
+    harvester = started(world, world.supervisor(rescan=1.0))
+    world.discovery_fails = True
+    with caplog.at_level(logging.WARNING, logger="outbox.harvest.outboxes"):
+        for _ in range(3):
+            world.now += 1.0
+            harvester.tick()
+    assert sorted(world.running(harvester)) == ["acme"]
+    assert caplog.text.count("Cannot look for outboxes") == 1
+    assert "connection refused" in caplog.text
+
+
+def test_start_fails_in_one_line_when_the_first_discovery_fails():
+    world = World()
+    world.discovery_fails = True
+    with pytest.raises(HarvestError, match="cannot find the outboxes to harvest: connection refused"):
+        world.supervisor().start()
+
+
+def test_stop_stops_every_engine_and_wait_returns():
+    world = World("acme", "globex")
+    harvester = world.supervisor()
+    harvester.start()
+    deadline = time.monotonic() + 10
+    while len(world.running(harvester)) < 2 and time.monotonic() < deadline:  # waits for the supervisor's thread
+        time.sleep(0.01)
+    assert len(world.running(harvester)) == 2, "both engines started within 10 s"
+    assert harvester.replica_state is ReplicaState.STANDBY
+    harvester.stop()
+    assert harvester.wait(timeout=10), "stopped within 10 s"
+    assert all(engine.state is State.STOPPED for engine in world.built)
+    assert harvester.state is State.STOPPED
+
+
+def test_the_real_engine_runs_under_the_supervisor_with_fakes():
+    from outbox.harvest.fakes import FakeConnector
+
+    connectors: dict[str, FakeConnector] = {}
+
+    def factory(label: str, config: HarvestConfig) -> Harvester:
+        connectors[label] = FakeConnector()
+        return Harvester(config, connector=connectors[label])
+
+    world = World("acme", "globex")
+    harvester = ManyHarvester(world.discover, engine_factory=factory, name="replica")
+    harvester.start()
+    try:
+        deadline = time.monotonic() + 20
+        while sorted(harvester.leading) != ["acme", "globex"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(harvester.leading) == ["acme", "globex"], "each outbox led by its engine within 20 s"
+        assert harvester.replica_state is ReplicaState.LEADER
+        # Its metrics carry each outbox's table as the `outbox` label.
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from outbox.metrics import HarvesterCollector
+
+        registry = CollectorRegistry()
+        registry.register(HarvesterCollector(harvester))
+        text = generate_latest(registry).decode()
+        for table in ("acme.outbox", "globex.outbox"):
+            assert f'outbox_leader_state{{name="replica",outbox="{table}",shard="",state="leader"}} 1.0' in text
+            assert f'outbox_records_published_total{{name="replica",outbox="{table}",shard=""}}' in text
+    finally:
+        harvester.stop()
+        assert harvester.wait(timeout=20), "stopped within 20 s"
+
+
+# ---------------------------------------------------------------------------------------------- the shared LISTEN
+
+
+class FakeNotify:
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+
+
+class FakeSession:
+    """A LISTEN session: the statements it ran, and NOTIFYs the test delivers through a pipe (its socket)."""
+
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+        self._read, self._write = os.pipe()
+        self._pending: deque[str] = deque()
+        self._lock = threading.Lock()
+        self.closed = False
+        self.broken = False
+
+    def fileno(self) -> int:
+        return self._read
+
+    def execute(self, statement: Any) -> None:
+        if self.broken:
+            import psycopg
+
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        self.statements.append(statement.as_string(None) if hasattr(statement, "as_string") else str(statement))
+
+    def deliver(self, *channels: str) -> None:
+        with self._lock:
+            self._pending.extend(channels)
+        os.write(self._write, b"\0")
+
+    def notifies(self, timeout: float = 0) -> list[FakeNotify]:
+        os.set_blocking(self._read, False)
+        try:
+            os.read(self._read, 4096)
+        except BlockingIOError:
+            pass
+        if self.broken:
+            import psycopg
+
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        with self._lock:
+            found, self._pending = list(self._pending), deque()
+        return [FakeNotify(channel) for channel in found]
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self._write)
+            os.close(self._read)
+
+
+def wait_for(condition: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up after {timeout}s waiting for {what}"
+        time.sleep(0.005)
+
+
+def woken(listener: Any, timeout: float = 0.0) -> int:
+    """How many wakes the listener has (selecting on its pipe for up to `timeout`), drained."""
+    fd = listener.fileno()
+    if fd is None:
+        return 0
+    select.select([fd], [], [], timeout)
+    return listener.drain()
+
+
+@pytest.fixture
+def hub():
+    sessions: list[FakeSession] = []
+
+    def connect() -> FakeSession:
+        sessions.append(FakeSession())
+        return sessions[-1]
+
+    found = NotifyHub("dbname=x", connect=connect)
+    found.sessions_made = sessions
+    found.start()
+    yield found
+    found.stop()
+    found.join(timeout=5)
+    for session in sessions:
+        session.close()
+
+
+def test_a_notify_wakes_only_the_engine_of_the_table_that_was_written(hub):
+    a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
+    wait_for(lambda: a.connected and b.connected, "both channels listened to")
+    session = hub.sessions_made[0]
+    assert sorted(session.statements) == ['LISTEN "outbox_1"', 'LISTEN "outbox_2"'], "one session for both"
+    woken(a), woken(b)  # the wake each gets when its channel starts being listened to
+    session.deliver("outbox_2", "outbox_2", "outbox_3")
+    wait_for(lambda: hub.received == 3, "the hub to take the three NOTIFYs in")
+    assert woken(b, 5.0) >= 1, "b's table was written"
+    assert woken(a) == 0, "a's was not"
+
+
+def test_a_listener_is_woken_once_its_channel_is_listened_to():
+    gate = threading.Event()
+    sessions: list[FakeSession] = []
+
+    def connect() -> FakeSession:
+        gate.wait(5)
+        sessions.append(FakeSession())
+        return sessions[-1]
+
+    hub = NotifyHub("dbname=x", connect=connect)
+    hub.start()
+    try:
+        listener = hub.subscribe("outbox_7")
+        assert listener.fileno() is not None and not listener.connected, "a pipe at once, no LISTEN yet"
+        assert woken(listener) == 0
+        gate.set()
+        wait_for(lambda: listener.connected, "the channel to be listened to")
+        assert woken(listener, 5.0) >= 1, "woken once: a NOTIFY before the LISTEN would have been lost"
+    finally:
+        hub.stop()
+        hub.join(timeout=5)
+        for session in sessions:
+            session.close()
+
+
+def test_while_no_session_can_be_had_every_engine_is_woken_at_each_attempt(monkeypatch, caplog):
+    import psycopg
+
+    from outbox.harvest import notify_hub
+
+    monkeypatch.setattr(notify_hub, "RETRY_AFTER", 0.05)
+    attempts = []
+
+    def connect() -> FakeSession:
+        attempts.append(time.monotonic())
+        raise psycopg.OperationalError("connection refused")
+
+    hub = NotifyHub("dbname=x", connect=connect)
+    a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
+    with caplog.at_level(logging.WARNING, logger="outbox.harvest.notify_hub"):
+        hub.start()
+        try:
+            wait_for(lambda: len(attempts) >= 4, "four attempts to connect")
+            assert woken(a, 5.0) >= 1 and woken(b, 5.0) >= 1, "each engine looks at its table instead"
+        finally:
+            hub.stop()
+            hub.join(timeout=5)
+    assert caplog.text.count("LISTEN session unavailable") == 1, "said once"
+    assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(attempts)), \
+        "at most every RETRY_AFTER"
+
+
+def test_a_listener_closed_is_unlistened_and_the_others_stay(hub):
+    a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
+    wait_for(lambda: hub.channels == {"outbox_1", "outbox_2"}, "both channels listened to")
+    a.close()
+    wait_for(lambda: hub.channels == {"outbox_2"}, "outbox_1 unlistened")
+    assert 'UNLISTEN "outbox_1"' in hub.sessions_made[0].statements
+    assert b.connected
+
+
+def test_two_engines_of_one_table_share_its_channel(hub):
+    first, second = hub.subscribe("outbox_1"), hub.subscribe("outbox_1")
+    wait_for(lambda: first.connected, "the channel listened to")
+    woken(first), woken(second)
+    hub.sessions_made[0].deliver("outbox_1")
+    assert woken(first, 5.0) >= 1 and woken(second, 5.0) >= 1
+    first.close()
+    time.sleep(0.05)
+    assert hub.channels == {"outbox_1"}, "still listened to for the other"
+
+
+def test_after_the_session_is_lost_every_engine_is_woken_on_the_next_one(hub, monkeypatch):
+    from outbox.harvest import notify_hub
+
+    monkeypatch.setattr(notify_hub, "RETRY_AFTER", 0.05)
+    a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
+    wait_for(lambda: a.connected and b.connected, "both channels listened to")
+    woken(a), woken(b)
+    first = hub.sessions_made[0]
+    first.broken = True
+    first.deliver("outbox_1")  # the socket says something: the session is found broken
+    wait_for(lambda: len(hub.sessions_made) == 2 and hub.channels == {"outbox_1", "outbox_2"}, "a new session")
+    assert sorted(hub.sessions_made[1].statements) == ['LISTEN "outbox_1"', 'LISTEN "outbox_2"']
+    assert woken(a, 5.0) >= 1 and woken(b, 5.0) >= 1, "both woken: a NOTIFY may have been lost meanwhile"
+
+
+# ---------------------------------------------------------------------------------------------- tenant discovery
+
+
+class FakeCatalog:
+    def __init__(self, schemas: list[str]) -> None:
+        self.schemas = schemas
+        self.params: list[dict[str, Any]] = []
+
+    def execute(self, statement: str, params: dict[str, Any]) -> FakeCatalog:
+        self.params.append(params)
+        return self
+
+    def fetchall(self) -> list[tuple[str]]:
+        return [(schema,) for schema in self.schemas]
+
+
+def test_tenant_tables_are_each_schemas_table_minus_the_excluded(caplog):
+    catalog = FakeCatalog(["acme", "globex", "public", "has space", "Mixed"])
+    skipped: set[str] = set()
+    with caplog.at_level(logging.WARNING, logger="outbox.harvest.tenants"):
+        assert find_tenant_tables(catalog, "outbox", exclude={"public"}, skipped=skipped) == [
+            "acme.outbox", "globex.outbox", "Mixed.outbox"]
+        find_tenant_tables(catalog, "outbox", exclude={"public"}, skipped=skipped)
+    assert catalog.params[0] == {"table": "outbox"}
+    assert caplog.text.count("'has space'") == 1, "a schema the engine cannot name is said once"
+
+
+def test_the_tenant_table_must_be_unqualified():
+    with pytest.raises(ValueError, match="must be unqualified"):
+        find_tenant_tables(FakeCatalog([]), "acme.outbox")
+
+
+# ---------------------------------------------------------------------------------------------- OUTBOX["outboxes"]
+
+
+@pytest.mark.parametrize(("outboxes", "field", "message"), [
+    ({}, "outboxes", "non-empty dict"),
+    ({"shop": "outbox"}, "outboxes.shop", "must be a dict"),
+    ({"shop": {"tabel": "x"}}, "outboxes.shop.tabel", "is not a key of an outbox"),
+    ({"shop": {"database": "nope"}}, "outboxes.shop.database", "must name an entry of DATABASES"),
+    ({"shop": {"table": "a b"}}, "outboxes.shop.table", "SQL identifier"),
+    ({"t": {"tenant_schemas": True, "table": "s.outbox"}}, "outboxes.t.table", "unqualified"),
+    ({"t": {"tenant_schemas": "yes"}}, "outboxes.t.tenant_schemas", "True or False"),
+    ({"t": {"exclude_schemas": ["public"]}}, "outboxes.t.exclude_schemas", "only with tenant_schemas"),
+    ({"t": {"tenant_schemas": True, "leader_topic": "x"}}, "outboxes.t.leader_topic", "derives its own"),
+    ({"shop": {"shards": 0}}, "outboxes.shop.shards", "whole number"),
+    ({"a/b": {}}, "outboxes.a/b", "must not contain '.' or '/'"),
+    ({"a.b": {}}, "outboxes.a.b", "must not contain '.' or '/'"),
+])
+def test_a_bad_outboxes_entry_is_one_line_naming_it(outboxes, field, message):
+    with override_settings(OUTBOX={"outboxes": outboxes}):
+        found = [p for p in conf.settings_problems() if p.code == "E018"]
+    assert [p.field for p in found] == [field]
+    assert message in found[0].message
+
+
+def test_the_check_names_the_entry_and_key():
+    from outbox.checks import describe
+
+    with override_settings(OUTBOX={"outboxes": {"shop": {"tabel": "x"}}}):
+        problem = next(p for p in conf.settings_problems() if p.code == "E018")
+        assert describe(problem).startswith("OUTBOX['outboxes']['shop']['tabel'] is not a key of an outbox")
+
+
+def test_each_outbox_derives_its_own_leader_topic_and_group_and_engine_name():
+    with override_settings(OUTBOX={"outboxes": {"shop": {}, "billing": {"table": "billing.outbox", "shards": 4},
+                                                "named": {"leader_topic": "t", "leader_group": "g"}}}):
+        base = conf.harvest_config(name="replica-a")
+        entries = many.selected_entries(None)
+        found = many.discoverer(base, entries, set())()
+    assert sorted(found) == ["billing", "named", "shop"]
+    shop, billing, named = found["shop"], found["billing"], found["named"]
+    assert shop.table == "outbox" and billing.table == "billing.outbox" and billing.shards == 4
+    assert shop.leader_group == conf.default_leader_name("default", "outbox") == shop.leader_topic
+    assert billing.leader_group == conf.default_leader_name("default", "billing.outbox") != shop.leader_group
+    assert (named.leader_topic, named.leader_group) == ("t", "g")
+    assert [c.name for c in (shop, billing, named)] == ["replica-a/shop", "replica-a/billing", "replica-a/named"]
+    assert all(not c.validate() for c in found.values())
+    assert shop.limits.idle_poll_interval == many.MANY_IDLE_POLL_INTERVAL, "NOTIFY wakes it: a rare safety net"
+
+
+def test_an_idle_poll_interval_set_is_kept():
+    with override_settings(OUTBOX={"outboxes": {"shop": {}}, "idle_poll_interval": 2.5}):
+        base = conf.harvest_config()
+        found = many.discoverer(base, many.selected_entries(None), conf.given_limits())()
+    assert found["shop"].limits.idle_poll_interval == 2.5
+
+
+def test_outbox_picks_entries_and_tenant_schemas_adds_one():
+    with override_settings(OUTBOX={"outboxes": {"shop": {}, "billing": {}}}):
+        assert list(many.selected_entries(["billing"])) == ["billing"]
+        assert sorted(many.selected_entries(None)) == ["billing", "shop"]
+        assert many.selected_entries(None, tenant_schemas=True, table="outbox", exclude_schemas=["public"]) == {
+            "tenants": {"tenant_schemas": True, "table": "outbox", "exclude_schemas": ["public"]}}
+        with pytest.raises(ValueError, match=r"--outbox: no outbox named 'nope' .*there are: billing, shop"):
+            many.selected_entries(["nope"])
+
+
+def test_a_tenant_outbox_parks_in_its_own_schema():
+    with override_settings(OUTBOX={}):
+        base = conf.harvest_config(name="r")
+        config = many.outbox_config(base, "tenants.acme", {"tenant_schemas": True}, "acme.outbox", set())
+    assert config.dead_letter_table == "acme.outbox_dead_letter"
+    assert config.status_table == base.status_table, "status rows stay in one table, where the dashboard reads"
+    assert dataclasses.replace(config, name="x").validate() == []
+
+
+# ---------------------------------------------------------------------------------------------- the status board
+
+
+def test_an_engines_row_on_the_board_is_plain_json_with_what_a_status_row_says():
+    import json
+    import uuid
+    from datetime import UTC, datetime
+
+    from outbox.harvest.contract import HeldRecord
+    from outbox.harvest.status import StatusSnapshot
+    from outbox.harvest.status_board import BoardReporter
+
+    leader_id = uuid.uuid4()
+    since = datetime(2026, 11, 25, 7, 0, tzinfo=UTC)
+    held = HeldRecord(id=7, key="k", topic="t", reason="too large", attempts=2, held_for=1.5, behind=3,
+                      more_behind=False)
+    snapshot = StatusSnapshot(state=ReplicaState.LEADER, leader_id=leader_id, since=since, in_flight=2, queued=1,
+                              in_flight_keys=["a", "b"], in_flight_key_count=2, held=[held], blocked_by=None,
+                              throughput=3.5, published=10, failed=1, marked_upto=42)
+    config = World.config("acme")
+    reporter = BoardReporter(board=None, config=config, snapshot=lambda: snapshot, on_backlog=lambda rows: None)
+    row = json.loads(json.dumps(reporter.row()))
+    assert row["name"] == "replica/acme" and row["harvested_table"] == "acme.outbox"
+    assert row["leader_group"] == "leader-acme" and row["state"] == "leader"
+    assert row["leader_id"] == str(leader_id) and datetime.fromisoformat(row["since"]) == since
+    assert row["held_keys"] == ["k: too large"] and row["held"] == [held.as_json()]
+    assert (row["in_flight"], row["queued"], row["published"], row["failed"], row["marked_upto"]) == (2, 1, 10, 1, 42)
+    assert reporter.table == '"acme"."outbox"', "as the backlog query matches it"
+
+
+def test_the_boards_upsert_writes_every_column_of_the_one_row_upsert():
+    from outbox.harvest.status import UPSERT
+    from outbox.harvest.status_board import UPSERT_MANY
+
+    def columns(statement: str) -> list[str]:
+        return [c.strip() for c in statement[statement.index("(") + 1:statement.index(")")].split(",")]
+
+    assert columns(UPSERT_MANY) == columns(UPSERT)
+    assert UPSERT_MANY.endswith(UPSERT[UPSERT.index("ON CONFLICT"):]), "the same update of an existing row"
+
+
+# ---------------------------------------------------------------------------------------------- manage.py harvest
+
+
+@pytest.mark.parametrize(("args", "outboxes", "message"), [
+    (["--exclude-schema", "public"], None, "--exclude-schema: applies only with --tenant-schemas"),
+    (["--outbox", "nope"], {"shop": {}}, "--outbox: no outbox named 'nope' in OUTBOX['outboxes'] (there are: shop)"),
+    (["--tenant-schemas", "--leader-topic", "t"], None, "--leader-topic: cannot be given with several outboxes"),
+    (["--table", "other"], {"shop": {}}, "--table: with OUTBOX['outboxes'], each outbox names its own"),
+    ([], {"shop": {"tabel": "x"}}, "outboxes.shop.tabel: is not a key of an outbox"),
+])
+def test_harvest_refuses_what_cannot_go_with_several_outboxes_in_one_line(args, outboxes, message):
+    from django.core.management import CommandError, call_command
+
+    with override_settings(OUTBOX={"outboxes": outboxes} if outboxes else {}), \
+            pytest.raises(CommandError) as raised:
+        call_command("harvest", *args)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
