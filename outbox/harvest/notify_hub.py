@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
+from outbox.harvest.runtime import readable
 from outbox.harvest.store import close_quietly
 from outbox.harvest.store import connect as connect_session
 from outbox.reasons import first_line
@@ -171,7 +171,7 @@ class NotifyHub(threading.Thread):
         conn = self._session()
         readers = [self._control_read] + ([conn.fileno()] if conn is not None else [])
         timeout = None if conn is not None else max(0.0, self._retry_at - time.monotonic())
-        ready, _, _ = select.select(readers, [], [], timeout)
+        ready = readable(readers, timeout)
         if self._control_read in ready:
             self._drain_control()
         if conn is not None and conn.fileno() in ready:

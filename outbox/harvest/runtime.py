@@ -13,6 +13,7 @@ and the engine thread (harvester.py), which runs the driver's turns and sleeps i
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import threading
@@ -439,7 +440,7 @@ class ThreadedIO:
             driver.post(lambda core: core.on_listening(listening))
         if listen_fd is not None:
             readers.append(listen_fd)
-        ready, _, _ = select.select(readers, [], [], timeout)
+        ready = readable(readers, timeout)
         if self._wake_read in ready:
             try:
                 while os.read(self._wake_read, 4096):
@@ -451,6 +452,15 @@ class ThreadedIO:
             self._woken = False
         if listen_fd is not None and listen_fd in ready and listener.drain():
             driver.post(methodcaller("on_notified"))
+
+
+def readable(fds: list[int], timeout: float | None) -> set[int]:
+    """The descriptors of `fds` ready to read (or closed) within `timeout` seconds (None: no limit). poll(),
+    not select(): a process harvesting many outboxes has descriptors past select()'s 1024."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _events in poller.poll(None if timeout is None else math.ceil(timeout * 1000))}
 
 
 def _batch_size(settings: dict[str, Any]) -> int:
