@@ -36,7 +36,9 @@ def create_harvester(*, instruments: Instruments | None = None, tracer: PublishT
         tracer = OtelPublishTracer()
     config = conf.harvest_config(**overrides)
     if config.shards > 1:
-        return ShardedHarvester(config, on_event=signals.send_event, tracer=tracer)
+        # One set of instruments for the replica: its engines' marks and purges add up in the same metrics.
+        return ShardedHarvester(config, on_event=signals.send_event, tracer=tracer,
+                                instruments=None if instruments is None else lambda _shard: instruments)
     harvester = Harvester(config, instruments=instruments,
                           on_event=lambda event: signals.send_event(holder[0], event), tracer=tracer)
     holder.append(harvester)

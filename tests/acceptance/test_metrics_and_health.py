@@ -137,6 +137,7 @@ def test_a_sharded_replicas_metrics_and_health_name_its_shards(database_url, boo
             m.get(f'outbox_records_published_total{{{replica_labels},shard="{s}"}}', 0) for s in "01") == 200 and m,
             30, "both shards' published_total to add up to 200")
         assert metrics[f"outbox_shards{{{replica_labels}}}"] == 2.0
+        assert metrics["outbox_mark_seconds_count"] > 0 and metrics["outbox_purge_seconds_count"] > 0
         for shard in "01":
             assert metrics[f'outbox_leader_state{{{replica_labels},shard="{shard}",state="leader"}}'] == 1.0
             assert metrics[f'outbox_records_published_total{{{replica_labels},shard="{shard}"}}'] > 0

@@ -68,6 +68,9 @@ class Command(BaseCommand):
         drain.add_argument("--partitions", type=int, default=8, help="partitions of the benchmark topic")
         drain.add_argument("--max-message-bytes", type=int, metavar="BYTES",
                            help="the benchmark topic's max.message.bytes (default: the broker's)")
+        drain.add_argument("--replicas", type=int, default=1,
+                           help="harvester processes in one group (default 1; with --harvest-arg=--shards=N they "
+                                "share the shards)")
         drain.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args",
                            help="extra flag for manage.py harvest, e.g. --harvest-arg=--mark-query-records=500")
 
@@ -196,11 +199,11 @@ class Command(BaseCommand):
     # -- drain ----------------------------------------------------------------------------------
 
     def bench_drain(self, records: int, keys: list[int] | None, partitions: int, harvest_args: list[str],
-                    max_message_bytes: int | None = None, **_: Any) -> None:
+                    max_message_bytes: int | None = None, replicas: int = 1, **_: Any) -> None:
         self._require_empty_outbox()
         limit = f", max.message.bytes {max_message_bytes:,}" if max_message_bytes else ""
         self.stdout.write(f"drain benchmark: {records:,} records, topic with {partitions} partitions{limit}, "
-                          f"harvest flags {harvest_args or 'default'}")
+                          f"{replicas} harvester process(es), harvest flags {harvest_args or 'default'}")
         for key_count in keys or [10_000, 10]:
             self._vacuum()  # every run starts from a table without the last run's dead tuples
             topic = self._create_topic(f"bench-drain-{key_count}", partitions, max_message_bytes)
@@ -208,15 +211,22 @@ class Command(BaseCommand):
             pump(records=records, keys=key_count, topic=topic)
             self.stdout.write(f"  keys={key_count:<6} backlog of {records:,} written in "
                               f"{time.perf_counter() - began:.1f}s")
-            with HarvesterProcess(harvest_args) as harvester:
-                started = harvester.wait_for_leadership()
+            leader = f"bench-leader-{uuid.uuid4().hex[:8]}"
+            with contextlib.ExitStack() as stack:
+                # Started together, in one group: timed from the first to lead (shards still moving to the
+                # others are part of what a user waits for).
+                harvesters = [stack.enter_context(HarvesterProcess(harvest_args, leader=leader))
+                              for _ in range(replicas)]
+                started = min(harvester.wait_for_leadership() for harvester in harvesters)
                 while self._outbox_has_rows():
                     time.sleep(0.05)
                 finished = time.time()
             elapsed = finished - started
+            terms = ", ".join(str(sum("Leading with leader id" in line for line in h.lines)) for h in harvesters)
             self.stdout.write(f"  keys={key_count:<6} drained in {elapsed:6.1f}s: "
-                              f"{records / elapsed:>9,.0f} records/s; "
-                              f"harvester peak RSS {harvester.peak_rss / 2**20:.0f} MiB")
+                              f"{records / elapsed:>9,.0f} records/s; harvester peak RSS "
+                              f"{', '.join(f'{h.peak_rss / 2**20:.0f}' for h in harvesters)} MiB"
+                              + (f"; terms led by each: {terms}" if replicas > 1 else ""))
             self._delete_topic(topic)
 
     # -- latency --------------------------------------------------------------------------------
@@ -662,8 +672,8 @@ class Command(BaseCommand):
 class HarvesterProcess:
     """`manage.py harvest` in a subprocess with a fresh leader topic; samples its RSS."""
 
-    def __init__(self, extra_args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        leader = f"bench-leader-{uuid.uuid4().hex[:8]}"
+    def __init__(self, extra_args: Sequence[str], env: dict[str, str] | None = None, leader: str | None = None) -> None:
+        leader = leader or f"bench-leader-{uuid.uuid4().hex[:8]}"
         self.env = {**os.environ, **env} if env else None
         self.args = [sys.executable, str(manage_py()), "harvest", "--leader-topic", leader, "--leader-group", leader,
                      "-v", "2" if os.environ.get("OUTBOX_BENCH_DEBUG") else "1", *extra_args]
