@@ -8,10 +8,16 @@ harvester (not a session, nor a poll, per outbox); a schema created while they r
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -21,17 +27,21 @@ from psycopg import sql
 
 from outbox import conf, many
 from outbox.harvest.config import Limits
+from outbox.harvest.contract import ReplicaState
+from outbox.harvest.harvester import State
 from outbox.harvest.outboxes import ManyHarvester
 from tests.support.harness import assert_complete_and_ordered, read_topic, wait_until
 from tests.support.tenants import PREFIX, TenantWriter, create_tenant
 
+ROOT = Path(__file__).resolve().parents[2]
+
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 def sessions(database_url: str, purpose: str, name: str) -> int:
-    """The harvester's sessions of one purpose (store.connect names them in application_name)."""
+    """The harvester's sessions of one purpose in this database (store.connect names them in application_name)."""
     with psycopg.connect(database_url, autocommit=True) as conn:
-        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-                            [f"outbox-harvest-{purpose} {name}"]).fetchone()[0]
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                            "AND datname = current_database()", [f"outbox-harvest-{purpose} {name}"]).fetchone()[0]
 
 
 def fence_sessions(database_url: str, name: str) -> int:
@@ -148,3 +158,97 @@ def test_print_config_lists_each_tenants_outbox(tenants, database_url):
     assert first["table"] == f"{PREFIX}{run}_0.outbox" and first["name"] == f"printer/tenants.{PREFIX}{run}_0"
     assert first["leader_group"] != found[f"tenants.{PREFIX}{run}_1"]["leader_group"]
     assert "password=outbox" not in first["dsn"], "the password masked"
+
+
+@pytest.fixture
+def second_database(database_url: str, tmp_path) -> Iterator[str]:
+    """A second database, migrated by `manage.py migrate` as a project's other database would be."""
+    name = f"{psycopg.conninfo.conninfo_to_dict(database_url)['dbname']}_second"
+    url = database_url.rsplit("/", 1)[0] + f"/{name}"
+
+    def drop(conn: psycopg.Connection) -> None:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", [name])
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        drop(conn)
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"}
+    migrated = subprocess.run([sys.executable, str(ROOT / "manage.py"), "migrate", "--no-input"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    try:
+        yield url
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            drop(conn)
+
+
+def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, second_database, database_url,
+                                                                   bootstrap_servers, new_topic):
+    """OUTBOX["outboxes"]'s other kinds: two tables of one database (one sharded) and the outbox of another
+    database, harvested by the same two processes: one LISTEN session per database and process, each
+    database's status rows in its own status table, every record delivered in per-key order."""
+    run = uuid.uuid4().hex[:8]
+    plain, sharded = f"{PREFIX}{run}_plain", f"{PREFIX}{run}_sharded"
+    for schema in (plain, sharded):
+        create_tenant(tenants, schema)
+    settings = {"base_kafka_config": {"bootstrap.servers": bootstrap_servers}, "heartbeat_timeout": 2.0,
+                "status_interval": 0.5}
+    entries = {"plain": {"table": f"{plain}.outbox"}, "sharded": {"table": f"{sharded}.outbox", "shards": 3},
+               "other": {}}
+    names = [f"mixed-a-{run}", f"mixed-b-{run}"]
+    with override_settings(OUTBOX=settings):
+        base_configs = [conf.harvest_config(name=name) for name in names]
+        given = conf.given_limits()
+
+    def discoverer(base):
+        def discover():
+            found = {label: many.outbox_config(base, label, entry, entry.get("table", "outbox"), given)
+                     for label, entry in entries.items()}
+            # The other database's entry, as `"database": "billing"` would name it (conf.dsn_for of the alias).
+            other = found["other"]
+            found["other"] = dataclasses.replace(other, dsn=psycopg.conninfo.make_conninfo(second_database),
+                                                 leader_topic=f"{other.leader_topic}-second",
+                                                 leader_group=f"{other.leader_group}-second")
+            return found
+        return discover
+
+    harvesters = [ManyHarvester(discoverer(base), name=base.name, rescan_interval=5.0) for base in base_configs]
+    for harvester in harvesters:
+        harvester.start()
+    try:
+        wait_until(lambda: {"plain", "other"} <= set(harvesters[0].leading) | set(harvesters[1].leading)
+                   and all(engine.state is State.RUNNING for h in harvesters for engine in h.engines.values()), 90,
+                   "the plain outboxes to have a leader")
+        topics = {"plain": new_topic("mixed-plain"), "sharded": new_topic("mixed-sharded"),
+                  "other": new_topic("mixed-other")}
+        writers = [TenantWriter(database_url, {plain: topics["plain"], sharded: topics["sharded"]}, count=300),
+                   TenantWriter(second_database, {"public": topics["other"]}, count=300)]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join(timeout=120)
+            assert not writer.is_alive() and writer.failure is None, writer.failure
+        for label, ids in (("plain", writers[0].ids[plain]), ("sharded", writers[0].ids[sharded]),
+                           ("other", writers[1].ids["public"])):
+            assert_complete_and_ordered(read_topic(bootstrap_servers, topics[label], expected=300, timeout=60), ids)
+        # The sharded outbox's shards are spread over the two processes' engines.
+        sharded_leaders = {h.name for h in harvesters if "sharded" in h.engines
+                           and h.engines["sharded"].replica_state is ReplicaState.LEADER}
+        assert sharded_leaders, "a process leads some of the sharded outbox's shards"
+        # One LISTEN session per database and process, whatever the number of its outboxes there.
+        for url in (database_url, second_database):
+            assert [sessions(url, "listen", name) for name in names] == [1, 1]
+        assert all(len(harvester.hubs.hubs) == 2 for harvester in harvesters)
+        # Each database's status table holds the rows of the engines harvesting there.
+        wait_until(lambda: {row[0] for row in status_rows(second_database, names).values()} == {"outbox"}
+                   and len(status_rows(second_database, names)) == 2, 10, "the other database's status rows")
+        here = status_rows(database_url, names)
+        assert {f"{plain}.outbox", f"{sharded}.outbox"} <= {row[0] for row in here.values()}
+        assert not any(row[0] == "outbox" for row in here.values())
+    finally:
+        for harvester in harvesters:
+            harvester.stop()
+        for harvester in harvesters:
+            assert harvester.wait(timeout=60), "stopped within 60 s"
