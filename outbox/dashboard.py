@@ -24,6 +24,7 @@ from outbox.states import (
     Replicas,
     Verdict,
     bounded_count,
+    groups_without_leader,
     parked_count,
     shards_without_leader,
 )
@@ -122,7 +123,8 @@ def topics(rows: Count, using: str) -> list[TopicBacklog]:
 def backlog(found: Replicas, using: str) -> Backlog:
     oldest = OutboxRecord.objects.using(using).order_by("id").values_list("create_time", flat=True).first()
     return Backlog(rows=bounded_count(OutboxRecord, using),
-                   in_flight=sum(r.in_flight for r in found.leaders), queued=sum(r.queued for r in found.leaders),
+                   in_flight=sum(r.in_flight for r in found.own_leaders),
+                   queued=sum(r.queued for r in found.own_leaders),
                    oldest_created=oldest)
 
 
@@ -154,6 +156,9 @@ def warnings(found: Replicas) -> list[Alarm]:
     elif not found.leaders:
         result.append(Alarm("no-leader", "No replica leads: nothing is being published (an election may be "
                                            "under way)."))
+    result += [Alarm("outbox-no-leader", f"Outbox {table} has a live standby in group {group!r} and no leader: its "
+                                         f"records are not published (an election may be under way).")
+               for group, table in groups_without_leader(found)]
     by_group: dict[tuple[str, int | None], list[str]] = {}
     for leader in found.leaders:
         by_group.setdefault((leader.leader_group, leader.shard), []).append(leader.name)

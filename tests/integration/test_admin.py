@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from outbox.harvest.contract import ReplicaState, notify_channel
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
+from outbox.states import Facts, RecordState
 from outbox.templatetags.outbox_admin import ORDERED_BREADCRUMBS
 from tests.support.status_rows import held_record, status_row
 
@@ -147,6 +148,30 @@ def test_dashboard_shows_which_replica_leads_which_shard_and_warns_of_a_shard_wi
     page = viewer_client.get(DASHBOARD).content.decode()
     assert "shard-no-leader" not in page
     assert "More than one replica claims to lead shard 1 of group &#x27;g&#x27; (replica-a-s1, replica-b-s1)" in page
+
+
+def test_dashboard_beside_many_outboxes_judges_its_records_by_its_own_tables_terms(viewer_client):
+    """A process harvesting many outboxes (tenant schemas) writes its engines' rows into the same status table:
+    the console lists them all, warns of an outbox with no leader, and judges its own table's records by the
+    terms of that table only (another table's ids say nothing of these)."""
+    record = OutboxRecord.objects.create(kafka_topic="orders", kafka_key="order-1", kafka_value=b"{}")
+    status_row("replica-a/tenants.acme", ReplicaState.LEADER, leader_id=uuid.uuid4(), marked_upto=record.id + 1000,
+               held=[held_record(record.id, "order-1")], group="acme", table="acme.outbox")
+    status_row("replica-b/tenants.acme", group="acme", table="acme.outbox")
+    status_row("replica-b/shop", table="outbox")
+    status_row("replica-b/tenants.globex", group="globex", table="globex.outbox")
+    assert Facts.read().state_of(record).state is RecordState.WAITING, "not in flight, nor held, by acme's term"
+    page = viewer_client.get(DASHBOARD).content.decode().replace("&#x27;", "'")
+    assert "replica-a/tenants.acme" in page and "acme.outbox / acme" in page
+    alarms = re.findall(r'id="outbox-warning-outbox-no-leader">([^<]*)<', page)
+    assert alarms == ["Outbox outbox has a live standby in group 'g' and no leader: its records are not published "
+                      "(an election may be under way).",
+                      "Outbox globex.outbox has a live standby in group 'globex' and no leader: its records are "
+                      "not published (an election may be under way)."]
+    status_row("replica-a/shop", ReplicaState.LEADER, leader_id=uuid.uuid4(), marked_upto=record.id, table="outbox")
+    assert Facts.read().state_of(record).state is RecordState.IN_FLIGHT
+    page = viewer_client.get(DASHBOARD).content.decode()
+    assert page.count('id="outbox-warning-outbox-no-leader"') == 1
 
 
 def test_dashboard_raises_the_fence_alarm_for_a_blocked_replica(viewer_client):

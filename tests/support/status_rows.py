@@ -31,7 +31,7 @@ def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_
                held: Sequence[HeldRecord] = (),
                in_flight_keys: Sequence[str] = (), queued: int = 0, blocked_by: str | None = None,
                throughput: float = 0.0, published: int = 0, using: str = "default",
-               shard: int | None = None, shards: int = 1) -> HarvesterStatus:
+               shard: int | None = None, shards: int = 1, table: str = "outbox") -> HarvesterStatus:
     """Upsert a replica's status row; `seen` seconds ago. With `shards`, a shard engine's row (`shard`), or the
     sharded replica's own (no shard), as their reporters write them (status.SET_SHARD)."""
     if leader_id is not None and state is not ReplicaState.LEADER:
@@ -44,7 +44,7 @@ def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_
         raise ValueError("only a leader holds records")
     now = datetime.now(UTC)
     params = {
-        "name": name, "host": host, "pid": 1234, "started": now - timedelta(hours=1), "harvested_table": "outbox",
+        "name": name, "host": host, "pid": 1234, "started": now - timedelta(hours=1), "harvested_table": table,
         "leader_topic": group, "leader_group": group, "state": str(state), "leader_id": leader_id,
         "marked_upto": marked_upto, "since": now - timedelta(minutes=5), "in_flight": len(in_flight_keys),
         "queued": queued,
