@@ -78,6 +78,35 @@ class TopicBacklog:
 
 
 @dataclass(frozen=True)
+class OtherOutbox:
+    """An outbox table other than the console's whose engines write their status rows here (a process
+    harvesting many outboxes, outbox/many.py): one line of the dashboard each."""
+
+    table: str
+    groups: list[str]
+    leaders: list[str]
+    standbys: int
+    throughput: float
+    published: int
+
+
+def other_outboxes(found: Replicas) -> list[OtherOutbox]:
+    """The other outboxes harvested by live replicas, by table: who leads each (its engines' names)."""
+    tables = sorted({r.harvested_table for r in found.live if not found.harvests_table(r)})
+    result = []
+    for table in tables:
+        rows = [r for r in found.live if r.harvested_table == table]
+        leaders = [r for r in found.leaders if r.harvested_table == table]
+        result.append(OtherOutbox(table=table, groups=sorted({r.leader_group for r in rows}),
+                                  leaders=[r.name for r in leaders],
+                                  standbys=len([r for r in found.standbys if r.harvested_table == table
+                                                and (r.shards or 1) == 1]),
+                                  throughput=sum(r.throughput for r in leaders),
+                                  published=sum(r.published for r in leaders)))
+    return result
+
+
+@dataclass(frozen=True)
 class Overview:
     """Everything the dashboard shows, read once per page."""
 
@@ -88,6 +117,8 @@ class Overview:
     parked: Count
     stuck: list[tuple[OutboxRecord, Verdict]]
     topics: list[TopicBacklog]
+    #: The other outboxes whose engines report here (many outboxes in one process).
+    others: list[OtherOutbox]
 
     @property
     def replicas(self) -> Replicas:
@@ -104,7 +135,8 @@ def overview(using: str | None = None) -> Overview:
         alarms.append(Alarm("horizon", held_back.message()))
     return Overview(facts=facts, warnings=alarms, backlog=rows,
                     held=sorted(facts.held.values(), key=lambda h: h.id), parked=parked_count(using),
-                    stuck=stuck_records(facts, using), topics=topics(rows.rows, using))
+                    stuck=stuck_records(facts, using), topics=topics(rows.rows, using),
+                    others=other_outboxes(facts.replicas))
 
 
 def topics(rows: Count, using: str) -> list[TopicBacklog]:

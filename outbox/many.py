@@ -16,6 +16,10 @@ engine's name (status row, fence session, heartbeats) is the process's name and 
 its (unqualified) table, found at start and every `discover_interval`; its dead-letter table is the
 one of the tenant's schema.
 
+History. A fixed entry's engine writes history samples (the dashboard's charts) every
+`history_interval`, as one outbox's does; a tenant schema's does not: fifty tenants' samples would be
+five statements a second at rest.
+
 Idle cost. An outbox's engine listens through its database's one shared LISTEN session
 (notify_hub.py), which wakes it at each NOTIFY and after every reconnect; so its safety-net poll,
 `idle_poll_interval`, defaults to MANY_IDLE_POLL_INTERVAL here instead of a second (unless set).
@@ -130,6 +134,8 @@ def outbox_config(base: HarvestConfig, label: str, entry: Mapping[str, Any], tab
     limits = base.limits
     if "idle_poll_interval" not in given_limits:
         limits = dataclasses.replace(limits, idle_poll_interval=MANY_IDLE_POLL_INTERVAL)
+    if entry.get("tenant_schemas"):
+        limits = dataclasses.replace(limits, history_interval=0.0)  # no charts: a sample per tenant adds up
     dead_letter_table = base.dead_letter_table
     if entry.get("tenant_schemas") and dead_letter_table and "." not in dead_letter_table:
         dead_letter_table = f"{table.split('.')[0]}.{dead_letter_table}"  # the tenant's own (parking off if none)

@@ -235,9 +235,13 @@ class StatusReporter(threading.Thread):
         conn, self._conn = self._conn, None
         close_quietly(conn)
 
-    def _report(self) -> None:
-        snapshot = self._snapshot()
-        params = {
+    def sample(self, conn: psycopg.Connection, snapshot: StatusSnapshot) -> None:
+        """A history sample when one is due, on someone else's session (status_board.py: a reporter not started,
+        its row written by the board)."""
+        self._add_sample(conn, self._params(snapshot), len(snapshot.held), snapshot.round_trips)
+
+    def _params(self, snapshot: StatusSnapshot) -> dict[str, object]:
+        return {
             **self._identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id,
             "marked_upto": snapshot.marked_upto, "since": snapshot.since,
             "in_flight": snapshot.in_flight, "queued": snapshot.queued, "in_flight_keys": snapshot.in_flight_keys,
@@ -247,6 +251,10 @@ class StatusReporter(threading.Thread):
             "blocked_by": snapshot.blocked_by, "throughput": snapshot.throughput, "published": snapshot.published,
             "failed": snapshot.failed,
         }
+
+    def _report(self) -> None:
+        snapshot = self._snapshot()
+        params = self._params(snapshot)
         try:
             conn = self._connection()
             if self._shard is not None and self._shard_columns is None:

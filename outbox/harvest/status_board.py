@@ -9,10 +9,13 @@ one more every BACKLOG_EVERY intervals, and prunes stale rows every PRUNE_INTERV
     board = StatusBoard(config); board.start()
     reporter = board.reporter(engine_config, snapshot, on_backlog)   # StatusReporter's interface for a Harvester
 
-The rows are the same rows, read by the same dashboard, metrics and harvest_health. What an engine on
-the board does not do (yet): history samples for the charts, the leader's read of pg_stat_statements,
-and the standby's one-off log lines (who leads, a group shared by two tables). Parked records past
-`dead_letter_retention` are deleted by each outbox's leader, from here, every RETENTION_INTERVAL.
+The rows are the same rows, read by the same dashboard, metrics and harvest_health. An engine whose
+config has a `history_interval` also gets its history samples (the dashboard's charts; a leader's with
+its read of pg_stat_statements) written here, by a StatusReporter that is never started (outbox/many.py
+turns them off for tenant schemas' outboxes: fifty tenants would be five samples a second). What an
+engine on the board does not do: the standby's one-off log lines (who leads, a group shared by two
+tables). Parked records past `dead_letter_retention` are deleted by each outbox's leader, from here,
+every RETENTION_INTERVAL.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from outbox.harvest import dbtime
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.retention import DeadLetterRetention
-from outbox.harvest.status import PRUNE, STOPPED, UPSERT, StatusSnapshot, status_table_exists
+from outbox.harvest.status import PRUNE, STOPPED, UPSERT, StatusReporter, StatusSnapshot, status_table_exists
 from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
 from outbox.reasons import first_line
 
@@ -74,10 +77,17 @@ class BoardReporter:
         self.snapshot = snapshot
         self.on_backlog = on_backlog
         self.retention = DeadLetterRetention(config, pass_interval=RETENTION_INTERVAL)
-        #: Not read on the board (status.StatusReporter.statements: the leader's pg_stat_statements).
-        self.statements: dbtime.Totals | None = None
+        #: The engine's history samples (the dashboard's charts), when its config asks for them
+        #: (history_interval): a StatusReporter never started, whose samples the board writes.
+        self.sampler = (StatusReporter(config, snapshot=snapshot, on_backlog=on_backlog)
+                        if config.status_table and config.limits.history_interval else None)
         self._alive = False
         self._gone = threading.Event()
+
+    @property
+    def statements(self) -> dbtime.Totals | None:
+        """The leader's last read of pg_stat_statements, taken with its history samples (None without)."""
+        return self.sampler.statements if self.sampler is not None else None
 
     def start(self) -> None:
         self._alive = True
@@ -187,7 +197,10 @@ class StatusBoard(threading.Thread):
                 if self._writes % BACKLOG_EVERY == 1:
                     self._read_backlogs(conn, reporters)
                 for reporter in reporters:
-                    reporter.retention.run(conn, reporter.snapshot().state is ReplicaState.LEADER)
+                    snapshot = reporter.snapshot()
+                    reporter.retention.run(conn, snapshot.state is ReplicaState.LEADER)
+                    if reporter.sampler is not None:
+                        reporter.sampler.sample(conn, snapshot)
             for reporter in leaving:
                 conn.execute(self._stopped, reporter.identity)
             now = time.monotonic()

@@ -163,6 +163,10 @@ def test_dashboard_beside_many_outboxes_judges_its_records_by_its_own_tables_ter
     assert Facts.read().state_of(record).state is RecordState.WAITING, "not in flight, nor held, by acme's term"
     page = viewer_client.get(DASHBOARD).content.decode().replace("&#x27;", "'")
     assert "replica-a/tenants.acme" in page and "acme.outbox / acme" in page
+    others = re.findall(r'<tr class="other-outbox[^"]*"><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>', page)
+    assert others == [("acme.outbox", "acme", "replica-a/tenants.acme"), ("globex.outbox", "globex", "none")]
+    assert "<p>No replica leads.</p>" in page and "<code class=\"in-flight-key\">" not in page, \
+        "acme's leader is not this table's"
     alarms = re.findall(r'id="outbox-warning-outbox-no-leader">([^<]*)<', page)
     assert alarms == ["Outbox outbox has a live standby in group 'g' and no leader: its records are not published "
                       "(an election may be under way).",
@@ -172,6 +176,7 @@ def test_dashboard_beside_many_outboxes_judges_its_records_by_its_own_tables_ter
     assert Facts.read().state_of(record).state is RecordState.IN_FLIGHT
     page = viewer_client.get(DASHBOARD).content.decode()
     assert page.count('id="outbox-warning-outbox-no-leader"') == 1
+    assert re.findall(r'<td class="leader-name">([^<]*)</td>', page) == ["replica-a/shop"]
 
 
 def test_dashboard_raises_the_fence_alarm_for_a_blocked_replica(viewer_client):

@@ -60,6 +60,13 @@ def status_rows(database_url: str, names: list[str]) -> dict[str, tuple[str, str
     return {name: (table, state, published) for name, table, state, published in rows}
 
 
+def history_samples(database_url: str, names: list[str]) -> dict[str, int]:
+    """The history samples of these harvesters' engines: name -> the highest published count sampled."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        return dict(conn.execute("SELECT name, max(published) FROM outbox_harvester_history "
+                                 "WHERE split_part(name, '/', 1) = ANY(%s) GROUP BY name", [names]).fetchall())
+
+
 def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants, database_url, bootstrap_servers,
                                                                          new_topic):
     run = uuid.uuid4().hex[:8]
@@ -80,7 +87,7 @@ def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants
     try:
         configs = [config for harvester in harvesters for config in harvester.outboxes.values()]
         assert sorted(config.table for config in configs) == sorted([f"{schema}.outbox" for schema in schemas] * 2)
-        assert all(config.limits == Limits(heartbeat_timeout=2.0, status_interval=0.5,
+        assert all(config.limits == Limits(heartbeat_timeout=2.0, status_interval=0.5, history_interval=0.0,
                                            idle_poll_interval=many.MANY_IDLE_POLL_INTERVAL) for config in configs)
         wait_until(lambda: set(harvesters[0].leading) | set(harvesters[1].leading) == labels, 90,
                    "every tenant's outbox to have a leader")
@@ -109,6 +116,7 @@ def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants
         assert sorted(row[0] for row in rows.values() if row[1] == "leader") == sorted(f"{schema}.outbox"
                                                                                       for schema in schemas)
         assert all(harvester.hubs.hubs[0].channels and harvester.hubs.hubs[0].received for harvester in harvesters)
+        assert history_samples(database_url, names) == {}, "a tenant's outbox draws no charts"
 
         # harvest_health --name <process> speaks for the process's outboxes' engines.
         health = io.StringIO()
@@ -247,6 +255,13 @@ def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, secon
         here = status_rows(database_url, names)
         assert {f"{plain}.outbox", f"{sharded}.outbox"} <= {row[0] for row in here.values()}
         assert not any(row[0] == "outbox" for row in here.values())
+        # A fixed entry's engines on the board write history samples (the dashboard's charts), its leader's
+        # with the published count.
+        samples = history_samples(database_url, names)
+        assert {f"{name}/plain" for name in names} <= set(samples), samples
+        wait_until(lambda: sum(history_samples(database_url, names).get(f"{name}/plain", 0) for name in names) >= 300,
+                   30, "a sample counting the plain outbox's records")
+        assert set(history_samples(second_database, names)) == {f"{name}/other" for name in names}
     finally:
         for harvester in harvesters:
             harvester.stop()
