@@ -28,6 +28,7 @@ Idle cost. An outbox's engine listens through its database's one shared LISTEN s
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +37,8 @@ from outbox.harvest.config import TABLE_PATTERN, HarvestConfig, Problem, name_pr
 from outbox.harvest.sharding import shards_problem
 from outbox.harvest.store import close_quietly, connect
 from outbox.harvest.tenants import find_tenant_tables
+
+log = logging.getLogger("outbox.harvest.outboxes")
 
 #: The keys an entry of OUTBOX["outboxes"] may set (the rest come from OUTBOX itself).
 ENTRY_KEYS = frozenset({"database", "table", "leader_topic", "leader_group", "shards", "listen", "dead_letter_topic",
@@ -150,8 +153,12 @@ def outbox_config(base: HarvestConfig, label: str, entry: Mapping[str, Any], tab
 def discoverer(base: HarvestConfig, entries: Mapping[str, Mapping[str, Any]],
                given_limits: set[str]) -> Callable[[], dict[str, HarvestConfig]]:
     """The supervisor's discover(): every fixed entry's outbox, and each tenant entry's schemas as found now
-    (one query per tenant entry)."""
+    (one query per tenant entry).
+
+    A tenant's table dropped and created again between two scans is left out of one scan: its engine,
+    whose NOTIFY channel and fence name the old table's oid, stops, and the next scan starts a fresh one."""
     skipped: set[str] = set()
+    oids: dict[str, int] = {}
     default_table = base.table
 
     def discover() -> dict[str, HarvestConfig]:
@@ -168,9 +175,15 @@ def discoverer(base: HarvestConfig, entries: Mapping[str, Mapping[str, Any]],
                                             skipped=skipped)
             finally:
                 close_quietly(conn)
-            for qualified in tables:
+            for qualified, oid in tables.items():
                 label = f"{name}.{qualified.split('.')[0]}"
+                if oids.setdefault(label, oid) != oid:
+                    log.info("Outbox %s: table %s was created again: its engine starts afresh", label, qualified)
+                    del oids[label]
+                    continue
                 found[label] = outbox_config(base, label, entry, qualified, given_limits)
+        for label in set(oids) - set(found):
+            del oids[label]  # gone: a table of that name later is simply new
         return found
 
     return discover

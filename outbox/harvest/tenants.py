@@ -1,7 +1,7 @@
 """Tenant schemas (django-tenants style: one schema per tenant, the same tables in each): which schemas
 of a database hold an outbox table, so one process harvests each of them (outboxes.py).
 
-    find_tenant_tables(conn, "outbox", exclude={"public"})   # ["acme.outbox", "globex.outbox"]
+    find_tenant_tables(conn, "outbox", exclude={"public"})   # {"acme.outbox": 16384, "globex.outbox": 16402}
 
 A schema counts when it has an ordinary or partitioned table of that name (not a partition, a view or
 another kind of relation); whether the table really is an outbox (its columns, its NOTIFY trigger) the
@@ -22,7 +22,7 @@ log = logging.getLogger("outbox.harvest.tenants")
 # The schemas holding an ordinary or partitioned table named %(table)s, system schemas left out. One
 # statement per rescan (outboxes.py), whatever the number of tenants.
 TENANT_SCHEMAS = """
-SELECT n.nspname
+SELECT n.nspname, c.oid
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relname = %(table)s AND c.relkind IN ('r', 'p') AND NOT c.relispartition
   AND n.nspname <> 'information_schema' AND n.nspname NOT LIKE 'pg\\_%%'
@@ -31,15 +31,16 @@ ORDER BY n.nspname
 
 
 def find_tenant_tables(conn: psycopg.Connection, table: str, *, exclude: Collection[str] = (),
-                       skipped: set[str] | None = None) -> list[str]:
-    """`schema.table` for each schema holding `table` (unqualified), minus `exclude`, sorted by schema.
+                       skipped: set[str] | None = None) -> dict[str, int]:
+    """`schema.table` for each schema holding `table` (unqualified), minus `exclude`, sorted by schema, with
+    the table's oid (its NOTIFY channel and fence name it: a table created again is another table).
 
     A schema whose name the engine cannot take (not an SQL identifier of at most 63 characters) is left
     out with a warning, once per name remembered in `skipped`."""
     if "." in table:
         raise ValueError(f"table: the tenant schemas' table must be unqualified (no schema), got {table!r}")
-    found = []
-    for (schema,) in conn.execute(TENANT_SCHEMAS, {"table": table}).fetchall():
+    found = {}
+    for schema, oid in conn.execute(TENANT_SCHEMAS, {"table": table}).fetchall():
         if schema in exclude:
             continue
         qualified = f"{schema}.{table}"
@@ -50,5 +51,5 @@ def find_tenant_tables(conn: psycopg.Connection, table: str, *, exclude: Collect
                 if skipped is not None:
                     skipped.add(schema)
             continue
-        found.append(qualified)
+        found[qualified] = oid
     return found

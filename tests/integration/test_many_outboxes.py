@@ -142,6 +142,26 @@ def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants
         wait_until(lambda: all(f"tenants.{gone}" not in harvester.engines for harvester in harvesters), 60,
                    "the dropped tenant's engines to stop")
         assert all(len(harvester.engines) == 5 for harvester in harvesters)
+
+        # A tenant dropped and created again within one rescan: another table (its oid names its NOTIFY channel
+        # and fence), harvested by fresh engines, woken by its NOTIFYs.
+        again = schemas[1]
+        before = {id(harvester.engines[f"tenants.{again}"]) for harvester in harvesters}
+        tenants.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(again)))
+        create_tenant(tenants, again)
+        wait_until(lambda: all(f"tenants.{again}" in h.engines and id(h.engines[f"tenants.{again}"]) not in before
+                               for h in harvesters)
+                   and f"tenants.{again}" in set(harvesters[0].leading) | set(harvesters[1].leading), 60,
+                   "fresh engines for the table created again, one leading")
+        topics_again = {again: new_topic("again")}
+        writer = TenantWriter(database_url, topics_again, count=100)
+        started = time.monotonic()
+        writer.start()
+        writer.join(timeout=60)
+        assert writer.failure is None, writer.failure
+        assert_complete_and_ordered(read_topic(bootstrap_servers, topics_again[again], expected=100, timeout=30),
+                                    writer.ids[again])
+        assert time.monotonic() - started < many.MANY_IDLE_POLL_INTERVAL, "woken by the new table's NOTIFY"
     finally:
         for harvester in harvesters:
             harvester.stop()

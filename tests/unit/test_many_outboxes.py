@@ -443,27 +443,54 @@ def test_after_the_session_is_lost_every_engine_is_woken_on_the_next_one(hub, mo
 
 
 class FakeCatalog:
+    """The catalog query's answer: each schema's table and its oid (by default, its position in the first list)."""
+
     def __init__(self, schemas: list[str]) -> None:
         self.schemas = schemas
+        self.oids = {schema: 16384 + i for i, schema in enumerate(schemas)}
         self.params: list[dict[str, Any]] = []
 
     def execute(self, statement: str, params: dict[str, Any]) -> FakeCatalog:
         self.params.append(params)
         return self
 
-    def fetchall(self) -> list[tuple[str]]:
-        return [(schema,) for schema in self.schemas]
+    def fetchall(self) -> list[tuple[str, int]]:
+        return [(schema, self.oids[schema]) for schema in self.schemas]
+
+    def close(self) -> None:
+        pass
 
 
 def test_tenant_tables_are_each_schemas_table_minus_the_excluded(caplog):
     catalog = FakeCatalog(["acme", "globex", "public", "has space", "Mixed"])
     skipped: set[str] = set()
     with caplog.at_level(logging.WARNING, logger="outbox.harvest.tenants"):
-        assert find_tenant_tables(catalog, "outbox", exclude={"public"}, skipped=skipped) == [
-            "acme.outbox", "globex.outbox", "Mixed.outbox"]
+        assert find_tenant_tables(catalog, "outbox", exclude={"public"}, skipped=skipped) == {
+            "acme.outbox": 16384, "globex.outbox": 16385, "Mixed.outbox": 16388}
         find_tenant_tables(catalog, "outbox", exclude={"public"}, skipped=skipped)
     assert catalog.params[0] == {"table": "outbox"}
     assert caplog.text.count("'has space'") == 1, "a schema the engine cannot name is said once"
+
+
+def test_a_tenant_table_created_again_is_left_out_of_one_scan_so_a_fresh_engine_names_it(monkeypatch, caplog):
+    """Its engine's NOTIFY channel and fence name the old table's oid: it stops (left out), and the next scan
+    starts a fresh one; a table dropped, then created later, is simply new."""
+    catalog = FakeCatalog(["acme", "globex"])
+    monkeypatch.setattr(many, "connect", lambda *args, **kwargs: catalog)
+    with override_settings(OUTBOX={}):
+        discover = many.discoverer(conf.harvest_config(name="r"), {"tenants": {"tenant_schemas": True}}, set())
+    assert sorted(discover()) == ["tenants.acme", "tenants.globex"]
+    catalog.oids["acme"] = 20000
+    with caplog.at_level(logging.INFO, logger="outbox.harvest.outboxes"):
+        assert sorted(discover()) == ["tenants.globex"], "acme's old engine stops"
+    assert "table acme.outbox was created again" in caplog.text
+    assert sorted(discover()) == ["tenants.acme", "tenants.globex"], "and a fresh one starts"
+    assert sorted(discover()) == ["tenants.acme", "tenants.globex"]
+    catalog.schemas = ["globex"]
+    assert sorted(discover()) == ["tenants.globex"]
+    catalog.schemas = ["acme", "globex"]
+    catalog.oids["acme"] = 30000
+    assert sorted(discover()) == ["tenants.acme", "tenants.globex"], "dropped, then created: new, at once"
 
 
 def test_the_tenant_table_must_be_unqualified():
