@@ -1,15 +1,20 @@
 """Tenant schemas for the many-outboxes tests, as django-tenants' migrations leave them: the outbox table
-(its ids from public's sequence, so an id names one record across tenants) and its NOTIFY trigger."""
+(an identity of its own: ids repeat across tenants) and its NOTIFY trigger."""
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections import defaultdict
 from collections.abc import Iterator
 
 import psycopg
 import pytest
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg import sql
+
+from tests.support.harness import Audit
 
 #: Every schema the tests make starts with this; the fixture drops them all, before and after.
 PREFIX = "mt_"
@@ -49,10 +54,6 @@ class TenantWriter(threading.Thread):
         self.ids: dict[str, list[int]] = {schema: [] for schema in topics}
         self.failure: BaseException | None = None
 
-    @property
-    def all_ids(self) -> list[int]:
-        return sorted(i for ids in self.ids.values() for i in ids)
-
     def run(self) -> None:
         try:
             with psycopg.connect(self.database_url, autocommit=True) as conn:
@@ -69,3 +70,32 @@ class TenantWriter(threading.Thread):
                     time.sleep(0.002)
         except BaseException as error:
             self.failure = error
+
+
+def read_tenants(bootstrap: str, topic: str, written: dict[str, list[int]], timeout: float = 120) -> dict[str, Audit]:
+    """Read `topic` (every tenant's records, TenantWriter's keys) from the beginning into an Audit per schema,
+    until each schema's ids written have arrived or `timeout` passes: ids repeat across tenants, so a record
+    is its schema (its key's prefix) and its id."""
+    audits: dict[str, Audit] = defaultdict(Audit)
+    missing = {schema: set(ids) for schema, ids in written.items()}
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    try:
+        partitions = list(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        deadline = time.monotonic() + timeout
+        while any(missing.values()) and time.monotonic() < deadline:
+            for message in consumer.consume(1000, timeout=1.0):
+                if message.error():
+                    if message.error().code() != KafkaError._PARTITION_EOF:
+                        raise AssertionError(f"consumer error: {message.error()}")
+                    continue
+                key = message.key().decode()
+                schema = key.split("-key-")[0]
+                record_id = int(dict(message.headers())["outbox-id"])
+                audits[schema].by_key[key].append(record_id)
+                audits[schema].messages += 1
+                missing.get(schema, set()).discard(record_id)
+    finally:
+        consumer.close()
+    return audits
