@@ -61,7 +61,43 @@ class HarvestError(Exception):
         super().__init__(scrub(message))
 
 
-class Harvester:
+class Lifecycle:
+    """start/stop/wait's state, shared by the engines (Harvester, shards.ShardedHarvester,
+    outboxes.ManyHarvester): stop() asks and returns at once, wait() blocks until the background thread
+    set `_stopped` and re-raises what it left in `_failure`."""
+
+    def __init__(self) -> None:
+        self._state = State.CREATED
+        self._state_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._failure: BaseException | None = None
+
+    def stop(self) -> None:
+        """Ask to stop (what is in flight settles first); returns at once. wait() blocks until stopped."""
+        with self._state_lock:
+            if self._state is State.CREATED:
+                self._state = State.STOPPED
+                self._stopped.set()
+                return
+            if self._state is State.RUNNING:
+                self._state = State.STOPPING
+        self._stopping.set()
+        self._stop_requested()
+
+    def _stop_requested(self) -> None:
+        """After stop() set `_stopping`: wake the background thread if it waits on something else."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped (True) or `timeout` passes (False); re-raises a background failure."""
+        if not self._stopped.wait(timeout):
+            return False
+        if self._failure is not None:
+            raise HarvestError(f"harvester failed: {first_line(self._failure)}") from self._failure
+        return True
+
+
+class Harvester(Lifecycle):
     """Harvests one outbox table; any number of replicas may run, exactly one leads."""
 
     def __init__(self, config: HarvestConfig, *, connector: Connector | None = None,
@@ -74,11 +110,7 @@ class Harvester:
         self._on_event = on_event
         self._instruments = instruments or Instruments()
         self._clock = clock
-        self._state = State.CREATED
-        self._state_lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._stopped = threading.Event()
-        self._failure: BaseException | None = None
+        super().__init__()
         sharded = config.shards > 1
         self._core = Core(config.limits, park_after=config.park_after, now=clock(), handoff_by_fence=sharded,
                           **({"leads": f"shard {config.shard} of {config.shards}"} if sharded else {}))
@@ -204,25 +236,8 @@ class Harvester:
         log.info("Harvesting %s as %s (leader topic %s, group %s)", self.config.table, self.config.name,
                  self.config.leader_topic, self.config.leader_group)
 
-    def stop(self) -> None:
-        """Ask the harvester to stop; returns at once. wait() blocks until it has."""
-        with self._state_lock:
-            if self._state is State.CREATED:
-                self._state = State.STOPPED
-                self._stopped.set()
-                return
-            if self._state is State.RUNNING:
-                self._state = State.STOPPING
-        self._stopping.set()
+    def _stop_requested(self) -> None:
         self._io.wake()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until stopped (True) or `timeout` passes (False); re-raises a background failure."""
-        if not self._stopped.wait(timeout):
-            return False
-        if self._failure is not None:
-            raise HarvestError(f"harvester failed: {first_line(self._failure)}") from self._failure
-        return True
 
     # -- the engine thread ---------------------------------------------------------------------------
 

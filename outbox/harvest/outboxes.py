@@ -31,7 +31,7 @@ from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import LiveConnector
 from outbox.harvest.contract import ReplicaState
-from outbox.harvest.harvester import Harvester, HarvestError, State
+from outbox.harvest.harvester import Harvester, HarvestError, Lifecycle, State
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.notify_hub import ChannelListener, NotifyHubs
 from outbox.harvest.shards import ShardedHarvester
@@ -122,7 +122,7 @@ class _Slot:
         self.retry_at = 0.0
 
 
-class ManyHarvester:
+class ManyHarvester(Lifecycle):
     """Harvests every outbox `discover` names, an engine each, in this process (module docstring)."""
 
     def __init__(self, discover: Callable[[], dict[str, HarvestConfig]], *, name: str = "",
@@ -131,6 +131,7 @@ class ManyHarvester:
                  on_event: Callable[[Any, events.Event], None] | None = None,
                  instruments: Callable[[str], Instruments] | None = None, tracer: PublishTracer | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
         self.name = name
         self._discover = discover
         self._rescan_interval = rescan_interval
@@ -147,10 +148,6 @@ class ManyHarvester:
         self._next_scan = 0.0
         self._scan_failing = False
         self._manager: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._stopped = threading.Event()
-        self._failure: BaseException | None = None
-        self._state = State.CREATED
 
     # -- the view (any thread) --------------------------------------------------------------------
 
@@ -211,23 +208,6 @@ class ManyHarvester:
         log.info("Harvesting %d outbox(es) as %s: %s", len(found), self.name or "this process",
                  ", ".join(sorted(found)) or "none yet")
 
-    def stop(self) -> None:
-        """Ask every engine to stop (each settles what it has in flight); returns at once."""
-        if self._state is State.CREATED:
-            self._state = State.STOPPED
-            self._stopped.set()
-            return
-        if self._state is State.RUNNING:
-            self._state = State.STOPPING
-        self._stopping.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until stopped (True) or `timeout` passes (False); re-raises a failure of the supervisor."""
-        if not self._stopped.wait(timeout):
-            return False
-        if self._failure is not None:
-            raise HarvestError(f"harvester failed: {first_line(self._failure)}") from self._failure
-        return True
 
     # -- the supervisor thread --------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from outbox.harvest import events, sharding
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import LiveConnector
 from outbox.harvest.contract import ReplicaState
-from outbox.harvest.harvester import Harvester, HarvestError, State
+from outbox.harvest.harvester import Harvester, HarvestError, Lifecycle, State
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import (
     KAFKA_START_TIMEOUT,
@@ -298,7 +298,7 @@ class ShardConnector(LiveConnector):
         return self.election
 
 
-class ShardedHarvester:
+class ShardedHarvester(Lifecycle):
     """Harvests one outbox table in `config.shards` shards; any number of replicas may run, each shard is
     led by one of them (module docstring)."""
 
@@ -306,6 +306,7 @@ class ShardedHarvester:
                  instruments: Callable[[int], Instruments] | None = None, tracer: PublishTracer | None = None,
                  consumer_factory: Callable[[dict[str, Any]], ConsumerLike] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], ProducerLike] = Producer) -> None:
+        super().__init__()
         self.config = config
         remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
         self._on_event = on_event
@@ -317,10 +318,6 @@ class ShardedHarvester:
         self._retry_at: dict[int, float] = {}
         self._group: ShardGroup | None = None
         self._manager: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._stopped = threading.Event()
-        self._failure: BaseException | None = None
-        self._state = State.CREATED
         self._status: StatusReporter | None = None
         self._started_at = datetime.now(UTC)
 
@@ -398,23 +395,6 @@ class ShardedHarvester:
         log.info("Harvesting %s in %d shards as %s (leader topic %s, group %s)", config.table, config.shards,
                  config.name, config.leader_topic, config.leader_group)
 
-    def stop(self) -> None:
-        """Ask every engine to stop (each settles what it has in flight); returns at once."""
-        if self._state is State.CREATED:
-            self._state = State.STOPPED
-            self._stopped.set()
-            return
-        if self._state is State.RUNNING:
-            self._state = State.STOPPING
-        self._stopping.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until stopped (True) or `timeout` passes (False); re-raises a background failure."""
-        if not self._stopped.wait(timeout):
-            return False
-        if self._failure is not None:
-            raise HarvestError(f"harvester failed: {first_line(self._failure)}") from self._failure
-        return True
 
     # -- the manager thread -----------------------------------------------------------------------
 
