@@ -77,13 +77,37 @@ MANAGE_INTERVAL = 0.05
 RESTART_BACKOFF = 2.0
 
 
-def ensure_shard_index(dsn: str, table: str, shards: int) -> None:
-    """Create the table's index for `shards` shards unless it exists (sharding.py). CONCURRENTLY, so
-    writers go on meanwhile (a partitioned table cannot: its index is built directly)."""
+def _session(dsn: str) -> psycopg.Connection:
     try:
-        conn = connect(dsn, "shards")
+        return connect(dsn, "shards")
     except psycopg.Error as error:
         raise StoreError(f"cannot connect to Postgres at {describe_dsn(dsn)}: {first_line(error)}") from None
+
+
+def prepare_table(config: HarvestConfig) -> None:
+    """Before a sharded replica joins its group, on one session: the table of shard terms is there, and the
+    table's index for its shards exists (made now if not)."""
+    conn = _session(config.dsn)
+    try:
+        check_shard_terms(conn, config)
+        create_shard_index(conn, config.table, config.shards)
+    finally:
+        close_quietly(conn)
+
+
+def ensure_shard_index(dsn: str, table: str, shards: int) -> None:
+    """create_shard_index on a session of its own (manage.py outbox_reshard)."""
+    conn = _session(dsn)
+    try:
+        create_shard_index(conn, table, shards)
+    finally:
+        close_quietly(conn)
+
+
+def create_shard_index(conn: psycopg.Connection, table: str, shards: int) -> None:
+    """Create the table's index for `shards` shards unless it exists (sharding.py). CONCURRENTLY, so
+    writers go on meanwhile (a partitioned table cannot: its index is built directly); `conn` is in
+    autocommit mode."""
     try:
         schema = table.rpartition(".")[0]
         index = f"{schema}.{sharding.index_name(table, shards)}" if schema else sharding.index_name(table, shards)
@@ -99,26 +123,18 @@ def ensure_shard_index(dsn: str, table: str, shards: int) -> None:
         conn.execute(sharding.create_index_sql(table, shards, concurrently=not partitioned))
     except psycopg.Error as error:
         raise StoreError(f"cannot create the index for {shards} shards on {table!r}: {first_line(error)}") from None
-    finally:
-        close_quietly(conn)
 
 
-def check_shard_terms(config: HarvestConfig) -> None:
+def check_shard_terms(conn: psycopg.Connection, config: HarvestConfig) -> None:
     """A shard's hand-off needs the table of shard terms (store.py, CLAIM_SHARD): is it there?"""
     if not config.status_table:
         raise StoreError("sharded harvesting needs the status table (status_table) and the table of shard terms "
                          "beside it: set status_table")
     terms = shard_terms_table(config.status_table)
     try:
-        conn = connect(config.dsn, "shards")
-    except psycopg.Error as error:
-        raise StoreError(f"cannot connect to Postgres at {describe_dsn(config.dsn)}: {first_line(error)}") from None
-    try:
         found = conn.execute("SELECT to_regclass(%s)", [table_name(terms)]).fetchone()[0]
     except psycopg.Error as error:
         raise StoreError(f"cannot read table {terms!r}: {first_line(error)}") from None
-    finally:
-        close_quietly(conn)
     if found is None:
         raise StoreError(f"sharded harvesting needs table {terms!r}, where each shard's leader says whether it "
                          f"let go settled (run manage.py migrate)")
@@ -371,8 +387,7 @@ class ShardedHarvester(Lifecycle):
         if config.shards < 2:
             raise HarvestError("a sharded harvester needs shards > 1 (Harvester harvests one shard)")
         try:
-            check_shard_terms(config)
-            ensure_shard_index(config.dsn, config.table, config.shards)
+            prepare_table(config)
             found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT,
                                  config.shards)
             check_leader_partitions(config.leader_topic, found, config.shards)

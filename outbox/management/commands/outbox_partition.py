@@ -17,7 +17,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox import conf
 from outbox.harvest import partitions
-from outbox.harvest.store import StoreError, describe_dsn, table_name
+from outbox.harvest.store import StoreError, table_name
+from outbox.management.database import connect_or_fail
 from outbox.reasons import first_line
 from outbox.states import replicas
 
@@ -34,12 +35,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, size: int, status: bool, force: bool, **options: Any) -> None:
         config = conf.harvest_config()
-        try:
-            conn = psycopg.connect(config.dsn, autocommit=True, connect_timeout=5)
-        except psycopg.OperationalError as error:
-            raise CommandError(f"cannot connect to Postgres at {describe_dsn(config.dsn)}: "
-                               f"{first_line(error)}") from None
-        with conn:
+        with connect_or_fail(config.dsn) as conn:
             if status:
                 self._status(conn, config.table)
                 return

@@ -25,7 +25,8 @@ from outbox import conf
 from outbox.harvest import contract, sharding
 from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_config, cluster_metadata
 from outbox.harvest.shards import ensure_shard_index
-from outbox.harvest.store import StoreError, describe_dsn, table_identifier, table_name
+from outbox.harvest.store import StoreError, table_identifier, table_name
+from outbox.management.database import connect_or_fail
 from outbox.reasons import first_line, kafka_reason
 
 #: Every advisory-lock class a leader of the table may hold: the unsharded fence, any shard's, any N's.
@@ -55,12 +56,7 @@ class Command(BaseCommand):
             raise CommandError(f"--shards: {problem}")
         config = conf.harvest_config(leader_topic=options["leader_topic"], database=options["database"],
                                      table=options["table"], shards=shards)
-        try:
-            conn = psycopg.connect(config.dsn, autocommit=True, connect_timeout=5)
-        except psycopg.OperationalError as error:
-            raise CommandError(f"cannot connect to Postgres at {describe_dsn(config.dsn)}: "
-                               f"{first_line(error)}") from None
-        with conn:
+        with connect_or_fail(config.dsn) as conn:
             oid = conn.execute(contract.TABLE_OID, {"table": table_name(config.table)}).fetchone()[0]
             if oid is None:
                 raise CommandError(f"table {config.table!r} does not exist (run manage.py migrate)")
