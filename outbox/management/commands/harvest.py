@@ -88,13 +88,7 @@ class Command(BaseCommand):
         logs.configure_logging(options["verbosity"])
         registry, instruments = self._metrics_registry(options)
         harvester = create_harvester(instruments=instruments, **overrides)
-        tune_gc()
-        try:
-            harvester.start()
-        except HarvestError as error:
-            raise CommandError(str(error)) from None
-        self._serve_metrics(harvester, registry, options)
-        self._run(harvester)
+        self._start_and_run(harvester, registry, options)
 
     def _run(self, harvester: Any) -> None:
         with on_stop_signals(harvester.stop):
@@ -137,6 +131,10 @@ class Command(BaseCommand):
                 raise CommandError(scrub("invalid configuration: " + "; ".join(problems), conf.secret_values()))
             return
         logs.configure_logging(options["verbosity"])
+        self._start_and_run(harvester, registry, options)
+
+    def _start_and_run(self, harvester: Any, registry: Any, options: dict[str, Any]) -> None:
+        """Start (a one-line error if it cannot), serve the metrics, run until a stop signal."""
         tune_gc()
         try:
             harvester.start()
