@@ -254,9 +254,6 @@ def main(argv: list[str]) -> int:
     return replay.main(argv, run, __doc__)
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
 
 def operate_on_poison(world: SimWorld, rng: random.Random, table: MemoryTable, poison_ids: list[int], poison_count: int,
                       after: float) -> str:
@@ -289,3 +286,7 @@ def finished_when_drained(world: SimWorld, table: MemoryTable, written: dict[str
 
     world.at(after, watch)
     return lambda: done["flag"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -6,6 +6,10 @@ See docs/simulation.md for what is simulated and what each check means.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.sim import mutations, replay, scenario
@@ -28,3 +32,11 @@ def test_each_deliberate_bug_is_caught(name):
     for seed in mutations.CAUGHT_BY[name]:
         result = scenario.run(seed, mutations.MUTATIONS[name])
         assert not result.ok, f"seed {seed} no longer catches {name!r}: run python -m tests.sim.mutations"
+
+
+@pytest.mark.parametrize("module", ["scenario", "shard_scenario", "queue_scenario"])
+def test_docs_simulation_replay_command_runs_a_seed(module):
+    """docs/simulation.md's `python -m tests.sim.<scenario> SEED`, outside pytest."""
+    done = subprocess.run([sys.executable, "-m", f"tests.sim.{module}", "1"], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and done.stdout.startswith("ok   seed 1:"), done.stdout + done.stderr[-2000:]
