@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import psycopg
@@ -195,19 +195,21 @@ class Driver:
         stopped_keys: set[str] = set()
         held_back: list[int] = []
         tracer = self._tracer
-        handles: dict[int, Any] = {}
+        handles: Sequence[Any] = ()  # with a tracer, each record's handle, by position (None: not traced)
         if tracer is not None:
-            # Records whose topic's limit is still being read wait unsent: no span for them yet.
-            traced = [r for r in records if limits[r.topic] is not None]
-            if traced:
-                handles = dict(zip((r.id for r in traced), tracer.sending(traced), strict=True))
+            if None not in limits.values():
+                handles = tracer.sending(records)
+            else:  # records whose topic's limit is still being read wait unsent: no span for them yet
+                traced = [r for r in records if limits[r.topic] is not None]
+                by_id = dict(zip((r.id for r in traced), tracer.sending(traced), strict=True)) if traced else {}
+                handles = [by_id.get(r.id) for r in records]
         for index, record in enumerate(records):
             limit = limits[record.topic]
             if record.key in stopped_keys or limit is None:
                 stopped_keys.add(record.key)
                 held_back.append(record.id)
-                if tracer is not None and record.id in handles:
-                    tracer.end(handles[record.id])
+                if tracer is not None and handles[index] is not None:
+                    tracer.end(handles[index])
                 continue
             created = record.create_time
             if created != created_last:  # a stash_many() batch shares one timestamp: format it once
@@ -223,23 +225,23 @@ class Driver:
                 size = record_size(record.key, record.value, headers)
                 failure = DeliveryError("MSG_SIZE_TOO_LARGE", too_large(size, limit, record.topic), permanent=True)
                 if tracer is not None:
-                    tracer.failed(handles[record.id], record.id, failure)
-                    self._turn_failures[record.id] = handles[record.id]  # ended after the Hold it may bring
+                    tracer.failed(handles[index], record.id, failure)
+                    self._turn_failures[record.id] = handles[index]  # ended after the Hold it may bring
                 core.on_refused(record.id, failure)
                 continue
             if tracer is None:
                 on_delivery = functools.partial(delivered, record.id)
             else:
-                on_delivery = functools.partial(self._on_traced_delivery, record.id, handles[record.id])
+                on_delivery = functools.partial(self._on_traced_delivery, record.id, handles[index])
             try:
                 producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
                                  on_delivery=on_delivery)
             except BufferError:
                 # The producer's local queue is full: these go back to the front of their lanes.
                 if tracer is not None:
-                    for unsent in records[index:]:  # never produced: sent again later, traced again then
-                        if unsent.id in handles:
-                            tracer.end(handles[unsent.id])
+                    for handle in handles[index:]:  # never produced: sent again later, traced again then
+                        if handle is not None:
+                            tracer.end(handle)
                 core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                 return
             except KafkaException as error:
@@ -247,13 +249,13 @@ class Driver:
                 failure = (delivery_error(found) if found is not None
                            else DeliveryError("ERROR", str(error), permanent=True))
                 if tracer is not None:
-                    tracer.failed(handles[record.id], record.id, failure)
-                    self._turn_failures[record.id] = handles[record.id]  # ended after the Hold it may bring
+                    tracer.failed(handles[index], record.id, failure)
+                    self._turn_failures[record.id] = handles[index]  # ended after the Hold it may bring
                 if found is not None and found.fatal():
                     if tracer is not None:
-                        for unsent in records[index + 1:]:
-                            if unsent.id in handles:
-                                tracer.end(handles[unsent.id])
+                        for handle in handles[index + 1:]:
+                            if handle is not None:
+                                tracer.end(handle)
                     core.on_producer_failed(failure)
                     core.on_backpressure([*held_back, *(r.id for r in records[index:])])
                     return
@@ -272,9 +274,10 @@ class Driver:
         assert tracer is not None
         if error is None:
             tracer.acknowledged(handle, message)
-        else:
-            tracer.failed(handle, record_id, delivery_error(error))
-            self._failed_spans[record_id] = handle  # before the report, so the turn that takes it finds it
+            self.delivered(record_id, None)
+            return
+        tracer.failed(handle, record_id, delivery_error(error))
+        self._failed_spans[record_id] = handle  # before the report, so the turn that takes it finds it
         self._on_delivery(record_id, error, message)
 
     def _end_failed_spans(self) -> None:

@@ -20,9 +20,10 @@ docs/benchmarks.md). At a steady trickle a batch is one record, and its span is 
 
 from __future__ import annotations
 
-import threading
+import itertools
 import time
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -47,14 +48,21 @@ MAX_LINKS = 128
 _W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
 
 
+_create_time = attrgetter("create_time")
+
+
 class _Batch:
-    """One span and how many of its records are not settled yet."""
+    """One span and a count of its records settled, which ends the span with the last one.
 
-    __slots__ = ("lock", "remaining", "single", "span")
+    Records settle on two threads (the delivery thread acknowledges, the engine thread ends what was
+    never produced): `next()` on an itertools.count is one C call under the GIL, so each settle gets
+    its own number without a lock (a lock per record measured as a tenth of the tracer's cost)."""
 
-    def __init__(self, span: Any, remaining: int) -> None:
-        self.span, self.remaining, self.single = span, remaining, remaining == 1
-        self.lock = threading.Lock()
+    __slots__ = ("last", "settled", "single", "span")
+
+    def __init__(self, span: Any, size: int) -> None:
+        self.span, self.single, self.last = span, size == 1, size - 1
+        self.settled = itertools.count()
 
 
 class OtelPublishTracer:
@@ -71,7 +79,7 @@ class OtelPublishTracer:
     # -- PublishTracer ----------------------------------------------------------------------------
 
     def sending(self, records: Sequence[Record]) -> Sequence[Any]:
-        if len(records) == 1 or all(r.topic == records[0].topic for r in records):
+        if len(records) == 1 or len({r.topic for r in records}) == 1:
             return [self._start(records)] * len(records)
         by_topic: dict[str, list[int]] = {}
         for index, record in enumerate(records):
@@ -87,7 +95,8 @@ class OtelPublishTracer:
         if handle.single:
             handle.span.set_attributes({"messaging.destination.partition.id": str(message.partition()),
                                         "messaging.kafka.offset": message.offset()})
-        self.end(handle)
+        if next(handle.settled) == handle.last:
+            handle.span.end()
 
     def failed(self, handle: _Batch, record_id: int, error: DeliveryError) -> None:
         span = handle.span
@@ -101,10 +110,7 @@ class OtelPublishTracer:
         handle.span.add_event("outbox.hold", {"messaging.message.id": str(record_id), "outbox.hold.reason": reason})
 
     def end(self, handle: _Batch) -> None:
-        with handle.lock:
-            handle.remaining -= 1
-            done = handle.remaining == 0
-        if done:
+        if next(handle.settled) == handle.last:
             handle.span.end()
 
     def parked(self, record: Record, reason: str, attempts: int, topic: str | None) -> None:
@@ -134,54 +140,72 @@ class OtelPublishTracer:
             attributes["messaging.kafka.message.key"] = first.key
         else:
             attributes["messaging.batch.message_count"] = len(records)
-        oldest = min((r.create_time for r in records if r.create_time is not None), default=None)
+        oldest = min(filter(None, map(_create_time, records)), default=None)
         if oldest is not None:
             attributes["outbox.wait.duration"] = max(0.0, start / 1e9 - oldest.timestamp())
-        contexts: dict[Any, tuple[SpanContext, int]] = {}
-        for record in records:
-            if record.header_keys and len(contexts) < MAX_LINKS:
-                self._add_context(record, contexts)
+        contexts = self._w3c_contexts(records) if self._w3c else self._contexts(records)
         parent = None
         links: list[Link] = []
         if len(contexts) == 1:
-            [(context, _)] = contexts.values()
+            [context] = contexts.values()
             parent = trace.set_span_in_context(NonRecordingSpan(context))
         else:
             # No attributes on the links: each would be a locked dict of its own, kept with the span
             # until exported, and a drain's batches carry up to 128 links each.
-            links = [Link(context) for context, _ in contexts.values()]
+            links = [Link(context) for context in contexts.values()]
         span = self._tracer.start_span(f"send {first.topic}", context=parent, kind=SpanKind.PRODUCER,
                                        attributes=attributes, links=links, start_time=start)
         return _Batch(span, len(records))
 
-    def _add_context(self, record: Record, contexts: dict[Any, tuple[SpanContext, int]]) -> None:
-        """Add the record's stash-time span context to `contexts` (keyed so that repeats are parsed once)."""
-        keys = record.header_keys
-        if self._w3c:
-            if "traceparent" not in keys:
-                return
+    @staticmethod
+    def _w3c_contexts(records: Sequence[Record]) -> dict[Any, SpanContext]:
+        """The records' distinct stash-time span contexts (at most MAX_LINKS), read from their W3C
+        headers; each distinct header is parsed once. This loop runs for every record a traced
+        harvester publishes: keep it lean."""
+        contexts: dict[Any, SpanContext] = {}
+        previous: Any = None
+        for record in records:
+            keys = record.header_keys
+            if not keys or "traceparent" not in keys:
+                continue
             values = record.header_values
-            tracestate = values[keys.index("tracestate")] if "tracestate" in keys else None
-            key = (values[keys.index("traceparent")], tracestate)
-            if key not in contexts:
-                context = parse_traceparent(*key)
-                if context is not None:
-                    contexts[key] = (context, record.id)
-            return
-        if self._fields.isdisjoint(keys):
-            return
-        context = trace.get_current_span(self._context_of(record)).get_span_context()
-        if context.is_valid and (context.trace_id, context.span_id) not in contexts:
-            contexts[(context.trace_id, context.span_id)] = (context, record.id)
+            state = values[keys.index("tracestate")] if "tracestate" in keys else None
+            key = (values[keys.index("traceparent")], state)
+            if key == previous or key in contexts:  # a request's records come together: mostly the former
+                continue
+            previous = key
+            context = parse_traceparent(*key)
+            if context is not None:
+                contexts[key] = context
+                if len(contexts) == MAX_LINKS:
+                    break
+        return contexts
+
+    def _contexts(self, records: Sequence[Record]) -> dict[Any, SpanContext]:
+        """The same through the configured propagator (B3, Jaeger...): for records that have its headers."""
+        contexts: dict[Any, SpanContext] = {}
+        for record in records:
+            if not record.header_keys or self._fields.isdisjoint(record.header_keys):
+                continue
+            context = trace.get_current_span(self._context_of(record)).get_span_context()
+            if context.is_valid and (context.trace_id, context.span_id) not in contexts:
+                contexts[(context.trace_id, context.span_id)] = context
+                if len(contexts) == MAX_LINKS:
+                    break
+        return contexts
 
     @staticmethod
     def _context_of(record: Record) -> Any:
         return extract(zip(record.header_keys, record.header_values, strict=False)) if record.header_keys else None
 
 
+_FLAGS = [TraceFlags(value) for value in range(256)]
+
+
 def parse_traceparent(traceparent: str, tracestate: str | None = None) -> SpanContext | None:
     """A remote SpanContext from a W3C traceparent (version 00 and later versions' first four fields),
-    or None if it is malformed or all zeros."""
+    or None if it is malformed or all zeros. Called once per distinct context a traced Send carries
+    (a split and int() measured faster than OpenTelemetry's regular expression)."""
     parts = traceparent.strip().split("-")
     if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16 \
             or len(parts[3]) != 2 or (parts[0] == "00" and len(parts) != 4):
@@ -198,4 +222,4 @@ def parse_traceparent(traceparent: str, tracestate: str | None = None) -> SpanCo
             state = TraceState.from_header([tracestate])
         except ValueError:
             state = None
-    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 0xFF), trace_state=state)
+    return SpanContext(trace_id, span_id, True, _FLAGS[flags & 0xFF], state)

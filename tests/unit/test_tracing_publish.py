@@ -3,6 +3,7 @@ single record's span says, failures and holds, and the W3C traceparent parser.""
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -79,6 +80,32 @@ def test_records_of_several_traces_are_linked_not_parented(tracer, exporter):
     [span] = exporter.get_finished_spans()
     assert span.parent is None
     assert [f"{link.context.span_id:016x}" for link in span.links] == [A.split("-")[2], B.split("-")[2]]
+
+
+def test_a_batch_settled_from_two_threads_at_once_ends_once_after_its_last_record(tracer, exporter):
+    handles = tracer.sending([record(i, A) for i in range(1, 20_001)])
+    start = threading.Barrier(2)
+
+    def settle(part: list) -> None:  # the delivery thread acknowledges while the engine thread ends
+        start.wait()
+        for handle in part:
+            tracer.acknowledged(handle, Acked())
+
+    threads = [threading.Thread(target=settle, args=(handles[i::2],)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(exporter.get_finished_spans()) == 1
+
+
+def test_links_stop_at_the_span_link_limit_and_a_context_is_linked_once(tracer, exporter):
+    contexts = [f"00-{i:032x}-{i:016x}-01" for i in range(1, 201)]
+    handles = tracer.sending([record(i, contexts[i % 200]) for i in range(1, 1001)])
+    for handle in handles:
+        tracer.end(handle)
+    [span] = exporter.get_finished_spans()
+    assert len(span.links) == 128 == len({link.context.span_id for link in span.links})
 
 
 def test_a_failure_and_a_hold_are_recorded_on_the_span_naming_the_record(tracer, exporter):
