@@ -105,6 +105,8 @@ class NotifyHub(threading.Thread):
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._retry_at = 0.0
+        self._opened_at = 0.0
+        #: Sessions cannot be had (said once, until one LISTENs again).
         self._failing = False
         #: How many NOTIFYs the hub received, and how many sessions it opened (reconnects + 1).
         self.received = 0
@@ -189,22 +191,35 @@ class NotifyHub(threading.Thread):
         try:
             self._conn = self._connect()
         except psycopg.Error as error:
-            if not self._failing:
-                log.warning("LISTEN session unavailable: its outboxes are looked at every %gs until it is back: %s",
-                            RETRY_AFTER, first_line(error))
-            self._failing = True
-            self._retry_at = time.monotonic() + RETRY_AFTER
-            with self._lock:
-                wanted = frozenset(self._subscribers)
-            self._wake(wanted)  # a NOTIFY meanwhile would be lost: each engine marks instead
+            self._failed(error)
             return None
-        if self._failing:
-            log.info("LISTEN session back")
-        self._failing = False
+        self._opened_at = time.monotonic()
         self.sessions += 1
         if self._apply():
             self._dispatch(self._conn)
         return self._conn
+
+    def _failed(self, error: psycopg.Error) -> None:
+        """No session to be had (or each fails as soon as it is opened: a hot standby refuses LISTEN):
+        try again in RETRY_AFTER, and have every engine look at its table meanwhile."""
+        if not self._failing:
+            log.warning("LISTEN session unavailable: its outboxes are looked at every %gs until it is back: %s",
+                        RETRY_AFTER, first_line(error))
+        self._failing = True
+        self._drop()
+        self._retry_at = time.monotonic() + RETRY_AFTER
+        with self._lock:
+            wanted = frozenset(self._subscribers)
+        self._wake(wanted)  # a NOTIFY meanwhile would be lost: each engine marks instead
+
+    def _lost(self, error: psycopg.Error) -> None:
+        """The session failed: connect again at once, unless it had only just been opened (then back off,
+        rather than open sessions in a loop that never wakes anyone)."""
+        if time.monotonic() - self._opened_at < RETRY_AFTER:
+            self._failed(error)
+            return
+        log.warning("LISTEN session lost, its outboxes poll until it is back: %s", first_line(error))
+        self._drop()
 
     def _apply(self) -> bool:
         """LISTEN on channels subscribed since, UNLISTEN those left; wake the listeners of a new channel,
@@ -221,9 +236,11 @@ class NotifyHub(threading.Thread):
             for channel in sorted(gone):
                 conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
         except psycopg.Error as error:
-            log.warning("LISTEN session lost, its outboxes poll until it is back: %s", first_line(error))
-            self._drop()
+            self._lost(error)
             return False
+        if self._failing and new:
+            log.info("LISTEN session back")
+            self._failing = False
         self._wake(new)  # before they count as listened to, so whoever sees them listened to sees the wake too
         self._listening = (self._listening | new) - gone
         return self._conn is not None
@@ -232,8 +249,7 @@ class NotifyHub(threading.Thread):
         try:
             channels = [notify.channel for notify in conn.notifies(timeout=0)]
         except psycopg.Error as error:
-            log.warning("LISTEN session lost, its outboxes poll until it is back: %s", first_line(error))
-            self._drop()
+            self._lost(error)
             return
         self.received += len(channels)
         self._wake(set(channels))
@@ -251,7 +267,6 @@ class NotifyHub(threading.Thread):
         self._listening = frozenset()
         conn, self._conn = self._conn, None
         close_quietly(conn)
-        self._retry_at = time.monotonic() + (RETRY_AFTER if self._failing else 0.0)
 
     def _drain_control(self) -> None:
         try:

@@ -404,6 +404,38 @@ def test_while_no_session_can_be_had_every_engine_is_woken_at_each_attempt(monke
         "at most every RETRY_AFTER"
 
 
+def test_a_session_that_refuses_listen_is_tried_again_after_a_backoff_and_the_engines_are_woken(monkeypatch,
+                                                                                                    caplog):
+    # A hot standby accepts the connection and refuses LISTEN: opening sessions in a loop would wake nobody.
+    from outbox.harvest import notify_hub
+
+    monkeypatch.setattr(notify_hub, "RETRY_AFTER", 0.05)
+    sessions: list[FakeSession] = []
+
+    def connect() -> FakeSession:
+        sessions.append(FakeSession())
+        sessions[-1].broken = True
+        return sessions[-1]
+
+    hub = NotifyHub("dbname=x", connect=connect)
+    a = hub.subscribe("outbox_1")
+    with caplog.at_level(logging.WARNING, logger="outbox.harvest.notify_hub"):
+        hub.start()
+        try:
+            started = time.monotonic()
+            wait_for(lambda: len(sessions) >= 4, "four sessions tried")
+            assert woken(a, 5.0) >= 1, "the engine looks at its table instead"
+            elapsed = time.monotonic() - started
+            assert len(sessions) <= elapsed / 0.05 + 3, f"{len(sessions)} sessions in {elapsed:.2f}s: no backoff"
+        finally:
+            hub.stop()
+            hub.join(timeout=5)
+            for session in sessions:
+                session.close()
+    assert caplog.text.count("LISTEN session unavailable") == 1, "said once"
+    assert not a.connected
+
+
 def test_a_listener_closed_is_unlistened_and_the_others_stay(hub):
     a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
     wait_for(lambda: hub.channels == {"outbox_1", "outbox_2"}, "both channels listened to")
