@@ -163,6 +163,7 @@ def discoverer(base: HarvestConfig, entries: Mapping[str, Mapping[str, Any]],
 
     def discover() -> dict[str, HarvestConfig]:
         found: dict[str, HarvestConfig] = {}
+        seen: dict[str, int] = {}  # this scan's oids: kept only if the whole scan succeeds
         for name, entry in entries.items():
             table = entry.get("table", default_table)
             if not entry.get("tenant_schemas"):
@@ -177,13 +178,14 @@ def discoverer(base: HarvestConfig, entries: Mapping[str, Mapping[str, Any]],
                 close_quietly(conn)
             for qualified, oid in tables.items():
                 label = f"{name}.{qualified.split('.')[0]}"
-                if oids.setdefault(label, oid) != oid:
+                if oids.get(label, oid) != oid:
                     log.info("Outbox %s: table %s was created again: its engine starts afresh", label, qualified)
-                    del oids[label]
-                    continue
+                    continue  # left out of this scan (its old engine stops), found afresh by the next
+                seen[label] = oid
                 found[label] = outbox_config(base, label, entry, qualified, given_limits)
-        for label in set(oids) - set(found):
-            del oids[label]  # gone: a table of that name later is simply new
+        # A table gone, or created again, is simply new to the next scan.
+        oids.clear()
+        oids.update(seen)
         return found
 
     return discover

@@ -525,6 +525,30 @@ def test_a_tenant_table_created_again_is_left_out_of_one_scan_so_a_fresh_engine_
     assert sorted(discover()) == ["tenants.acme", "tenants.globex"], "dropped, then created: new, at once"
 
 
+def test_a_table_created_again_is_still_found_so_after_a_scan_that_failed_half_way(monkeypatch):
+    catalog = FakeCatalog(["acme"])
+    failing = {"second": False}
+    calls = []
+
+    def connect(*args: Any, **kwargs: Any) -> FakeCatalog:
+        calls.append(len(calls))
+        if failing["second"] and len(calls) % 2 == 0:
+            raise RuntimeError("too many clients")
+        return catalog
+
+    monkeypatch.setattr(many, "connect", connect)
+    entries = {"a": {"tenant_schemas": True}, "b": {"tenant_schemas": True, "table": "inbox"}}
+    with override_settings(OUTBOX={}):
+        discover = many.discoverer(conf.harvest_config(name="r"), entries, set())
+    assert sorted(discover()) == ["a.acme", "b.acme"]
+    catalog.oids["acme"] = 20000
+    failing["second"] = True
+    with pytest.raises(RuntimeError):
+        discover()  # entry a's scan saw the new oid, entry b's failed: the whole scan is thrown away
+    failing["second"] = False
+    assert "a.acme" not in discover(), "the table created again is still told apart from the old one"
+
+
 def test_the_tenant_table_must_be_unqualified():
     with pytest.raises(ValueError, match="must be unqualified"):
         find_tenant_tables(FakeCatalog([]), "acme.outbox")
