@@ -141,12 +141,20 @@ class StatusBoard(threading.Thread):
         self._pruned_at = float("-inf")
 
     def usable(self) -> bool:
-        """Whether the status table is there (else status rows are off, said once by the caller)."""
+        """Whether the status table is there (else status rows are off, said once by the caller). A database
+        that cannot say now (too many clients, a restart) counts as yes: the board's writes retry, and warn
+        once, rather than turn every engine's status row off for the process's life."""
         try:
             return status_table_exists(self._connection(), self._status_table)
         except psycopg.Error as error:
-            log.warning("Status rows off: %s", first_line(error))
-            return False
+            log.warning("Status rows: cannot tell yet whether table %s exists (written when it can): %s",
+                        self._status_table, first_line(error))
+            self._close_session()
+            return True
+
+    def _close_session(self) -> None:
+        conn, self._conn = self._conn, None
+        close_quietly(conn)
 
     def attach(self, reporter: BoardReporter) -> None:
         with self._lock:
@@ -176,8 +184,7 @@ class StatusBoard(threading.Thread):
                 leaving, self._leaving = self._leaving + self._reporters, []
             for reporter in leaving:
                 reporter._gone.set()
-            conn, self._conn = self._conn, None
-            close_quietly(conn)
+            self._close_session()
 
     def _write_safely(self) -> None:
         """A surprise (a bug of ours) costs one round of rows, not every engine's status from now on."""
@@ -191,6 +198,10 @@ class StatusBoard(threading.Thread):
             reporters, leaving, self._leaving = list(self._reporters), self._leaving, []
         try:
             conn = self._connection()
+            # The leaving first: an engine started again in this process has the same name, pid and host,
+            # and its new row must not be overwritten as stopped.
+            for reporter in leaving:
+                conn.execute(self._stopped, reporter.identity)
             if reporters:
                 conn.execute(self._upsert, {"rows": Jsonb([reporter.row() for reporter in reporters])})
                 self._writes += 1
@@ -201,8 +212,6 @@ class StatusBoard(threading.Thread):
                     reporter.retention.run(conn, snapshot.state is ReplicaState.LEADER)
                     if reporter.sampler is not None:
                         reporter.sampler.sample(conn, snapshot)
-            for reporter in leaving:
-                conn.execute(self._stopped, reporter.identity)
             now = time.monotonic()
             if now - self._pruned_at >= PRUNE_INTERVAL:
                 self._pruned_at = now
@@ -214,8 +223,7 @@ class StatusBoard(threading.Thread):
             if not self._failing:  # said once, not every interval
                 log.warning("Status rows not written (harvesting goes on): %s", first_line(error))
             self._failing = True
-            conn, self._conn = self._conn, None
-            close_quietly(conn)
+            self._close_session()
         finally:
             for reporter in leaving:
                 reporter._gone.set()
@@ -253,6 +261,7 @@ class StatusBoards:
                 else:
                     log.info("Status rows off: table %s does not exist (manage.py migrate creates it)",
                              config.status_table)
+                    board._close_session()
                     self._boards[key] = None
             return self._boards[key]
 

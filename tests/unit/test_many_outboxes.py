@@ -687,3 +687,98 @@ def test_harvest_refuses_what_cannot_go_with_several_outboxes_in_one_line(args, 
             pytest.raises(CommandError) as raised:
         call_command("harvest", *args)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def a_snapshot() -> Any:
+    from datetime import UTC, datetime
+
+    from outbox.harvest.status import StatusSnapshot
+
+    return StatusSnapshot(state=ReplicaState.STANDBY, leader_id=None, since=datetime.now(UTC), in_flight=0, queued=0,
+                          in_flight_keys=[], in_flight_key_count=0, held=[], blocked_by=None, throughput=0.0,
+                          published=0, failed=0, marked_upto=None)
+
+
+class FakeStatusConnection:
+    """The board's session: each statement's first words, in order; `exists` answers to_regclass."""
+
+    def __init__(self, log: list[str], exists: bool = True) -> None:
+        self.log, self.exists, self.closed = log, exists, False
+
+    def execute(self, statement: Any, params: Any = None) -> FakeStatusConnection:
+        text = statement.as_string(None) if hasattr(statement, "as_string") else str(statement)
+        self.log.append(" ".join(text.split()[:2]))
+        self._answer = [(self.exists,)] if "to_regclass(%s) IS NOT NULL" in text else []
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        return self._answer[0] if self._answer else None
+
+    def fetchall(self) -> list[Any]:
+        return self._answer
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_board_whose_database_cannot_say_at_first_is_started_and_writes_once_it_can(monkeypatch):
+    import psycopg
+
+    from outbox.harvest import status_board
+
+    statements: list[str] = []
+    sessions: list[FakeStatusConnection] = []
+    answers = iter([psycopg.OperationalError("sorry, too many clients already")])
+
+    def connect(*args: Any, **kwargs: Any) -> FakeStatusConnection:
+        failure = next(answers, None)
+        if failure is not None:
+            raise failure
+        sessions.append(FakeStatusConnection(statements))
+        return sessions[-1]
+
+    monkeypatch.setattr(status_board, "connect", connect)
+    boards = status_board.StatusBoards(name="replica")
+    config = World.config("acme", status_table="outbox_harvester_status")
+    board = boards.board(config)
+    try:
+        assert board is not None, "one refused connection must not turn status rows off for good"
+        assert boards.board(config) is board
+        status_board.BoardReporter(board, config, a_snapshot, lambda rows: None).start()
+        wait_for(lambda: any(s.startswith("INSERT INTO") for s in statements), "the engine's row written")
+    finally:
+        boards.close()
+
+
+def test_a_missing_status_table_turns_rows_off_and_its_probe_session_is_closed(monkeypatch):
+    from outbox.harvest import status_board
+
+    sessions: list[FakeStatusConnection] = []
+
+    def connect(*args: Any, **kwargs: Any) -> FakeStatusConnection:
+        sessions.append(FakeStatusConnection([], exists=False))
+        return sessions[-1]
+
+    monkeypatch.setattr(status_board, "connect", connect)
+    boards = status_board.StatusBoards(name="replica")
+    assert boards.board(World.config("acme", status_table="outbox_harvester_status")) is None
+    assert len(sessions) == 1 and sessions[0].closed
+
+
+def test_an_engine_started_again_keeps_its_row_the_old_ones_stopped_is_written_first(monkeypatch):
+    from outbox.harvest import status_board
+    from outbox.harvest.config import Limits
+
+    statements: list[str] = []
+    monkeypatch.setattr(status_board, "connect", lambda *a, **k: FakeStatusConnection(statements))
+    config = World.config("acme", status_table="outbox_harvester_status", limits=Limits(history_interval=0.0))
+    board = status_board.StatusBoard(config, name="replica")
+    old = status_board.BoardReporter(board, config, a_snapshot, lambda rows: None)
+    new = status_board.BoardReporter(board, config, a_snapshot, lambda rows: None)
+    board.attach(old)
+    board._write()
+    board.detach(old)
+    board.attach(new)
+    statements.clear()
+    board._write()
+    assert statements.index("UPDATE \"outbox_harvester_status\"") < statements.index("INSERT INTO"), statements
