@@ -81,16 +81,16 @@ class HarvesterCollector(Collector):
     def _engines(self) -> list[tuple[Harvester, list[str]]]:
         """Each engine of this replica with its labels (name, outbox, shard): the harvester itself (shard ""),
         a sharded replica's engine for each shard it has now, or each outbox's engine(s) of a process harvesting
-        several (`outbox` is the outbox's table, `name` the process's)."""
+        several (`outbox` is then the outbox's label, `shop` or `tenants.acme`: two databases' tables may share
+        a name, and series of one name and labels would collide; `name` is the process's)."""
         h = self._harvester
         if isinstance(h, ManyHarvester):
             found: list[tuple[Harvester, list[str]]] = []
-            for _label, engine in sorted(h.engines.items()):
+            for label, engine in sorted(h.engines.items()):
                 if isinstance(engine, ShardedHarvester):
-                    found += [(each, [h.name, engine.config.table, str(shard)])
-                              for shard, each in sorted(engine.engines.items())]
+                    found += [(each, [h.name, label, str(shard)]) for shard, each in sorted(engine.engines.items())]
                 elif isinstance(engine, Harvester):
-                    found.append((engine, [h.name, engine.config.table, ""]))
+                    found.append((engine, [h.name, label, ""]))
             return found
         replica = [h.config.name, h.config.table]
         if isinstance(h, ShardedHarvester):
