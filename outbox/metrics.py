@@ -123,7 +123,7 @@ class HarvesterCollector(Collector):
                 leader.add_metric([*engine_labels, candidate.value], 1.0 if state is candidate else 0.0)
         yield leader
         if isinstance(h, ManyHarvester):
-            yield from self._collect_many(engines)
+            yield from self._collect_many(h, engines)
             return
         replica = [h.config.name, h.config.table]
         labels = ["name", "outbox"]
@@ -185,9 +185,20 @@ class HarvesterCollector(Collector):
             yield backlog
 
 
-    def _collect_many(self, engines: list[tuple[Harvester, list[str]]]) -> Iterator[Any]:
-        """What a process harvesting several outboxes adds per outbox: held records and backlog (the figures
-        read from the model's table, parked records and the oldest row's age, are one outbox's: not here)."""
+    def _collect_many(self, h: ManyHarvester, engines: list[tuple[Harvester, list[str]]]) -> Iterator[Any]:
+        """What a process harvesting several outboxes adds per outbox: whether its engine runs and how often it
+        failed, held records and backlog (the figures read from the model's table, parked records and the
+        oldest row's age, are one outbox's: not here)."""
+        up = GaugeMetricFamily("outbox_engine_up", "1 while the outbox's engine runs in this process; 0 while it "
+                               "waits to be started again after a failure", labels=["name", "outbox"])
+        failures = CounterMetricFamily("outbox_engine_failures", "Times the outbox's engine failed to start or "
+                                       "failed running (each is started again after a backoff)",
+                                       labels=["name", "outbox"])
+        for label, (running, failed) in sorted(h.engine_health.items()):
+            up.add_metric([h.name, label], 1.0 if running else 0.0)
+            failures.add_metric([h.name, label], failed)
+        yield up
+        yield failures
         held = GaugeMetricFamily("outbox_held_records", "Records held by this leader: they fail on their own, and "
                                  "their keys wait", labels=["name", "outbox", "shard"])
         backlog = GaugeMetricFamily("outbox_backlog_records", "Rows in the outbox (Postgres's live-row estimate)",

@@ -120,6 +120,8 @@ class _Slot:
         self.started_at = 0.0
         self.failures = 0
         self.retry_at = 0.0
+        #: Every failure to start or run since the process started (failures is reset after a good run).
+        self.failed_total = 0
 
 
 class ManyHarvester(Lifecycle):
@@ -166,6 +168,14 @@ class ManyHarvester(Lifecycle):
         """The engines running (or stopping) now, by outbox label."""
         with self._lock:
             return {label: slot.engine for label, slot in self._slots.items() if slot.engine is not None}
+
+    @property
+    def engine_health(self) -> dict[str, tuple[bool, int]]:
+        """Every outbox wanted or still stopping, by label: whether its engine runs now, and how often it failed
+        (an outbox whose engine fails in a loop has no engine most of the time: the metrics say so)."""
+        with self._lock:
+            return {label: (slot.engine is not None and slot.engine.state is State.RUNNING, slot.failed_total)
+                    for label, slot in self._slots.items()}
 
     @property
     def leading(self) -> list[str]:
@@ -318,6 +328,7 @@ class ManyHarvester(Lifecycle):
     def _failed(self, label: str, slot: _Slot, now: float, why: str) -> None:
         backoff = min(MAX_BACKOFF, RESTART_BACKOFF * 2 ** slot.failures)
         slot.failures += 1
+        slot.failed_total += 1
         slot.retry_at = now + backoff
         log.error("Outbox %s's engine %s (started again in %gs)", label, why, backoff)
 

@@ -164,10 +164,22 @@ def test_an_outbox_whose_engine_cannot_start_is_tried_again_and_the_backoff_is_c
         harvester.tick()
         attempts.append(len(world.built) - before)
     assert attempts == [1] * 12, "at most MAX_BACKOFF between two attempts, and one attempt each time"
+    # The metrics say so: an engine failing in a loop has no engine most of the time, and no other series.
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from outbox.metrics import HarvesterCollector
+
+    registry = CollectorRegistry()
+    registry.register(HarvesterCollector(harvester))
+    text = generate_latest(registry).decode()
+    assert 'outbox_engine_up{name="replica",outbox="broken"} 0.0' in text
+    assert 'outbox_engine_failures_total{name="replica",outbox="broken"} 13.0' in text
+    assert 'outbox_engine_up{name="replica",outbox="acme"} 1.0' in text
     world.refusing.clear()
     world.now += MAX_BACKOFF
     harvester.tick()
     assert sorted(world.running(harvester)) == ["acme", "broken"]
+    assert harvester.engine_health == {"acme": (True, 0), "broken": (True, 13)}
 
 
 def test_an_outbox_whose_config_changed_gets_a_fresh_engine():

@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
+from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.shards import ShardedHarvester
 from outbox.metrics import HarvesterCollector, PrometheusInstruments
 from outbox.queue import metrics as queue_metrics
@@ -42,6 +43,9 @@ def exported_names() -> set[str]:
     # A sharded replica (with no shard yet) adds its group's shards and those it leads.
     sharded = ShardedHarvester(HarvestConfig(dsn="postgresql://localhost/x", name="r2", shards=4))
     registry.register(HarvesterCollector(sharded))
+    # A process harvesting several outboxes (none found yet) adds each outbox's engine up and failures.
+    many = ManyHarvester(lambda: {}, name="r3")
+    registry.register(HarvesterCollector(many))
     families = list(registry.collect())
     queue_metrics.default_instruments()  # the queue's counters and histogram, in the process's default registry
     families += [f for f in REGISTRY.collect() if f.name.startswith("outbox_queue_")]
@@ -68,7 +72,7 @@ def alert_rules() -> list[dict]:
 def test_the_alert_rules_query_only_exported_metrics():
     exported = exported_names() | PROMETHEUS_OWN
     rules = alert_rules()
-    assert len(rules) == 12
+    assert len(rules) == 13
     for rule in rules:
         assert queried_names(rule["expr"]) <= exported, rule["alert"]
         assert queried_names(rule["expr"]) - PROMETHEUS_OWN, f"{rule['alert']} queries no outbox metric"
