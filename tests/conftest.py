@@ -27,7 +27,7 @@ settings.register_profile("long", max_examples=int(os.environ.get("OUTBOX_FUZZ_E
 settings.load_profile(os.environ.get("OUTBOX_FUZZ_PROFILE", "ci"))
 
 #: Fixtures kept beside the helpers they go with.
-pytest_plugins = ["tests.support.statement_stats", "tests.support.tenants"]
+pytest_plugins = ["tests.support.statement_stats", "tests.support.tenants", "tests.support.fresh_project"]
 
 #: Each folder's tests carry its marker, so `-m` selects by what a test needs (README, "Tests").
 FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "spark": "spark",

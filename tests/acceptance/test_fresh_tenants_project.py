@@ -13,7 +13,7 @@ import textwrap
 import psycopg
 import pytest
 
-from tests.acceptance.test_fresh_project import fresh_database, run, user_env, wheel_venv  # noqa: F401 - fixtures
+from tests.support.fresh_project import run, user_env
 from tests.support.harness import assert_complete_and_ordered, wait_until
 from tests.support.tenants import read_tenants
 
@@ -42,7 +42,7 @@ class Order(models.Model):
 '''
 
 
-def test_a_django_tenants_project_harvests_every_tenant_schema(wheel_venv, fresh_database,  # noqa: F811
+def test_a_django_tenants_project_harvests_every_tenant_schema(wheel_venv, fresh_database,
                                                               bootstrap_servers, new_topic, tmp_path):
     python, env = wheel_venv, user_env()
     run(python, "-m", "django", "startproject", "saas", cwd=tmp_path, env=env)
@@ -149,7 +149,13 @@ def test_a_django_tenants_project_harvests_every_tenant_schema(wheel_venv, fresh
     finally:
         for harvester in harvesters:
             harvester.send_signal(signal.SIGTERM)
-        codes = [harvester.wait(timeout=60) for harvester in harvesters]
+        codes = []
+        for harvester in harvesters:
+            try:
+                codes.append(harvester.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                harvester.kill()  # never leave a harvester behind the test
+                codes.append(harvester.wait())
     logged = "\n".join(log.read_text() for log in logs)
     assert codes == [0, 0], logged
     assert "Traceback" not in logged, logged
