@@ -29,7 +29,6 @@ def create_harvester(*, instruments: Instruments | None = None, tracer: PublishT
     With tracing on (OUTBOX["tracing"] and opentelemetry-api installed) and no `tracer` given, each
     published record gets a span from OpenTelemetry's global tracer provider (docs/tracing.md).
     """
-    holder: list[Harvester] = []
     if tracer is None and tracing_on():
         from outbox.tracing.publish import OtelPublishTracer
 
@@ -39,10 +38,7 @@ def create_harvester(*, instruments: Instruments | None = None, tracer: PublishT
         # One set of instruments for the replica: its engines' marks and purges add up in the same metrics.
         return ShardedHarvester(config, on_event=signals.send_event, tracer=tracer,
                                 instruments=None if instruments is None else lambda _shard: instruments)
-    harvester = Harvester(config, instruments=instruments,
-                          on_event=lambda event: signals.send_event(holder[0], event), tracer=tracer)
-    holder.append(harvester)
-    return harvester
+    return Harvester.sending_events_to(signals.send_event, config, instruments=instruments, tracer=tracer)
 
 
 def create_many_harvester(names: list[str] | None = None, *, tenant_schemas: bool = False,

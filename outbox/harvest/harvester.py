@@ -209,6 +209,16 @@ class Harvester(Lifecycle):
 
     # -- lifecycle --------------------------------------------------------------------------------
 
+    @classmethod
+    def sending_events_to(cls, sink: Callable[[Harvester, events.Event], None] | None, config: HarvestConfig,
+                          **kwargs: Any) -> Harvester:
+        """A Harvester whose events reach `sink` with the harvester that sent them (Django's signals and a
+        supervisor of many engines want the sender, which does not exist before it is built)."""
+        holder: list[Harvester] = []
+        harvester = cls(config, on_event=None if sink is None else lambda event: sink(holder[0], event), **kwargs)
+        holder.append(harvester)
+        return harvester
+
     def start(self) -> None:
         """Connect to Postgres and Kafka and start harvesting in the background."""
         with self._state_lock:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
-from outbox.harvest.runtime import readable
+from outbox.harvest.runtime import drain_pipe, readable
 from outbox.harvest.store import close_quietly
 from outbox.harvest.store import connect as connect_session
 from outbox.reasons import first_line
@@ -70,13 +70,7 @@ class ChannelListener:
 
     def drain(self) -> int:
         """Consume pending wakes; returns how many arrived."""
-        count = 0
-        try:
-            while chunk := os.read(self._read, 4096):
-                count += len(chunk)
-        except (BlockingIOError, OSError):
-            pass
-        return count
+        return drain_pipe(self._read)
 
     def close(self) -> None:
         if self.closed:
@@ -175,7 +169,7 @@ class NotifyHub(threading.Thread):
         timeout = None if conn is not None else max(0.0, self._retry_at - time.monotonic())
         ready = readable(readers, timeout)
         if self._control_read in ready:
-            self._drain_control()
+            drain_pipe(self._control_read)
         if conn is not None and conn.fileno() in ready:
             self._dispatch(conn)
         if self._conn is not None and self._apply():
@@ -268,12 +262,6 @@ class NotifyHub(threading.Thread):
         conn, self._conn = self._conn, None
         close_quietly(conn)
 
-    def _drain_control(self) -> None:
-        try:
-            while os.read(self._control_read, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
 
 
 class NotifyHubs:

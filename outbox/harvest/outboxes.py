@@ -212,9 +212,12 @@ class ManyHarvester(Lifecycle):
         self._next_scan = self._clock() + self._rescan_interval
         if not found:
             log.warning("No outbox to harvest yet (looked again every %gs)", self._rescan_interval)
-        self._state = State.RUNNING
-        self._manager = threading.Thread(target=self._manage, name="outbox-outboxes", daemon=True)
-        self._manager.start()
+        with self._state_lock:
+            if self._state is not State.CREATED:
+                return  # stop() came during the first discovery (a SIGTERM at start): nothing was started
+            self._state = State.RUNNING
+            self._manager = threading.Thread(target=self._manage, name="outbox-outboxes", daemon=True)
+            self._manager.start()
         log.info("Harvesting %d outbox(es) as %s: %s", len(found), self.name or "this process",
                  ", ".join(sorted(found)) or "none yet")
 
@@ -339,15 +342,6 @@ class ManyHarvester(Lifecycle):
             return ShardedHarvester(config, on_event=self._on_event, tracer=self._tracer,
                                     instruments=(lambda _shard: self._instruments(label))
                                     if self._instruments is not None else None)
-        holder: list[Harvester] = []
-        on_event = None
-        if self._on_event is not None:
-            sink = self._on_event
-
-            def on_event(event: events.Event) -> None:
-                sink(holder[0], event)
-        engine = Harvester(config, connector=ManyConnector(config, self.hubs, self.boards), on_event=on_event,
-                           tracer=self._tracer,
-                           instruments=self._instruments(label) if self._instruments is not None else None)
-        holder.append(engine)
-        return engine
+        return Harvester.sending_events_to(
+            self._on_event, config, connector=ManyConnector(config, self.hubs, self.boards), tracer=self._tracer,
+            instruments=self._instruments(label) if self._instruments is not None else None)

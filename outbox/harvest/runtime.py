@@ -442,16 +442,23 @@ class ThreadedIO:
             readers.append(listen_fd)
         ready = readable(readers, timeout)
         if self._wake_read in ready:
-            try:
-                while os.read(self._wake_read, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            drain_pipe(self._wake_read)
             # Cleared after draining: a wake() that found it still set appended its item before
             # this, so the next turn takes that item in; one that finds it clear writes again.
             self._woken = False
         if listen_fd is not None and listen_fd in ready and listener.drain():
             driver.post(methodcaller("on_notified"))
+
+
+def drain_pipe(fd: int) -> int:
+    """Read a non-blocking wake pipe empty; returns how many bytes (wakes) it held."""
+    count = 0
+    try:
+        while chunk := os.read(fd, 4096):
+            count += len(chunk)
+    except (BlockingIOError, OSError):
+        pass
+    return count
 
 
 def readable(fds: list[int], timeout: float | None) -> set[int]:

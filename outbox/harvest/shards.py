@@ -472,16 +472,9 @@ class ShardedHarvester(Lifecycle):
         assert self._group is not None
         config = dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
         connector = ShardConnector(config, self._group)
-        holder: list[Harvester] = []
-        on_event = None
-        if self._on_event is not None:
-            sink = self._on_event
-
-            def on_event(event: events.Event) -> None:
-                sink(holder[0], event)
-        engine = Harvester(config, connector=connector, on_event=on_event, tracer=self._tracer,
-                           instruments=self._instruments(shard) if self._instruments is not None else None)
-        holder.append(engine)
+        engine = Harvester.sending_events_to(
+            self._on_event, config, connector=connector, tracer=self._tracer,
+            instruments=self._instruments(shard) if self._instruments is not None else None)
         try:
             engine.start()
         except HarvestError as error:

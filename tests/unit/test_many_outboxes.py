@@ -214,6 +214,21 @@ def test_start_fails_in_one_line_when_the_first_discovery_fails():
         world.supervisor().start()
 
 
+def test_a_stop_during_the_first_discovery_starts_nothing():
+    world = World("acme")
+    harvester = world.supervisor()
+    found = world.discover
+
+    def discover() -> dict[str, HarvestConfig]:
+        harvester.stop()  # a SIGTERM while the first discovery runs
+        return found()
+
+    harvester._discover = discover
+    harvester.start()
+    assert harvester.wait(timeout=5) and harvester.state is State.STOPPED
+    assert world.built == [] and harvester._manager is None
+
+
 def test_stop_stops_every_engine_and_wait_returns():
     world = World("acme", "globex")
     harvester = world.supervisor()
