@@ -39,6 +39,8 @@ class FakeEngine:
         self.replica_state = ReplicaState.STANDBY
         self.published = 0
         self.failure: str | None = None
+        #: Whether stop() leaves it STOPPING (settling what it has in flight) until the test stops it.
+        self.settles = False
 
     def start(self) -> None:
         if self.refuse:
@@ -46,7 +48,7 @@ class FakeEngine:
         self.state = State.RUNNING
 
     def stop(self) -> None:
-        self.state = State.STOPPED
+        self.state = State.STOPPING if self.settles else State.STOPPED
 
     def fail(self, why: str) -> None:
         self.failure, self.state = why, State.STOPPED
@@ -192,6 +194,22 @@ def test_an_outbox_whose_config_changed_gets_a_fresh_engine():
     assert old.state is State.STOPPED
     harvester.tick()  # ...and once stopped, a new one starts with the new config
     assert world.running(harvester)["acme"].config.shards == 4
+
+
+def test_a_fresh_engine_waits_until_the_old_one_of_its_outbox_settled():
+    # Two engines of one outbox in one process would be two publishers of it until the old one stopped.
+    world = World("acme")
+    harvester = started(world, world.supervisor(rescan=1.0))
+    old = harvester.engines["acme"]
+    old.settles = True
+    world.found["acme"] = World.config("acme", shards=4)
+    for _ in range(5):
+        world.now += 1.0
+        harvester.tick()
+        assert old.state is State.STOPPING and len(world.built) == 1, "no second engine while the first settles"
+    old.state = State.STOPPED
+    harvester.tick()
+    assert world.running(harvester)["acme"].config.shards == 4 and len(world.built) == 2
 
 
 def test_when_discovery_fails_the_outboxes_found_before_go_on_and_it_is_said_once(caplog):
