@@ -127,7 +127,8 @@ def new_consumer(config: QueueConfig, queue: str, *, limits: QueueLimits, name: 
         from outbox.queue import store
 
         return ShareQueueConsumer(config, queue, limits=limits, name=name, instruments=instruments,
-                                  dead_letters=store.store_share_dead_letters)
+                                  dead_letters=store.store_share_dead_letters,
+                                  tracer=consumer_tracer(config, queue, share=True))
     return QueueConsumer(config, queue, limits=limits, name=name, instruments=instruments,
                          tracer=consumer_tracer(config, queue))
 

@@ -15,6 +15,9 @@ Redelivery is Kafka's: a record whose lock (the queue's redelivery_timeout) expi
 consumer died or left, is delivered again with its delivery count up by one. This client has no
 lock renewal (RENEW), so a handler must finish within redelivery_timeout; keep_alive_interval is
 not used by this backend.
+
+With tracing on, each delivery handed out by receive() has a span (delivery_spans.py), as on the
+markers backend.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
 from outbox.queue.consumer import Message
 from outbox.queue.consumer_state import Delivery, Held
-from outbox.queue.delivery_spans import NoSpans
+from outbox.queue.delivery_spans import DeliverySpans, NoSpans
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind
@@ -58,7 +61,8 @@ class ShareQueueConsumer:
                  limits: QueueLimits | None = None, name: str | None = None,
                  instruments: QueueInstruments | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = ShareConsumer,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tracer: Any = None) -> None:
+        """`tracer`: an outbox.tracing.consume.QueueTracer, to give each delivery a span (docs/tracing.md)."""
         try:
             self.queue = check_queue_name(queue)
         except ValueError as error:
@@ -69,8 +73,8 @@ class ShareQueueConsumer:
         self._dead_letters = dead_letters
         self._instruments = instruments or QueueInstruments()
         self._consumer_factory, self._clock = consumer_factory, clock
-        #: Tracing of share deliveries is not wired yet: no spans.
-        self.spans = NoSpans()
+        #: Tracing on: the span of each delivery handed out and not yet settled (delivery_spans.py).
+        self.spans: DeliverySpans | NoSpans = DeliverySpans(tracer) if tracer is not None else NoSpans()
         self.topic = config.share_topic(queue)
         self._state = ShareState(self.queue, self.limits)
         self._lock = threading.Lock()
@@ -125,6 +129,8 @@ class ShareQueueConsumer:
                                      timeout)
         if delivery is None:
             return None
+        with self._lock:
+            self.spans.received(delivery)
         self._instruments.received(self.queue)
         return Message(self, delivery)  # type: ignore[arg-type]  # the same protocol as QueueConsumer
 
@@ -148,6 +154,9 @@ class ShareQueueConsumer:
             self._poller.join()
         else:
             self._close_client()
+        with self._lock:
+            for delivery in list(self._state.held.values()):
+                self.spans.finish(delivery, "unsettled")
         log.info("Closed consumer of share queue %s (received %d, acked %d, retried %d, released %d, "
                  "dead-lettered %d)", self.queue, self.received, self.acked, self.retried, released,
                  self.dead_lettered)
@@ -184,6 +193,7 @@ class ShareQueueConsumer:
             if self._state.settle(delivery, outcome, self._clock(), delay) is None:
                 return
             self._changed.notify_all()
+            self.spans.finish(delivery, outcome.value, delay if outcome is Outcome.RETRIED else None)
         if outcome is Outcome.ACKED:
             self._instruments.acked(self.queue, self._clock() - delivery.received_at)
         elif outcome is Outcome.RETRIED:

@@ -2,7 +2,8 @@
 
 The share group is configured before its first consumer joins: Kafka's default start offset for a
 new share group is the latest, which would skip every message sent before the first consumer;
-`share.auto.offset.reset=earliest` keeps them. The lock duration is the queue's redelivery timeout.
+`share.auto.offset.reset=earliest` keeps them. The lock duration is the queue's redelivery timeout, and
+the session timeout and heartbeat follow it within the brokers' ranges (share_session.py), read from a broker.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from outbox.harvest.kafka import KafkaUnavailable, admin_config
 from outbox.queue.config import QueueConfig, QueueLimits
-from outbox.queue.share_state import FAILURE_DETECTION, group_settings
+from outbox.queue.share_session import RANGE_CONFIGS, UNBOUNDED, BrokerRanges, failure_detection
+from outbox.queue.share_state import group_settings
 from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
@@ -59,8 +61,8 @@ def ensure_share_topic(config: QueueConfig, queue: str, timeout: float, admin: A
 
 
 def configure_group(config: QueueConfig, queue: str, limits: QueueLimits, timeout: float, admin: Any = None) -> None:
-    """Set the share group's start offset and lock duration (before anyone joins it; harmless after), then,
-    where the broker allows them, the shorter session timeout and heartbeat that notice a dead consumer sooner."""
+    """Set the share group's start offset and lock duration (before anyone joins it; harmless after), then its
+    session timeout and heartbeat from the lock, so a dead consumer's messages wait about as long as a lock."""
     admin = admin or AdminClient(admin_config(config.base_kafka_config))
     group = config.share_group(queue)
     try:
@@ -71,13 +73,34 @@ def configure_group(config: QueueConfig, queue: str, limits: QueueLimits, timeou
             raise ShareGroupsUnavailable(f"share group {group!r}: this Kafka has no share groups ({reason}); "
                                          f"the share backend needs Apache Kafka 4.2 or later") from None
         raise KafkaUnavailable(f"cannot configure share group {group!r}: {reason}") from None
+    ranges = broker_ranges(admin, timeout)
+    detection = failure_detection(limits.redelivery_timeout, ranges or UNBOUNDED)
     try:
-        _alter(admin, group, FAILURE_DETECTION, timeout)
+        _alter(admin, group, detection.settings, timeout)
     except KafkaException as error:
         log.warning("Share group %s keeps the broker's session timeout (%s): a dead consumer's messages wait that "
                     "long for another; lower group.share.min.session.timeout.ms and "
                     "group.share.min.heartbeat.interval.ms on the brokers (docs/queue-backends.md)", group,
                     kafka_reason(error))
+        return
+    if detection.exceeds_target:
+        log.warning("Share group %s: the brokers' minimum session timeout is %g s, above the lock (%g s): a dead "
+                    "consumer's messages wait up to %g s for another; lower group.share.min.session.timeout.ms and "
+                    "group.share.min.heartbeat.interval.ms on the brokers (docs/queue-backends.md)", group,
+                    detection.session_ms / 1000, limits.redelivery_timeout, detection.bound)
+
+
+def broker_ranges(admin: Any, timeout: float) -> BrokerRanges | None:
+    """The session and heartbeat ranges one broker allows share groups; None if they cannot be read (no
+    permission to describe it): then the lock's own values are asked for, and the broker may refuse them."""
+    try:
+        brokers = admin.list_topics(timeout=timeout).brokers
+        resource = ConfigResource(ResourceType.BROKER, str(min(brokers)))
+        entries = admin.describe_configs([resource], request_timeout=timeout)[resource].result()
+        return BrokerRanges(**{field: int(entries[name].value) for field, name in RANGE_CONFIGS.items()})
+    except (KafkaException, KeyError, TypeError, ValueError) as error:
+        log.info("Could not read the brokers' share-group session ranges (%s)", kafka_reason(error))
+        return None
 
 
 def _alter(admin: Any, group: str, settings: dict[str, str], timeout: float) -> None:

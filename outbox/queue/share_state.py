@@ -79,13 +79,6 @@ def verdict(outcome: Outcome, deliveries: int, limits: QueueLimits, *, now: floa
     return Verdict(Ack.RELEASE)
 
 
-#: How soon the share group notices a dead consumer: only then are its partitions fetched by another member
-#: (the lock's end puts a record back, but the simple assignor gives a partition to one member while there are
-#: fewer members than partitions). As the markers backend's consumer groups (clients.GROUP_TIMEOUTS); a broker
-#: whose group.share.min.session.timeout.ms is higher (45 s by default) keeps its own.
-FAILURE_DETECTION = {"share.session.timeout.ms": "10000", "share.heartbeat.interval.ms": "2000"}
-
-
 def group_settings(limits: QueueLimits) -> dict[str, str]:
     """The share group's configuration: from the earliest offset (nothing sent before the first consumer
     is lost; Kafka's default is the latest) and the lock duration from redelivery_timeout."""

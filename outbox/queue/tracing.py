@@ -8,10 +8,13 @@ from outbox.queue.config import QueueConfig
 from outbox.tracing.switch import tracing_on
 
 
-def consumer_tracer(config: QueueConfig, queue: str) -> Any:
-    """A QueueTracer for a consumer of `queue` when tracing is on (OUTBOX["tracing"]), else None."""
+def consumer_tracer(config: QueueConfig, queue: str, *, share: bool = False) -> Any:
+    """A QueueTracer for a consumer of `queue` (on the share backend: its topic and share group) when tracing is
+    on (OUTBOX["tracing"]), else None."""
     if not tracing_on():
         return None
     from outbox.tracing.consume import QueueTracer
 
+    if share:
+        return QueueTracer(queue, config.share_topic(queue), config.share_group(queue))
     return QueueTracer(queue, config.topic, config.consumer_group(queue))

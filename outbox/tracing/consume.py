@@ -1,10 +1,12 @@
 """A queue consumer's spans: one per delivery of a message, from the consumer taking it (its Start
-marker) to its ack, retry, abandon or release. Imports opentelemetry: only used once tracing is on.
+marker; on the share backend, receive() handing it out) to its ack, retry, abandon or release.
+Imports opentelemetry: only used once tracing is on.
 
     process emails         CONSUMER, child of the trace context the message carries (the one
-      stash() or send() added), linked to the spans of the message's earlier deliveries (their
-      traceparents travel in the queue's own mq-trace-links header, which the redelivery tracker
-      copies from the Start marker), with outbox.queue.deliveries = the delivery count.
+      stash() or send() added), linked to the spans of the message's earlier deliveries, with
+      outbox.queue.deliveries = the delivery count. The markers backend carries their traceparents
+      in the queue's own mq-trace-links header (the redelivery tracker copies it from the Start
+      marker); the share backend has only those its own process traced (delivery_spans.py).
 
 The handler runs with the span current (runner.py, or `trace.use_span(message.span)` when an
 application calls receive() itself), so whatever it does (a stash() included) joins the trace.
@@ -12,6 +14,7 @@ application calls receive() itself), so whatever it does (a stash() included) jo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -34,10 +37,10 @@ class QueueTracer:
         self._tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
 
     def started(self, ref: tuple[int, int], message_id: str, deliveries: int, raw_headers: Any,
-                earlier: list[str]) -> Any:
-        """The span of this delivery (not current yet); `earlier`: traceparents of the earlier ones."""
+                earlier: Sequence[tuple[int, str]]) -> Any:
+        """The span of this delivery (not current yet); `earlier`: (delivery number, traceparent) of earlier ones."""
         links = []
-        for number, traceparent in enumerate(earlier[-MAX_LINKS:], start=max(1, len(earlier) - MAX_LINKS + 1)):
+        for number, traceparent in earlier[-MAX_LINKS:]:
             context = trace.get_current_span(_TRACECONTEXT.extract({"traceparent": traceparent})).get_span_context()
             if context.is_valid:
                 links.append(Link(context, {"outbox.queue.delivery": number}))

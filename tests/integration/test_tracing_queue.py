@@ -1,8 +1,13 @@
 """The queue consumer continues the trace: the handler runs in a span whose parent is the message's
 trace context; a redelivery is a new span linked to the earlier ones with its delivery count. And
-the example shop's order, traced from its view through the outbox to the queue handler."""
+the example shop's order, traced from its view through the outbox to the queue handler. The share backend's
+span likewise, with the broker's delivery count, and nothing of OpenTelemetry imported with tracing off."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 from django.db import transaction
@@ -21,7 +26,13 @@ from project.shop.handlers import confirm_order
 from project.shop.models import Order
 from tests.support import tracing
 from tests.support.harness import wait_until
-from tests.support.queue_harness import new_prefix, queue_settings, running_harvester, running_tracker
+from tests.support.queue_harness import (
+    new_prefix,
+    queue_settings,
+    running_harvester,
+    running_tracker,
+    share_groups_missing,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -132,3 +143,71 @@ def test_one_trace_covers_the_order_view_the_outbox_wait_the_publish_and_the_que
     assert by_name["process order-confirmations"].start_time >= by_name[f"send {config.topic}"].start_time
     with capsys.disabled():
         print("\n" + tracing.render(finished, trace_id))
+
+
+@pytest.fixture
+def share_config(settings, bootstrap_servers):
+    """OUTBOX["queues"] on fresh topics, every queue on the share backend; skipped without share groups."""
+    reason = share_groups_missing(bootstrap_servers)
+    if reason is not None:
+        pytest.skip(f"the broker at {bootstrap_servers} has no share groups (needs Apache Kafka 4.2+): {reason}")
+    settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix(), backend="share",
+                                                                   redelivery_timeout=3.0, max_deliveries=3)}
+    return app_settings.queue_config()
+
+
+def test_a_share_queues_handler_runs_in_the_senders_trace_and_a_redelivery_shows_its_delivery_count(
+        share_config, spans):
+    """The share backend: the same span as the markers backend's, with the broker's delivery count; the
+    redelivery, to the same process here, links to the first delivery's span."""
+    with trace.get_tracer("test").start_as_current_span("sign up") as sender:
+        message_id = api.send("welcome", {"user": 9})
+    inside = []
+
+    def handler(message):
+        inside.append((message.deliveries, trace.get_current_span().get_span_context()))
+        if message.deliveries == 1:
+            raise Retry("not yet")
+
+    with api.consumer("welcome") as consumer:
+        run_handler(consumer, handler, lambda: consumer.acked == 1, "the redelivered message acked")
+    processes = sorted(tracing.named(spans.get_finished_spans(), "process welcome"),
+                       key=lambda s: s.attributes["outbox.queue.deliveries"])
+    assert [s.attributes["outbox.queue.deliveries"] for s in processes] == [1, 2], "the broker's delivery count"
+    first, second = processes
+    assert {s.parent.span_id for s in processes} == {sender.get_span_context().span_id}
+    assert {s.context.trace_id for s in processes} == {sender.get_span_context().trace_id}
+    assert inside == [(1, first.context), (2, second.context)], "the handler ran with the delivery's span current"
+    assert [s.attributes["outbox.queue.outcome"] for s in processes] == ["retried", "acked"]
+    assert first.links == () and [(link.context.span_id, link.attributes["outbox.queue.delivery"])
+                                  for link in second.links] == [(first.context.span_id, 1)]
+    for span in processes:
+        assert span.kind is SpanKind.CONSUMER and span.attributes["messaging.message.id"] == message_id
+        assert span.attributes["messaging.destination.name"] == share_config.share_topic("welcome")
+        assert span.attributes["messaging.consumer.group.name"] == share_config.share_group("welcome")
+
+
+def test_a_share_consumer_with_tracing_off_imports_nothing_of_opentelemetry(share_config, database_url,
+                                                                          bootstrap_servers):
+    """In a fresh process with OUTBOX["tracing"] False, a share queue's message sent, received and acked leaves
+    opentelemetry unimported, and the message has no span."""
+    code = """
+import os, sys, django
+os.environ["DJANGO_SETTINGS_MODULE"] = "project.settings"
+from django.conf import settings
+django.setup()
+settings.OUTBOX = {**settings.OUTBOX, "tracing": False}
+from outbox.queue import api
+api.send("quiet", "x")
+with api.consumer("quiet") as consumer:
+    message = None
+    while message is None:
+        message = consumer.receive(timeout=1)
+    message.ack()
+print(message.span, sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+"""
+    env = {**os.environ, "DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+           "OUTBOX_QUEUE_PREFIX": share_config.topic, "OUTBOX_QUEUE_BACKEND": "share"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "None []"

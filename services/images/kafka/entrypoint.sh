@@ -24,8 +24,8 @@ share.coordinator.state.topic.min.isr=1
 # Share groups (outbox.queue's share backend): as bin/services sets them.
 group.share.delivery.count.limit=10
 group.share.min.record.lock.duration.ms=1000
-group.share.min.session.timeout.ms=6000
-group.share.min.heartbeat.interval.ms=1000
+group.share.min.session.timeout.ms=1000
+group.share.min.heartbeat.interval.ms=250
 DEFAULTS
 
 for variable in $(compgen -e | sort); do
