@@ -51,6 +51,12 @@ _ACK_TYPES = {Ack.ACCEPT: AcknowledgeType.ACCEPT, Ack.RELEASE: AcknowledgeType.R
 _OUTCOMES = {Kind.END: Outcome.ACKED, Kind.KEEPALIVE: Outcome.RETRIED, None: Outcome.ABANDONED}
 
 
+def prepare_share_group(config: QueueConfig, queue: str, limits: QueueLimits, timeout: float) -> None:
+    """The queue's share topic, and its share group configured before anyone joins (share_group.py)."""
+    ensure_share_topic(config, queue, timeout)
+    configure_group(config, queue, limits, timeout)
+
+
 class ShareQueueConsumer:
     """Receives the messages of one share queue; thread-safe receive(), ack() from any thread."""
 
@@ -58,7 +64,9 @@ class ShareQueueConsumer:
                  limits: QueueLimits | None = None, name: str | None = None,
                  instruments: QueueInstruments | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = ShareConsumer,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 prepare: Callable[[QueueConfig, str, QueueLimits, float], None] = prepare_share_group) -> None:
+        """`consumer_factory`, `clock` and `prepare` (topic and group set-up): the simulator's seams."""
         try:
             self.queue = check_queue_name(queue)
         except ValueError as error:
@@ -68,7 +76,7 @@ class ShareQueueConsumer:
         self.name = name or default_name()
         self._dead_letters = dead_letters
         self._instruments = instruments or QueueInstruments()
-        self._consumer_factory, self._clock = consumer_factory, clock
+        self._consumer_factory, self._clock, self._prepare = consumer_factory, clock, prepare
         #: Tracing of share deliveries is not wired yet: no spans.
         self.spans = NoSpans()
         self.topic = config.share_topic(queue)
@@ -99,8 +107,7 @@ class ShareQueueConsumer:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            ensure_share_topic(self.config, self.queue, KAFKA_START_TIMEOUT)
-            configure_group(self.config, self.queue, self.limits, KAFKA_START_TIMEOUT)
+            self._prepare(self.config, self.queue, self.limits, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.share_consumer_config(self.config, self.queue,
                                                                                   self.name, self.limits))
             self._consumer.subscribe([self.topic])
@@ -132,11 +139,7 @@ class ShareQueueConsumer:
         """Stop polling, release messages never received, wait up to `timeout` for the rest to be settled."""
         if self._closed:
             return
-        self._closed = True
-        self._stopping.set()
-        with self._changed:
-            released = self._state.release_buffered(self._clock())
-            self._changed.notify_all()
+        released = self.stop_polling()
         deadline = self._clock() + timeout
         while self.in_progress and self._clock() < deadline and self._poller is not None and self._poller.is_alive():
             time.sleep(0.02)
@@ -151,6 +154,23 @@ class ShareQueueConsumer:
         log.info("Closed consumer of share queue %s (received %d, acked %d, retried %d, released %d, "
                  "dead-lettered %d)", self.queue, self.received, self.acked, self.retried, released,
                  self.dead_lettered)
+
+    # The steps of close() the simulator takes on its own clock: stop_polling(), then round() until
+    # polling_done, then the client's close.
+
+    def stop_polling(self) -> int:
+        """No more polls; receive() raises from now on; messages never received go back (RELEASE). Returns how many."""
+        self._closed = True
+        self._stopping.set()
+        with self._changed:
+            released = self._state.release_buffered(self._clock())
+            self._changed.notify_all()
+        return released
+
+    @property
+    def polling_done(self) -> bool:
+        """The poller's loop ends: given up, or stopping with every record of the last batch acknowledged."""
+        return self._give_up.is_set() or (self._stopping.is_set() and self._state.batch_done)
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -195,7 +215,7 @@ class ShareQueueConsumer:
 
     def _poll_loop(self) -> None:
         try:
-            while not (self._give_up.is_set() or (self._stopping.is_set() and self._state.batch_done)):
+            while not self.polling_done:
                 self.round()
         except BaseException as error:
             self._fail(error)
