@@ -54,8 +54,9 @@ class Verdict:
 
     ack: Ack
     dead_letter: bool = False
-    #: Local time at which to send it (a Retry's delay); now when 0.
-    at: float = 0.0
+    #: Local time at which to send it (a Retry's delay); None: now. (Not 0.0 for now: a monotonic clock's
+    #: reference point is undefined, and a clock below 0 would hold every acknowledgement back until it passed 0.)
+    at: float | None = None
 
 
 def dead_on_arrival(deliveries: int, limits: QueueLimits) -> bool:
@@ -159,7 +160,7 @@ class ShareState:
                    Outcome.RELEASED: "released"}[outcome]
         setattr(self, counter, getattr(self, counter) + 1)
         settling = Settling(delivery, decided)
-        if decided.at > now:
+        if decided.at is not None and decided.at > now:
             self._sequence += 1
             heapq.heappush(self.later, (decided.at, self._sequence, settling))
         else:

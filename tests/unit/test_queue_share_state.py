@@ -68,6 +68,15 @@ def test_the_batch_is_done_only_when_every_record_was_sent_and_a_second_ack_does
     assert state.batch_done and (state.acked, state.retried) == (1, 1)
 
 
+def test_an_acknowledgement_is_due_at_once_on_a_monotonic_clock_below_zero():
+    """A monotonic clock's reference point is undefined (the simulator's processes start theirs anywhere): an
+    ACCEPT at -3304.5 was held back as if delayed until the clock passed 0 (found by tests/sim/share_scenario.py)."""
+    state = ShareState("q", LIMITS)
+    state.arrived([delivery(1, at=-3310.0)])
+    state.settle(state.take(-3305.0), Outcome.ACKED, -3304.5)
+    assert [s.verdict.ack for s in state.take_due(-3304.5)] == [Ack.ACCEPT]
+
+
 def test_buffered_records_whose_lock_ends_go_back_unhandled():
     state = ShareState("q", LIMITS)
     state.arrived([delivery(1, at=0.0), delivery(2, at=0.0)])
