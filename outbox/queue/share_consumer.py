@@ -272,28 +272,28 @@ class ShareQueueConsumer:
             self._changed.notify_all()
 
     def _acknowledge(self, due: list[Settling]) -> None:
-        """Dead letters first (a REJECT whose letter could not be written becomes a RELEASE), then the acks."""
+        """Dead letters first (those that could not be written are tried again later, or RELEASEd), then the acks."""
         letters = [s for s in due if s.verdict.dead_letter]
-        written = False
         if letters:
             try:
                 self._dead_letters([_dead_letter(self.queue, s.delivery) for s in letters])
-                written = True
             except Exception as error:
-                log.warning("Could not write %d dead letter(s) of share queue %s (%s): released, so they come "
-                            "back", len(letters), self.queue, error)
+                with self._lock:
+                    released = self._state.letters_failed(letters, self._clock())
+                log.warning("Could not write %d dead letter(s) of share queue %s (%s): tried again while their "
+                            "locks hold, %d released to come back", len(letters), self.queue, error, len(released))
+                due = [s for s in due if not s.verdict.dead_letter] + released
+                letters = []
         for settling in due:
-            ack = settling.verdict.ack
-            if settling.verdict.dead_letter and not written:
-                ack = Ack.RELEASE
             delivery = settling.delivery
             try:
-                self._consumer.acknowledge_offset(self.topic, delivery.ref[0], delivery.ref[1], _ACK_TYPES[ack])
+                self._consumer.acknowledge_offset(self.topic, delivery.ref[0], delivery.ref[1],
+                                                  _ACK_TYPES[settling.verdict.ack])
             except IllegalStateException as error:  # no longer in flight: Kafka has it back, and redelivers it
                 log.warning("Could not acknowledge %s/%s (%s): Kafka redelivers it", self.queue, delivery.id, error)
             with self._lock:
-                self._state.sent(settling, dead_lettered=settling.verdict.dead_letter and written)
-        if letters and written:
+                self._state.sent(settling, dead_lettered=settling.verdict.dead_letter)
+        if letters:
             self._instruments.dead_lettered(self.queue, len(letters))
             log.warning("Moved %d message(s) of share queue %s to the dead letters (max deliveries reached)",
                         len(letters), self.queue)

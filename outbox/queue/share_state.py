@@ -7,7 +7,9 @@ redeliver what a dead consumer held; what is left to us is what Kafka cannot kno
   the dead letters without running the handler;
 - a handler that failed, or asked to Retry, on the last allowed delivery: dead letter;
 - the dead letter is written *before* the record is REJECTed (archived by Kafka), so nothing is
-  archived unseen; if it cannot be written, the record is RELEASEd and comes back;
+  archived unseen; if it cannot be written, it is tried again while the record's lock holds, and only
+  then is the record RELEASEd to come back (each RELEASE spends one of the deliveries left before
+  the broker's own limit archives the record unseen);
 - Retry(delay): the record is held, then RELEASEd once the delay has passed (Kafka has no delayed
   release); never held past its lock, which would redeliver it anyway.
 
@@ -29,6 +31,8 @@ from outbox.queue.consumer_state import Delivery, Held
 Ref = tuple[int, int]
 #: A delayed release is sent this long before the lock would expire (the acknowledgement must arrive first).
 LOCK_MARGIN = 0.5
+#: A dead letter that could not be written is tried again this often while its record's lock holds.
+LETTER_RETRY = 0.5
 
 
 class Ack(enum.Enum):
@@ -195,6 +199,20 @@ class ShareState:
             self.due.append(heapq.heappop(self.later)[2])
         due, self.due = self.due, []
         return due
+
+    def letters_failed(self, settlings: list[Settling], now: float) -> list[Settling]:
+        """Dead letters that could not be written: tried again in LETTER_RETRY while the lock holds (a RELEASE
+        would spend a delivery, and past the broker's delivery limit Kafka archives the record unseen). Returns
+        the RELEASEs to send now, for records whose lock ends before the next try."""
+        release = []
+        for settling in settlings:
+            lock_ends = settling.delivery.last_marker + self.limits.redelivery_timeout - LOCK_MARGIN
+            if now + LETTER_RETRY < lock_ends:
+                self._sequence += 1
+                heapq.heappush(self.later, (now + LETTER_RETRY, self._sequence, settling))
+            else:
+                release.append(Settling(settling.delivery, Verdict(Ack.RELEASE)))
+        return release
 
     def sent(self, settling: Settling, *, dead_lettered: bool = False) -> None:
         """The acknowledgement is with the client (`dead_lettered`: after its dead letter was written)."""

@@ -10,7 +10,16 @@ from confluent_kafka import AcknowledgeType, IllegalStateException
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.consumer_state import Delivery
 from outbox.queue.share_consumer import ShareQueueConsumer
-from outbox.queue.share_state import LOCK_MARGIN, Ack, Outcome, ShareState, Verdict, group_settings, verdict
+from outbox.queue.share_state import (
+    LETTER_RETRY,
+    LOCK_MARGIN,
+    Ack,
+    Outcome,
+    ShareState,
+    Verdict,
+    group_settings,
+    verdict,
+)
 
 LIMITS = QueueLimits(redelivery_timeout=10.0, max_deliveries=3, backend="share", max_in_progress=4)
 
@@ -145,9 +154,9 @@ def poller(fake: FakeShareConsumer, sink: Any) -> ShareQueueConsumer:
     return consumer
 
 
-def test_a_dead_letter_is_written_before_the_reject_and_a_failed_write_releases_instead():
+def test_a_dead_letter_is_written_before_the_reject():
     letters: list[Any] = []
-    fake = FakeShareConsumer([[FakeRecord(7, 4)], [FakeRecord(8, 4)]])
+    fake = FakeShareConsumer([[FakeRecord(7, 4)]])
     consumer = poller(fake, letters.extend)
     consumer.round()  # polls: record 7 is dead on arrival
     consumer.round()  # writes its letter, then REJECTs it
@@ -155,11 +164,39 @@ def test_a_dead_letter_is_written_before_the_reject_and_a_failed_write_releases_
         ("id7", 4, [("app", b"1")])]
     assert fake.acks == [(7, AcknowledgeType.REJECT)] and consumer.dead_lettered == 1
 
-    def failing(batch: Any) -> None:
-        raise RuntimeError("database down")
 
-    consumer._dead_letters = failing
+def test_a_dead_letter_that_cannot_be_written_is_tried_again_while_the_lock_holds_then_released():
+    """A RELEASE spends a delivery, and past the broker's delivery limit Kafka archives the record unseen: a
+    failed write is retried within the lock first (the share simulator lost messages this way, seeds 134, 212)."""
+    now = [100.0]
+    letters: list[Any] = []
+    failures = [2]
+
+    def flaky(batch: Any) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("database down")
+        letters.extend(batch)
+
+    fake = FakeShareConsumer([[FakeRecord(7, 4)], [FakeRecord(8, 4)]])
+    consumer = ShareQueueConsumer(QueueConfig(limits=LIMITS), "q", dead_letters=flaky, consumer_factory=lambda c: fake,
+                                  clock=lambda: now[0])
+    consumer._consumer = fake
+    consumer.round()  # polls record 7: dead on arrival
+    consumer.round()  # its letter fails: nothing acknowledged, tried again later
+    assert fake.acks == [] and consumer.in_progress == 1
+    now[0] += LETTER_RETRY
+    consumer.round()  # fails again
+    now[0] += LETTER_RETRY
+    consumer.round()  # written: REJECT
+    assert fake.acks == [(7, AcknowledgeType.REJECT)] and [letter.message_id for letter in letters] == ["id7"]
+    failures[0] = 1_000
+    consumer.round()  # polls record 8 at t=101
     consumer.round()
+    now[0] += 10.0 - LOCK_MARGIN - LETTER_RETRY - 1.0  # the letter keeps failing until the lock is about to end
+    consumer.round()
+    assert fake.acks[-1] == (7, AcknowledgeType.REJECT)
+    now[0] += 1.0
     consumer.round()
     assert fake.acks[-1] == (8, AcknowledgeType.RELEASE), "no letter written: it comes back rather than archived"
     assert consumer.dead_lettered == 1
