@@ -68,7 +68,7 @@ def dead_on_arrival(deliveries: int, limits: QueueLimits) -> bool:
     return limits.max_deliveries is not None and deliveries > limits.max_deliveries
 
 
-def verdict(outcome: Outcome, deliveries: int, limits: QueueLimits, *, now: float, received_at: float,
+def verdict(outcome: Outcome, deliveries: int, limits: QueueLimits, *, now: float, locked_at: float,
             delay: float = 0.0) -> Verdict:
     """How to settle a delivery after `outcome` (pure: the simulator and the unit tests call it)."""
     if outcome is Outcome.ACKED:
@@ -79,7 +79,7 @@ def verdict(outcome: Outcome, deliveries: int, limits: QueueLimits, *, now: floa
     if last:
         return Verdict(Ack.REJECT, dead_letter=True)
     if outcome is Outcome.RETRIED and delay > 0:
-        lock_ends = received_at + limits.redelivery_timeout - LOCK_MARGIN
+        lock_ends = locked_at + limits.redelivery_timeout - LOCK_MARGIN
         return Verdict(Ack.RELEASE, at=min(now + delay, lock_ends))
     return Verdict(Ack.RELEASE)
 
@@ -158,7 +158,7 @@ class ShareState:
         if delivery.state is Held.DONE or delivery.ref not in self.held:
             return None
         delivery.state = Held.DONE
-        decided = verdict(outcome, delivery.deliveries, self.limits, now=now, received_at=delivery.received_at,
+        decided = verdict(outcome, delivery.deliveries, self.limits, now=now, locked_at=delivery.last_marker,
                           delay=delay)
         counter = {Outcome.ACKED: "acked", Outcome.RETRIED: "retried", Outcome.ABANDONED: "abandoned",
                    Outcome.RELEASED: "released"}[outcome]

@@ -40,12 +40,12 @@ def delivery(offset: int, deliveries: int = 1, at: float = 0.0) -> Delivery:
     (Outcome.RELEASED, 3, 0, Verdict(Ack.RELEASE)),  # never handed out: not the handler's failure
 ])
 def test_verdicts(outcome, deliveries, delay, expected):
-    assert verdict(outcome, deliveries, LIMITS, now=100.0, received_at=100.0, delay=delay) == expected
+    assert verdict(outcome, deliveries, LIMITS, now=100.0, locked_at=100.0, delay=delay) == expected
 
 
 def test_no_max_deliveries_never_dead_letters():
     limits = QueueLimits(max_deliveries=None)
-    assert verdict(Outcome.ABANDONED, 50, limits, now=0, received_at=0) == Verdict(Ack.RELEASE)
+    assert verdict(Outcome.ABANDONED, 50, limits, now=0, locked_at=0) == Verdict(Ack.RELEASE)
 
 
 def test_the_group_starts_at_the_earliest_offset_with_the_lock_from_the_redelivery_timeout():
@@ -75,6 +75,15 @@ def test_the_batch_is_done_only_when_every_record_was_sent_and_a_second_ack_does
     [late] = state.take_due(3.0)
     state.sent(late)
     assert state.batch_done and (state.acked, state.retried) == (1, 1)
+
+
+def test_a_retry_is_released_before_the_lock_that_began_at_the_fetch_ends():
+    """The lock starts when Kafka hands the record out, not when receive() does: a record handed out 5 s into a
+    10 s lock and retried for a minute was held until 14.5 s, past its lock (found by the share simulator)."""
+    state = ShareState("q", LIMITS)
+    state.arrived([delivery(1, at=0.0)])
+    decided = state.settle(state.take(5.0), Outcome.RETRIED, 5.0, delay=60.0)
+    assert decided == Verdict(Ack.RELEASE, at=10.0 - LOCK_MARGIN) and state.next_due() == 10.0 - LOCK_MARGIN
 
 
 def test_an_acknowledgement_is_due_at_once_on_a_monotonic_clock_below_zero():
