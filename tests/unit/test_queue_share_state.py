@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -226,6 +227,7 @@ def test_the_poller_waits_for_the_whole_batch_before_polling_again():
 
 
 def test_an_acknowledgement_the_client_no_longer_takes_is_logged_and_the_batch_moves_on(caplog):
+    caplog.set_level(logging.WARNING, logger="outbox")  # the simulators' tests quiet it, in whatever order tests run
     fake = FakeShareConsumer([[FakeRecord(1, 1)], [FakeRecord(2, 1)]])
     fake.gone.add(1)
     consumer = poller(fake, lambda letters: None)
