@@ -211,8 +211,6 @@ class SimShareConsumer(SimProcess):
             consumer.round()
         finally:
             self._in_round = False
-        if self._idle and consumer._state.buffered:
-            self._notified()
         return max(self._condition.waited, self.blocked(), 0.001)
 
     def _work(self) -> float | None:

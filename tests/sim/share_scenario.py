@@ -156,7 +156,8 @@ def run(seed: int, options: ShareOptions | None = None, *, trace: bool = False) 
     done = {"flag": False}
 
     def watch() -> None:
-        if len(ledger.sent) == total and all(m in app.handled or m in app.dead for m in ledger.sent):
+        if len(ledger.sent) == total and all(m in app.handled or m in app.dead or m in ledger.unseen
+                                             for m in ledger.sent):
             done["flag"] = True
             return
         world.after(1.0, watch)
