@@ -71,6 +71,15 @@ def shard_sim_seeds(request: pytest.FixtureRequest) -> list[int]:
     return _seeds(request, shard_scenario.run, max(1, request.config.getoption("--sim-seeds") // 5))
 
 
+@pytest.fixture
+def share_sim_seeds(request: pytest.FixtureRequest) -> list[int]:
+    """The share backend's runs (tests/sim/share_scenario.py): a fifth of --sim-seeds (400 by default), or
+    --sim-seed's."""
+    from tests.sim import share_scenario
+
+    return _seeds(request, share_scenario.run, max(1, request.config.getoption("--sim-seeds") // 5))
+
+
 def _seeds(request: pytest.FixtureRequest, run: Any, count: int) -> list[int]:
     """--sim-seed's one seed (its run printed with its trace first), else seeds 1 to `count`."""
     seed = request.config.getoption("--sim-seed")

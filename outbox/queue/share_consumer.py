@@ -54,6 +54,12 @@ _ACK_TYPES = {Ack.ACCEPT: AcknowledgeType.ACCEPT, Ack.RELEASE: AcknowledgeType.R
 _OUTCOMES = {Kind.END: Outcome.ACKED, Kind.KEEPALIVE: Outcome.RETRIED, None: Outcome.ABANDONED}
 
 
+def prepare_share_group(config: QueueConfig, queue: str, limits: QueueLimits, timeout: float) -> None:
+    """The queue's share topic, and its share group configured before anyone joins (share_group.py)."""
+    ensure_share_topic(config, queue, timeout)
+    configure_group(config, queue, limits, timeout)
+
+
 class ShareQueueConsumer:
     """Receives the messages of one share queue; thread-safe receive(), ack() from any thread."""
 
@@ -61,8 +67,10 @@ class ShareQueueConsumer:
                  limits: QueueLimits | None = None, name: str | None = None,
                  instruments: QueueInstruments | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = ShareConsumer,
-                 clock: Callable[[], float] = time.monotonic, tracer: Any = None) -> None:
-        """`tracer`: an outbox.tracing.consume.QueueTracer, to give each delivery a span (docs/tracing.md)."""
+                 clock: Callable[[], float] = time.monotonic, tracer: Any = None,
+                 prepare: Callable[[QueueConfig, str, QueueLimits, float], None] = prepare_share_group) -> None:
+        """`tracer`: an outbox.tracing.consume.QueueTracer, to give each delivery a span (docs/tracing.md);
+        `consumer_factory`, `clock` and `prepare` (topic and group set-up): the simulator's seams."""
         try:
             self.queue = check_queue_name(queue)
         except ValueError as error:
@@ -72,7 +80,7 @@ class ShareQueueConsumer:
         self.name = name or default_name()
         self._dead_letters = dead_letters
         self._instruments = instruments or QueueInstruments()
-        self._consumer_factory, self._clock = consumer_factory, clock
+        self._consumer_factory, self._clock, self._prepare = consumer_factory, clock, prepare
         #: Tracing on: the span of each delivery handed out and not yet settled (delivery_spans.py).
         self.spans: DeliverySpans | NoSpans = DeliverySpans(tracer) if tracer is not None else NoSpans()
         self.topic = config.share_topic(queue)
@@ -103,8 +111,7 @@ class ShareQueueConsumer:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            ensure_share_topic(self.config, self.queue, KAFKA_START_TIMEOUT)
-            configure_group(self.config, self.queue, self.limits, KAFKA_START_TIMEOUT)
+            self._prepare(self.config, self.queue, self.limits, KAFKA_START_TIMEOUT)
             self._consumer = self._consumer_factory(clients.share_consumer_config(self.config, self.queue,
                                                                                   self.name, self.limits))
             self._consumer.subscribe([self.topic])
@@ -138,11 +145,7 @@ class ShareQueueConsumer:
         """Stop polling, release messages never received, wait up to `timeout` for the rest to be settled."""
         if self._closed:
             return
-        self._closed = True
-        self._stopping.set()
-        with self._changed:
-            released = self._state.release_buffered(self._clock())
-            self._changed.notify_all()
+        released = self.stop_polling()
         deadline = self._clock() + timeout
         while self.in_progress and self._clock() < deadline and self._poller is not None and self._poller.is_alive():
             time.sleep(0.02)
@@ -160,6 +163,23 @@ class ShareQueueConsumer:
         log.info("Closed consumer of share queue %s (received %d, acked %d, retried %d, released %d, "
                  "dead-lettered %d)", self.queue, self.received, self.acked, self.retried, released,
                  self.dead_lettered)
+
+    # The steps of close() the simulator takes on its own clock: stop_polling(), then round() until
+    # polling_done, then the client's close.
+
+    def stop_polling(self) -> int:
+        """No more polls; receive() raises from now on; messages never received go back (RELEASE). Returns how many."""
+        self._closed = True
+        self._stopping.set()
+        with self._changed:
+            released = self._state.release_buffered(self._clock())
+            self._changed.notify_all()
+        return released
+
+    @property
+    def polling_done(self) -> bool:
+        """The poller's loop ends: given up, or stopping with every record of the last batch acknowledged."""
+        return self._give_up.is_set() or (self._stopping.is_set() and self._state.batch_done)
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -205,7 +225,7 @@ class ShareQueueConsumer:
 
     def _poll_loop(self) -> None:
         try:
-            while not (self._give_up.is_set() or (self._stopping.is_set() and self._state.batch_done)):
+            while not self.polling_done:
                 self.round()
         except BaseException as error:
             self._fail(error)
@@ -262,28 +282,28 @@ class ShareQueueConsumer:
             self._changed.notify_all()
 
     def _acknowledge(self, due: list[Settling]) -> None:
-        """Dead letters first (a REJECT whose letter could not be written becomes a RELEASE), then the acks."""
+        """Dead letters first (those that could not be written are tried again later, or RELEASEd), then the acks."""
         letters = [s for s in due if s.verdict.dead_letter]
-        written = False
         if letters:
             try:
                 self._dead_letters([_dead_letter(self.queue, s.delivery) for s in letters])
-                written = True
             except Exception as error:
-                log.warning("Could not write %d dead letter(s) of share queue %s (%s): released, so they come "
-                            "back", len(letters), self.queue, error)
+                with self._lock:
+                    released = self._state.letters_failed(letters, self._clock())
+                log.warning("Could not write %d dead letter(s) of share queue %s (%s): tried again while their "
+                            "locks hold, %d released to come back", len(letters), self.queue, error, len(released))
+                due = [s for s in due if not s.verdict.dead_letter] + released
+                letters = []
         for settling in due:
-            ack = settling.verdict.ack
-            if settling.verdict.dead_letter and not written:
-                ack = Ack.RELEASE
             delivery = settling.delivery
             try:
-                self._consumer.acknowledge_offset(self.topic, delivery.ref[0], delivery.ref[1], _ACK_TYPES[ack])
+                self._consumer.acknowledge_offset(self.topic, delivery.ref[0], delivery.ref[1],
+                                                  _ACK_TYPES[settling.verdict.ack])
             except IllegalStateException as error:  # no longer in flight: Kafka has it back, and redelivers it
                 log.warning("Could not acknowledge %s/%s (%s): Kafka redelivers it", self.queue, delivery.id, error)
             with self._lock:
-                self._state.sent(settling, dead_lettered=settling.verdict.dead_letter and written)
-        if letters and written:
+                self._state.sent(settling, dead_lettered=settling.verdict.dead_letter)
+        if letters:
             self._instruments.dead_lettered(self.queue, len(letters))
             log.warning("Moved %d message(s) of share queue %s to the dead letters (max deliveries reached)",
                         len(letters), self.queue)

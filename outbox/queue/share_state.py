@@ -7,7 +7,9 @@ redeliver what a dead consumer held; what is left to us is what Kafka cannot kno
   the dead letters without running the handler;
 - a handler that failed, or asked to Retry, on the last allowed delivery: dead letter;
 - the dead letter is written *before* the record is REJECTed (archived by Kafka), so nothing is
-  archived unseen; if it cannot be written, the record is RELEASEd and comes back;
+  archived unseen; if it cannot be written, it is tried again while the record's lock holds, and only
+  then is the record RELEASEd to come back (each RELEASE spends one of the deliveries left before
+  the broker's own limit archives the record unseen);
 - Retry(delay): the record is held, then RELEASEd once the delay has passed (Kafka has no delayed
   release); never held past its lock, which would redeliver it anyway.
 
@@ -29,6 +31,8 @@ from outbox.queue.consumer_state import Delivery, Held
 Ref = tuple[int, int]
 #: A delayed release is sent this long before the lock would expire (the acknowledgement must arrive first).
 LOCK_MARGIN = 0.5
+#: A dead letter that could not be written is tried again this often while its record's lock holds.
+LETTER_RETRY = 0.5
 
 
 class Ack(enum.Enum):
@@ -54,8 +58,9 @@ class Verdict:
 
     ack: Ack
     dead_letter: bool = False
-    #: Local time at which to send it (a Retry's delay); now when 0.
-    at: float = 0.0
+    #: Local time at which to send it (a Retry's delay); None: now. (Not 0.0 for now: a monotonic clock's
+    #: reference point is undefined, and a clock below 0 would hold every acknowledgement back until it passed 0.)
+    at: float | None = None
 
 
 def dead_on_arrival(deliveries: int, limits: QueueLimits) -> bool:
@@ -63,7 +68,7 @@ def dead_on_arrival(deliveries: int, limits: QueueLimits) -> bool:
     return limits.max_deliveries is not None and deliveries > limits.max_deliveries
 
 
-def verdict(outcome: Outcome, deliveries: int, limits: QueueLimits, *, now: float, received_at: float,
+def verdict(outcome: Outcome, deliveries: int, limits: QueueLimits, *, now: float, locked_at: float,
             delay: float = 0.0) -> Verdict:
     """How to settle a delivery after `outcome` (pure: the simulator and the unit tests call it)."""
     if outcome is Outcome.ACKED:
@@ -74,7 +79,7 @@ def verdict(outcome: Outcome, deliveries: int, limits: QueueLimits, *, now: floa
     if last:
         return Verdict(Ack.REJECT, dead_letter=True)
     if outcome is Outcome.RETRIED and delay > 0:
-        lock_ends = received_at + limits.redelivery_timeout - LOCK_MARGIN
+        lock_ends = locked_at + limits.redelivery_timeout - LOCK_MARGIN
         return Verdict(Ack.RELEASE, at=min(now + delay, lock_ends))
     return Verdict(Ack.RELEASE)
 
@@ -146,13 +151,13 @@ class ShareState:
         if delivery.state is Held.DONE or delivery.ref not in self.held:
             return None
         delivery.state = Held.DONE
-        decided = verdict(outcome, delivery.deliveries, self.limits, now=now, received_at=delivery.received_at,
+        decided = verdict(outcome, delivery.deliveries, self.limits, now=now, locked_at=delivery.last_marker,
                           delay=delay)
         counter = {Outcome.ACKED: "acked", Outcome.RETRIED: "retried", Outcome.ABANDONED: "abandoned",
                    Outcome.RELEASED: "released"}[outcome]
         setattr(self, counter, getattr(self, counter) + 1)
         settling = Settling(delivery, decided)
-        if decided.at > now:
+        if decided.at is not None and decided.at > now:
             self._sequence += 1
             heapq.heappush(self.later, (decided.at, self._sequence, settling))
         else:
@@ -187,6 +192,20 @@ class ShareState:
             self.due.append(heapq.heappop(self.later)[2])
         due, self.due = self.due, []
         return due
+
+    def letters_failed(self, settlings: list[Settling], now: float) -> list[Settling]:
+        """Dead letters that could not be written: tried again in LETTER_RETRY while the lock holds (a RELEASE
+        would spend a delivery, and past the broker's delivery limit Kafka archives the record unseen). Returns
+        the RELEASEs to send now, for records whose lock ends before the next try."""
+        release = []
+        for settling in settlings:
+            lock_ends = settling.delivery.last_marker + self.limits.redelivery_timeout - LOCK_MARGIN
+            if now + LETTER_RETRY < lock_ends:
+                self._sequence += 1
+                heapq.heappush(self.later, (now + LETTER_RETRY, self._sequence, settling))
+            else:
+                release.append(Settling(settling.delivery, Verdict(Ack.RELEASE)))
+        return release
 
     def sent(self, settling: Settling, *, dead_lettered: bool = False) -> None:
         """The acknowledgement is with the client (`dead_lettered`: after its dead letter was written)."""

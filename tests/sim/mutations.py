@@ -4,11 +4,13 @@
     python -m tests.sim.mutations --check    # only the seeds listed in CAUGHT_BY (what CI runs)
     python -m tests.sim.mutations --queue    # the queue's only (--only TEXT: those whose name has TEXT)
     python -m tests.sim.mutations --shards   # the shards' only
+    python -m tests.sim.mutations --share    # the share backend's only
 
 Each mutation is a small change to the real core or driver (a subclass) or to the simulated table's
 SQL; the runs use one record per key in flight, goharvest's mode, where the stricter order applies.
 The queue's mutations (tests/sim/queue_mutations.py) run in the queue's simulator, the shards'
-(SHARD_MUTATIONS) in the sharded runs (tests/sim/shard_scenario.py).
+(SHARD_MUTATIONS) in the sharded runs (tests/sim/shard_scenario.py), the share backend's
+(tests/sim/share_mutations.py) in the share queue's runs (tests/sim/share_scenario.py).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
 from outbox.harvest.memory.table import MemoryTable, Row, Session
 from outbox.harvest.topics import UNLIMITED
-from tests.sim import queue_scenario, shard_scenario
+from tests.sim import queue_scenario, shard_scenario, share_scenario
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
 from tests.sim.replay import quiet
 from tests.sim.scenario import Options, run
 from tests.sim.shard_scenario import ShardOptions
+from tests.sim.share_mutations import SHARE_MUTATIONS
 
 # -- the core's parts -------------------------------------------------------------------------
 
@@ -268,6 +271,16 @@ CAUGHT_BY: dict[str, list[int]] = {
     "a consumer that commits its offsets before writing the Start markers": [1, 2, 3],
     "a consumer that reads on when max_in_progress messages are held": [1, 3, 4],
     "a consumer that commits other queues' offsets in partitions taken from it": [99, 243, 1234],
+    # The share backend (tests/sim/share_mutations.py).
+    "a share record REJECTed before its dead letter is written": [3, 5, 8],
+    "buffered share records handed out however near their lock's end": [1, 4, 5],
+    "a share record dead on arrival only past max_deliveries + 1": [1, 2, 3],
+    "a share record dead on arrival at max_deliveries": [1, 2, 3],
+    "a share handler's failure on the last delivery RELEASEd": [1, 2, 3],
+    "the share group left at Kafka's default start offset (latest)": [1, 2, 3],
+    "a share verdict for now meant local time 0.0": [4, 9, 10],
+    "a share record whose dead letter failed RELEASEd at once": [7, 8, 134],
+    "a share Retry's lock counted from the hand-out, not the fetch": [228, 285, 458],
 }
 
 
@@ -277,6 +290,8 @@ def run_mutant(name: str, seed: int) -> str | None:
         return queue_scenario.run(seed, QUEUE_MUTATIONS[name]).violation
     if name in SHARD_MUTATIONS:
         return shard_scenario.run(seed, SHARD_MUTATIONS[name]).violation
+    if name in SHARE_MUTATIONS:
+        return share_scenario.run(seed, SHARE_MUTATIONS[name]).violation
     return run(seed, MUTATIONS[name]).violation
 
 
@@ -299,12 +314,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default="", help="only the mutations whose name contains this")
     parser.add_argument("--queue", action="store_true", help="only the queue's mutations")
     parser.add_argument("--shards", action="store_true", help="only the shards' mutations")
+    parser.add_argument("--share", action="store_true", help="only the share backend's mutations")
     args = parser.parse_args(argv)
     quiet()
 
     missed = 0
-    names = [*([] if args.queue or args.shards else MUTATIONS), *([] if args.shards else QUEUE_MUTATIONS),
-             *([] if args.queue else SHARD_MUTATIONS)]
+    only = [flag for flag in ("queue", "shards", "share") if getattr(args, flag)]
+    names = [*([] if only else MUTATIONS), *(QUEUE_MUTATIONS if not only or "queue" in only else []),
+             *(SHARD_MUTATIONS if not only or "shards" in only else []),
+             *(SHARE_MUTATIONS if not only or "share" in only else [])]
     for name in names:
         if args.only not in name:
             continue

@@ -178,6 +178,8 @@ class MemoryBroker:
         self.size_refusals: list[tuple[float, str]] = []
         #: Consumer groups over whole topics (groups.py), by group id.
         self.consumer_groups: dict[str, Any] = {}
+        #: Share groups (share_groups.py), by group id.
+        self.share_groups: dict[str, Any] = {}
         #: Topics whose timestamps are the broker's append time (message.timestamp.type=LogAppendTime).
         self.log_append_time: set[str] = set()
         #: (topic, partition) -> {open transaction: offset of its first record there}.
