@@ -60,28 +60,43 @@ def listening_pid(port: int, connections: Iterable[object] | None = None) -> int
     return None
 
 
-class BrokerCPU:
-    """CPU seconds (user + system) the Kafka broker listening on the bootstrap port has used so far."""
+@dataclass(frozen=True)
+class Usage:
+    """What the broker's process used: CPU seconds (user + system) and bytes it wrote to storage (Linux counts a
+    page cache write when the page is dirtied, so a write not yet flushed counts too)."""
+
+    cpu: float
+    written: int
+
+    def __sub__(self, other: Usage) -> Usage:
+        return Usage(self.cpu - other.cpu, self.written - other.written)
+
+    def per_second(self, seconds: float) -> Usage:
+        return Usage(self.cpu / seconds, round(self.written / seconds))
+
+
+class Broker:
+    """The Kafka broker listening on the bootstrap port, when it runs on this machine."""
 
     def __init__(self, servers: str) -> None:
         self.pid = listening_pid(bootstrap_port(servers))
         self.process = psutil.Process(self.pid) if self.pid else None
 
-    def seconds(self) -> float | None:
+    def usage(self) -> Usage | None:
         if self.process is None:
             return None
         try:
-            times = self.process.cpu_times()
-        except psutil.Error:
+            times, io = self.process.cpu_times(), self.process.io_counters()
+        except (psutil.Error, AttributeError):  # AttributeError: no io_counters on this platform
             return None
-        return times.user + times.system
+        return Usage(times.user + times.system, io.write_bytes)
 
 
-def spent(cpu_before: float | None, cpu_after: float | None) -> float | None:
-    """CPU seconds between two readings (None when either could not be read)."""
-    if cpu_before is None or cpu_after is None:
+def used(before: Usage | None, after: Usage | None) -> Usage | None:
+    """What was used between two readings (None when either could not be read)."""
+    if before is None or after is None:
         return None
-    return cpu_after - cpu_before
+    return after - before
 
 
 def load_average() -> float:
@@ -154,15 +169,15 @@ def parse_harness_line(line: str) -> HarnessLine | None:
 
 @dataclass(frozen=True)
 class Throughput:
-    """One send-receive-handle-ack run: `seconds` from the first send to the last ack; the broker used
-    `broker_cpu` CPU seconds over `stretch` wall seconds (the first send to all handled; None: not readable)."""
+    """One send-receive-handle-ack run: `seconds` from the first send to the last ack; the broker used `broker`
+    over `stretch` wall seconds (the first send to all handled; None: not readable)."""
 
     backend: str
     consumers: int
     handler_ms: int
     messages: int
     seconds: float
-    broker_cpu: float | None
+    broker: Usage | None
     stretch: float
     load: float
 
@@ -170,20 +185,23 @@ class Throughput:
     def rate(self) -> float:
         return self.messages / self.seconds
 
-    def cpu_per_1000(self, idle: float | None = None) -> float | None:
-        """Broker CPU seconds per 1,000 messages; less `idle` CPU s/s over the stretch when given."""
-        if self.broker_cpu is None or self.messages <= 0:
+    def per_1000(self, idle: Usage | None = None) -> Usage | None:
+        """The broker's use per 1,000 messages; less `idle` (a use per second) over the stretch when given."""
+        if self.broker is None or self.messages <= 0:
             return None
-        return (self.broker_cpu - (idle or 0.0) * self.stretch) / self.messages * 1000
+        spent = self.broker - Usage(idle.cpu * self.stretch, round(idle.written * self.stretch)) if idle \
+            else self.broker
+        return Usage(spent.cpu / self.messages * 1000, round(spent.written / self.messages * 1000))
 
-    def cell(self, idle: float | None = None) -> str:
-        cpu = self.cpu_per_1000()
-        if cpu is None:
+    def cell(self, idle: Usage | None = None) -> str:
+        per = self.per_1000()
+        if per is None:
             broker = "broker n/a"
-        elif idle is None:
-            broker = f"broker {cpu:.2f} CPU s/1k"
         else:
-            broker = f"broker {cpu:.2f} CPU s/1k ({self.cpu_per_1000(idle):.2f} above idle)"
+            broker = f"broker {per.cpu:.2f} CPU s, {per.written / 1e6:.1f} MB written /1k"
+            net = self.per_1000(idle) if idle else None
+            if net is not None:
+                broker += f" ({net.cpu:.2f} CPU s, {net.written / 1e6:.1f} MB above idle)"
         return f"{self.rate:,.0f} msg/s; {broker}; load {self.load:.1f}"
 
 
@@ -199,7 +217,7 @@ class Kills:
 
 
 def format_table(throughputs: Sequence[Throughput], kills: Sequence[Kills], *, backends: Sequence[str],
-                 redelivery_timeout: float, idle_broker_cpu: float | None = None) -> str:
+                 redelivery_timeout: float, idle: Usage | None = None) -> str:
     """One Markdown table: a row per (consumers, handler) and one for the SIGKILLs; a column per backend."""
     lines = ["| send, receive, handle, ack | " + " | ".join(backends) + " |",
              "|---" * (len(backends) + 1) + "|"]
@@ -214,14 +232,15 @@ def format_table(throughputs: Sequence[Throughput], kills: Sequence[Kills], *, b
         for backend in backends:
             found = [t for t in throughputs if (t.backend, t.consumers, t.handler_ms, t.messages)
                      == (backend, consumers, handler_ms, messages)]
-            cells.append(found[0].cell(idle_broker_cpu) if found else "")
+            cells.append(found[0].cell(idle) if found else "")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if kills:
         runs = max(len(k.seconds) for k in kills)
         cells = [next((k.cell() for k in kills if k.backend == backend), "") for backend in backends]
         lines.append(f"| SIGKILL to handled elsewhere ({runs} runs, redelivery timeout / lock "
                      f"{redelivery_timeout:g} s) | " + " | ".join(cells) + " |")
-    if idle_broker_cpu is not None:
-        lines.append(f"\nBroker CPU while no benchmark ran (others' traffic on a shared broker): "
-                     f"{idle_broker_cpu:.3f} CPU s/s; \"above idle\" takes that much off each stretch.")
+    if idle is not None:
+        lines.append(f"\nThe broker while no benchmark ran (others' traffic on a shared broker): "
+                     f"{idle.cpu:.3f} CPU s/s, {idle.written / 1e3:,.0f} kB/s written; \"above idle\" takes that much "
+                     f"off each stretch.")
     return "\n".join(lines)

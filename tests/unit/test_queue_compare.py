@@ -11,6 +11,7 @@ import time
 from collections import namedtuple
 from io import StringIO
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -22,6 +23,7 @@ from project.bench.queue_compare import (
     HarnessError,
     Kills,
     Throughput,
+    Usage,
     bootstrap_port,
     format_table,
     harness_redelivery_argv,
@@ -126,64 +128,72 @@ def test_the_broker_is_the_process_listening_on_the_port() -> None:
     assert listening_pid(9092, connections[:2] + connections[3:]) is None
 
 
-def test_the_cpu_of_a_process_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cpu_and_writes_of_a_process_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(queue_compare, "listening_pid", lambda port: os.getpid() if port == 9 else None)
-    broker = queue_compare.BrokerCPU("127.0.0.1:9")
-    before = broker.seconds()
+    broker = queue_compare.Broker("127.0.0.1:9")
+    before = broker.usage()
     deadline = time.process_time() + 0.05
     while time.process_time() < deadline:
         pass
-    after = broker.seconds()
-    assert before is not None and after is not None and after - before >= 0.04
-    assert queue_compare.BrokerCPU("127.0.0.1:10").seconds() is None
-    assert queue_compare.spent(None, 1.0) is None and queue_compare.spent(1.0, 3.5) == 2.5
+    spent = queue_compare.used(before, broker.usage())
+    assert spent is not None and spent.cpu >= 0.03 and spent.written >= 0  # CPU ticks of 10 ms
+    Times, Io = namedtuple("Times", "user system"), namedtuple("Io", "write_bytes")
+    broker.process = SimpleNamespace(cpu_times=lambda: Times(2.5, 0.5), io_counters=lambda: Io(4096))
+    assert broker.usage() == Usage(3.0, 4096)
+    assert queue_compare.Broker("127.0.0.1:10").usage() is None
+    assert queue_compare.used(None, Usage(1.0, 5)) is None
+    assert queue_compare.used(Usage(1.0, 5), Usage(3.5, 9)) == Usage(2.5, 4)
+    assert Usage(5.0, 1000).per_second(2) == Usage(2.5, 500)
 
 
 # -- the table ----------------------------------------------------------------------------------------------
 
 
-def test_cpu_per_thousand_messages_and_above_idle() -> None:
-    row = Throughput("share", 4, 0, 20_000, seconds=2.0, broker_cpu=3.0, stretch=2.5, load=5.04)
+def test_use_per_thousand_messages_and_above_idle() -> None:
+    row = Throughput("share", 4, 0, 20_000, seconds=2.0, broker=Usage(3.0, 40_000_000), stretch=2.5, load=5.04)
     assert row.rate == 10_000
-    assert row.cpu_per_1000() == pytest.approx(0.15)
-    assert row.cpu_per_1000(idle=0.4) == pytest.approx((3.0 - 1.0) / 20)
-    assert row.cell() == "10,000 msg/s; broker 0.15 CPU s/1k; load 5.0"
-    assert row.cell(0.4) == "10,000 msg/s; broker 0.15 CPU s/1k (0.10 above idle); load 5.0"
-    unknown = Throughput("share", 4, 0, 20_000, seconds=2.0, broker_cpu=None, stretch=2.5, load=5.0)
-    assert unknown.cpu_per_1000() is None and "broker n/a" in unknown.cell(0.4)
+    assert row.per_1000() == Usage(pytest.approx(0.15), 2_000_000)
+    assert row.per_1000(idle=Usage(0.4, 4_000_000)) == Usage(pytest.approx((3.0 - 1.0) / 20), 1_500_000)
+    assert row.cell() == "10,000 msg/s; broker 0.15 CPU s, 2.0 MB written /1k; load 5.0"
+    assert row.cell(Usage(0.4, 4_000_000)) == ("10,000 msg/s; broker 0.15 CPU s, 2.0 MB written /1k (0.10 CPU s, "
+                                               "1.5 MB above idle); load 5.0")
+    unknown = Throughput("share", 4, 0, 20_000, seconds=2.0, broker=None, stretch=2.5, load=5.0)
+    assert unknown.per_1000() is None and "broker n/a" in unknown.cell(Usage(0.4, 0))
 
 
 def test_the_table_has_a_column_per_backend_and_a_row_per_scenario() -> None:
     throughputs = [Throughput(backend, consumers, handler, 20_000 if handler == 0 else 2_000,
-                              seconds=s, broker_cpu=1.0, stretch=s, load=4.0)
+                              seconds=s, broker=Usage(1.0, 2_000_000), stretch=s, load=4.0)
                    for backend, s in [("markers", 40.0), ("share", 2.0), ("kafka-mq-go", 100.0)]
                    for handler in (0, 10) for consumers in (1, 4)]
     kills = [Kills("markers", [2.06, 2.04, 9.43], 6.0), Kills("share", [9.99, 10.55, 11.57], 6.5),
              Kills("kafka-mq-go", [2.0, 47.1, 2.0], 7.0)]
     table = format_table(throughputs, kills, backends=["markers", "share", "kafka-mq-go"], redelivery_timeout=2,
-                         idle_broker_cpu=None).splitlines()
+                         idle=None).splitlines()
     assert table[0] == "| send, receive, handle, ack | markers | share | kafka-mq-go |"
     assert table[1] == "|---|---|---|---|"
     assert [line.split(" | ")[0] for line in table[2:]] == [
         "| 1 consumer, no-op handler (20,000 messages)", "| 4 consumers, no-op handler (20,000 messages)",
         "| 1 consumer, 10 ms handler (2,000 messages)", "| 4 consumers, 10 ms handler (2,000 messages)",
         "| SIGKILL to handled elsewhere (3 runs, redelivery timeout / lock 2 s)"]
-    assert table[2].split(" | ")[1:] == ["500 msg/s; broker 0.05 CPU s/1k; load 4.0",
-                                         "10,000 msg/s; broker 0.05 CPU s/1k; load 4.0",
-                                         "200 msg/s; broker 0.05 CPU s/1k; load 4.0 |"]
+    assert table[2].split(" | ")[1:] == ["500 msg/s; broker 0.05 CPU s, 0.1 MB written /1k; load 4.0",
+                                         "10,000 msg/s; broker 0.05 CPU s, 0.1 MB written /1k; load 4.0",
+                                         "200 msg/s; broker 0.05 CPU s, 0.1 MB written /1k; load 4.0 |"]
+    assert table[4].split(" | ")[1].startswith("50 msg/s; broker 0.50 CPU s, 1.0 MB written /1k")
     assert table[6].split(" | ")[1:] == ["2.06, 2.04, 9.43 s (median 2.06); load 6.0",
                                          "9.99, 10.55, 11.57 s (median 10.55); load 6.5",
                                          "2.00, 47.10, 2.00 s (median 2.00); load 7.0 |"]
 
 
 def test_a_backend_without_a_figure_leaves_its_cell_empty_and_idle_is_noted() -> None:
-    table = format_table([Throughput("markers", 1, 0, 1000, seconds=1.0, broker_cpu=0.5, stretch=1.0, load=1.0)],
-                         [], backends=["markers", "share"], redelivery_timeout=2, idle_broker_cpu=0.25)
+    table = format_table([Throughput("markers", 1, 0, 1000, seconds=1.0, broker=Usage(0.5, 300_000), stretch=1.0,
+                                     load=1.0)],
+                         [], backends=["markers", "share"], redelivery_timeout=2, idle=Usage(0.25, 100_000))
     lines = table.splitlines()
-    assert lines[2] == ("| 1 consumer, no-op handler (1,000 messages) | 1,000 msg/s; broker 0.50 CPU s/1k "
-                        "(0.25 above idle); load 1.0 |  |")
+    assert lines[2] == ("| 1 consumer, no-op handler (1,000 messages) | 1,000 msg/s; broker 0.50 CPU s, 0.3 MB "
+                        "written /1k (0.25 CPU s, 0.2 MB above idle); load 1.0 |  |")
     assert "SIGKILL" not in table
-    assert lines[-1].startswith("Broker CPU while no benchmark ran") and "0.250 CPU s/s" in lines[-1]
+    assert lines[-1].startswith("The broker while no benchmark ran") and "0.250 CPU s/s, 100 kB/s written" in lines[-1]
 
 
 # -- the command's options and its runs of the harness -------------------------------------------------------
@@ -220,10 +230,10 @@ def fake_harness(tmp_path: Path, lines: list[str], status: int = 0) -> Path:
 
 class FakeBroker:
     def __init__(self) -> None:
-        self.readings = iter([100.0, 104.5])
+        self.readings = iter([Usage(100.0, 1_000_000), Usage(104.5, 5_000_000)])
         self.pid = 1
 
-    def seconds(self) -> float:
+    def usage(self) -> Usage:
         return next(self.readings)
 
 
@@ -237,7 +247,7 @@ def test_a_peer_throughput_run_reads_the_harness_and_the_broker_at_its_lines(tmp
                                                2000, 10, 256, 8, None)
     assert (row.backend, row.consumers, row.handler_ms, row.messages, row.seconds) == ("kafka-mq-go", 4, 10, 2000,
                                                                                         8.0)
-    assert row.rate == 250 and row.broker_cpu == 4.5 and row.cpu_per_1000() == 2.25
+    assert row.rate == 250 and row.broker == Usage(4.5, 4_000_000) and row.per_1000() == Usage(2.25, 2_000_000)
     assert "3 messages handled twice" in out.getvalue()
     argv = (tmp_path / "argv").read_text().split()
     assert argv[:2] == ["throughput", "-bootstrap"]

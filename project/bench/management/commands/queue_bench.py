@@ -172,7 +172,7 @@ class Command(BaseCommand):
     def _throughput(self, backend: str, count: int, messages: int, handler_ms: int, payload_bytes: int,
                     partitions: int, consumer_args: list[str], redelivery_timeout: float | None,
                     peer_bin: str | None, peer_args: list[str]) -> queue_compare.Throughput:
-        broker = queue_compare.BrokerCPU(_bootstrap())
+        broker = queue_compare.Broker(_bootstrap())
         if backend == "kafka-mq-go":
             assert peer_bin is not None
             result = self._peer_throughput(peer_bin, peer_args, broker, count, messages, handler_ms,
@@ -182,11 +182,13 @@ class Command(BaseCommand):
                                       if redelivery_timeout is not None else [])]
             run = self._share_run if backend == "share" else self._markers_run
             result = run(broker, count, messages, handler_ms, payload_bytes, partitions, args)
-        cpu = result.cpu_per_1000()
+        per = result.per_1000()
+        broker_used = "n/a" if per is None else f"{per.cpu:.2f} CPU s, {per.written / 1e6:.2f} MB written /1k msgs"
         self.stdout.write(
             f"backend={backend} consumers={count} handler={handler_ms}ms messages={messages} "
             f"payload={payload_bytes}B end-to-end={result.rate:,.0f} msg/s ({result.seconds:.2f} s) "
-            f"broker_cpu={'n/a' if cpu is None else f'{cpu:.2f} s/1k msgs'} load={result.load:.2f}")
+            f"broker={broker_used} load={result.load:.2f}", ending="\n")
+        self.stdout.flush()
         return result
 
     def _send_all(self, messages: int, payload_bytes: int) -> tuple[float, float]:
@@ -196,7 +198,7 @@ class Command(BaseCommand):
             api.send_many(QUEUE, [payload] * min(1000, messages - offset))
         return started, time.time()
 
-    def _markers_run(self, broker: queue_compare.BrokerCPU, count: int, messages: int, handler_ms: int,
+    def _markers_run(self, broker: queue_compare.Broker, count: int, messages: int, handler_ms: int,
                      payload_bytes: int, partitions: int, consumer_args: list[str]) -> queue_compare.Throughput:
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         with self._queues(prefix, partitions=partitions) as config, tempfile.TemporaryDirectory() as tmp:
@@ -210,17 +212,17 @@ class Command(BaseCommand):
                           for n in range(count)]
             try:
                 self._wait_for_group(config, count)
-                cpu = broker.seconds()
+                usage = broker.usage()
                 started, _sent = self._send_all(messages, payload_bytes)
                 self._handled(events, messages)
-                cpu, stretch = queue_compare.spent(cpu, broker.seconds()), time.time() - started
+                usage, stretch = queue_compare.used(usage, broker.usage()), time.time() - started
                 last_ack = self._last_end(config, messages, timeout=600)
             finally:
                 self._stop(processes)
-        return queue_compare.Throughput("markers", count, handler_ms, messages, last_ack - started, cpu, stretch,
+        return queue_compare.Throughput("markers", count, handler_ms, messages, last_ack - started, usage, stretch,
                                         queue_compare.load_average())
 
-    def _share_run(self, broker: queue_compare.BrokerCPU, count: int, messages: int, handler_ms: int,
+    def _share_run(self, broker: queue_compare.Broker, count: int, messages: int, handler_ms: int,
                    payload_bytes: int, partitions: int, consumer_args: list[str]) -> queue_compare.Throughput:
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         with self._queues(prefix, partitions=partitions, backend="share"), tempfile.TemporaryDirectory() as tmp:
@@ -250,13 +252,13 @@ class Command(BaseCommand):
                     time.sleep(0.2)
                 time.sleep(SHARE_JOIN_SETTLE)
                 events.write_text("")  # the handlers append (O_APPEND): what they write next lands from 0
-                cpu = broker.seconds()
+                usage = broker.usage()
                 started, _sent = self._send_all(messages, payload_bytes)
                 lines = self._handled(events, messages)
-                cpu, stretch = queue_compare.spent(cpu, broker.seconds()), time.time() - started
+                usage, stretch = queue_compare.used(usage, broker.usage()), time.time() - started
             finally:
                 self._stop(processes)
-        return queue_compare.Throughput("share", count, handler_ms, messages, max(lines) - started, cpu, stretch,
+        return queue_compare.Throughput("share", count, handler_ms, messages, max(lines) - started, usage, stretch,
                                         queue_compare.load_average())
 
     @staticmethod
@@ -273,7 +275,7 @@ class Command(BaseCommand):
 
     # -- the peer ---------------------------------------------------------------------------------
 
-    def _peer_throughput(self, binary: str, peer_args: list[str], broker: queue_compare.BrokerCPU, count: int,
+    def _peer_throughput(self, binary: str, peer_args: list[str], broker: queue_compare.Broker, count: int,
                          messages: int, handler_ms: int, payload_bytes: int, partitions: int,
                          redelivery_timeout: float | None) -> queue_compare.Throughput:
         if redelivery_timeout is None:
@@ -282,16 +284,16 @@ class Command(BaseCommand):
             binary, bootstrap=_bootstrap(), messages=messages, consumers=count,
             handler_ms=handler_ms, redelivery_timeout=redelivery_timeout, payload_bytes=payload_bytes,
             partitions=partitions, extra=peer_args)
-        cpu: float | None = None
+        usage: queue_compare.Usage | None = None
         started = 0.0
         found = None
         for line in self._harness(argv):
             if line.kind == "stretch-start":
-                cpu, started = broker.seconds(), time.time()
+                usage, started = broker.usage(), time.time()
             elif line.kind == "throughput":
-                cpu, stretch = queue_compare.spent(cpu, broker.seconds()), time.time() - started
+                usage, stretch = queue_compare.used(usage, broker.usage()), time.time() - started
                 found = queue_compare.Throughput("kafka-mq-go", count, handler_ms, messages, line.number("seconds"),
-                                                 cpu, stretch, queue_compare.load_average())
+                                                 usage, stretch, queue_compare.load_average())
                 if line.number("duplicates"):
                     self.stdout.write(f"kafka-mq-go: {line.number('duplicates'):.0f} messages handled twice")
         if found is None:
@@ -443,7 +445,7 @@ class Command(BaseCommand):
                       runs: int, redelivery_timeout: float, idle_seconds: float, consumer_args: list[str],
                       peer: str | None, peer_bin: str | None, peer_args: list[str], **_: Any) -> None:
         names = [*(backends or ["markers", "share"]), *([peer] if peer else [])]
-        broker = queue_compare.BrokerCPU(_bootstrap())
+        broker = queue_compare.Broker(_bootstrap())
         if broker.pid is None:
             self.stdout.write(f"no process listens on {_bootstrap()} here: the broker's CPU is not measured")
         idle = [self._idle(broker, idle_seconds)]
@@ -457,41 +459,22 @@ class Command(BaseCommand):
             if runs else []
         idle.append(self._idle(broker, idle_seconds))
         known = [rate for rate in idle if rate is not None]
-        self.stdout.write(f"\n{started} to {time.strftime('%H:%M:%S %Z')}; broker idle before / after: "
-                          + " / ".join("n/a" if rate is None else f"{rate:.3f} CPU s/s" for rate in idle) + "\n")
-        self.stdout.write(queue_compare.format_table(
-            throughputs, kills, backends=names, redelivery_timeout=redelivery_timeout,
-            idle_broker_cpu=statistics.mean(known) if known else None))
+        mean = queue_compare.Usage(statistics.mean(u.cpu for u in known),
+                                   round(statistics.mean(u.written for u in known))) if known else None
+        rates = " / ".join("n/a" if u is None else f"{u.cpu:.3f} CPU s/s, {u.written / 1e3:,.0f} kB/s written"
+                           for u in idle)
+        self.stdout.write(f"\n{started} to {time.strftime('%H:%M:%S %Z')}; the broker idle before / after: {rates}\n")
+        self.stdout.write(queue_compare.format_table(throughputs, kills, backends=names,
+                                                     redelivery_timeout=redelivery_timeout, idle=mean))
 
-    def _idle(self, broker: queue_compare.BrokerCPU, seconds: float) -> float | None:
-        """The broker's CPU seconds per second over `seconds` with none of ours running."""
+    def _idle(self, broker: queue_compare.Broker, seconds: float) -> queue_compare.Usage | None:
+        """What the broker used per second over `seconds` with none of ours running."""
         if seconds <= 0:
             return None
-        before = broker.seconds()
+        before = broker.usage()
         time.sleep(seconds)
-        spent = queue_compare.spent(before, broker.seconds())
-        return None if spent is None else spent / seconds
-
-    @staticmethod
-    def _wait_for_log(logs: list[Path], line: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(log.exists() and line in log.read_text(errors="replace") for log in logs):
-            if time.monotonic() > deadline:
-                raise CommandError(f"no {line!r} in {', '.join(map(str, logs))} within {timeout:.0f} s")
-            time.sleep(0.2)
-
-    @staticmethod
-    def _event(path: Path, message_id: str, timeout: float, want: str | None = None) -> tuple[str, float] | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in path.read_text().splitlines():
-                parts = line.split()
-                if len(parts) == 3 and parts[1] == message_id and (want is None or parts[0] == want):
-                    return parts[0], float(parts[2])
-            time.sleep(0.01)
-        if want is None:
-            return None
-        raise CommandError(f"no {want} event for {message_id} within {timeout:.0f}s")
+        spent = queue_compare.used(before, broker.usage())
+        return None if spent is None else spent.per_second(seconds)
 
     # -- processes and topics ---------------------------------------------------------------------
 
