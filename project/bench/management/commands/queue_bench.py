@@ -476,6 +476,27 @@ class Command(BaseCommand):
         spent = queue_compare.used(before, broker.usage())
         return None if spent is None else spent.per_second(seconds)
 
+    @staticmethod
+    def _wait_for_log(logs: list[Path], line: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(log.exists() and line in log.read_text(errors="replace") for log in logs):
+            if time.monotonic() > deadline:
+                raise CommandError(f"no {line!r} in {', '.join(map(str, logs))} within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    @staticmethod
+    def _event(path: Path, message_id: str, timeout: float, want: str | None = None) -> tuple[str, float] | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in path.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 3 and parts[1] == message_id and (want is None or parts[0] == want):
+                    return parts[0], float(parts[2])
+            time.sleep(0.01)
+        if want is None:
+            return None
+        raise CommandError(f"no {want} event for {message_id} within {timeout:.0f}s")
+
     # -- processes and topics ---------------------------------------------------------------------
 
     class _queues:
