@@ -417,6 +417,7 @@ class Command(BaseCommand):
                     victim_log = Path(tmp) / f"victim-{run}.log"
                     victim = self._spawn(prefix, "outbox_consume", args, name=f"victim-{run}",
                                          env={**env, "BENCH_VICTIM": "1"}, log=victim_log)
+                    helpers.append(victim)  # stopped with the others if a run fails before its SIGKILL
                     if share:
                         self._wait_for_log([victim_log, Path(tmp) / "survivor.log"], "Consuming share queue")
                         time.sleep(SHARE_JOIN_SETTLE)
