@@ -25,12 +25,16 @@ def hang_in_victim(message: Message) -> None:
 
 
 _counted = None
+_sleep = float(os.environ.get("BENCH_HANDLER_MS") or 0) / 1000
 
 
-def noop_counted(message: Message) -> None:
-    """Does nothing but append "<epoch time>" to $BENCH_EVENTS (one line per message), so the benchmark sees the
-    last message handled on a backend without a markers topic to read the acks from."""
+def counted(message: Message) -> None:
+    """Sleeps $BENCH_HANDLER_MS milliseconds (none when unset or 0: a no-op), then appends "<epoch time>" to
+    $BENCH_EVENTS (one line per message), so the benchmark sees the last message handled whichever the backend
+    (the share backend has no markers topic to read the acks from)."""
     global _counted
+    if _sleep:
+        time.sleep(_sleep)
     if _counted is None:
         _counted = open(os.environ["BENCH_EVENTS"], "a", buffering=1)  # noqa: SIM115 - kept for the process's life
     _counted.write(f"{time.time()}\n")

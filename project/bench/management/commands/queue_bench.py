@@ -1,8 +1,9 @@
 """Benchmarks of outbox.queue that print figures (never assert them).
 
     manage.py queue_bench send --messages 5000
-    manage.py queue_bench throughput --messages 20000 --consumers 1 --consumers 4
+    manage.py queue_bench throughput --messages 20000 --consumers 1 --consumers 4 [--handler-ms 10]
     manage.py queue_bench redelivery --runs 5 --redelivery-timeout 2
+    manage.py queue_bench compare --peer kafka-mq-go --peer-bin /work/ext/kafka-mq-go-harness/harness
 
 send: messages/s of send() one at a time (each waits for Kafka's ack) and of send_many() in
 batches of 1,000 (kafka-mq-go's bench measures its Send and SendAsync the same two ways).
@@ -10,17 +11,27 @@ batches of 1,000 (kafka-mq-go's bench measures its Send and SendAsync the same t
 throughput and redelivery run the real `manage.py outbox_consume` and `outbox_redeliver` in subprocesses on a fresh
 topic pair of the project's Kafka, and need a migrated database `default` (status rows).
 
-throughput: consumers (one worker each, a no-op handler) start first; then messages of 256 bytes
-are sent with send_many() in batches of 1,000. Each --backend (default both: markers, then share)
-runs with each --consumers count in the same run. Markers: measured from the first send to the
-broker's append time of the last End marker (the last ack), read back from the markers topic.
-Share (Kafka 4.2+): to the last handler's return (its ACCEPT goes to the broker right after, on the
-consumer's next round), read from the handlers' event file; share groups have no log of acks. A
-share run starts its clock after a warm-up message and two share heartbeats (every consumer joined).
+throughput: consumers (one worker each; a handler that sleeps --handler-ms, 0 by default: a no-op, then notes
+the time) start first; then messages of 256 bytes are sent with send_many() in batches of 1,000. Each --backend
+(default both: markers, then share) runs with each --consumers count and each --handler-ms in the same run.
+Markers: measured from the first send to the broker's append time of the last End marker (the last ack), read
+back from the markers topic. Share (Kafka 4.2+): to the last handler's return (its ACCEPT goes to the broker right
+after, on the consumer's next round), read from the handlers' event file; share groups have no log of acks. A
+share run starts its clock after a warm-up message and two share heartbeats (every consumer joined). Each run
+also prints the CPU seconds the Kafka broker (the process listening on the bootstrap port, when it runs on this
+machine) used per 1,000 messages from the first send to the last message handled, and the load average.
 
 redelivery: two consumers of a queue; the one started with BENCH_VICTIM=1 hangs on its first
 message and is SIGKILLed. Measured from the kill to the other consumer running the redelivered
 message (its handler's clock and ours are the same monotonic clock).
+
+--peer kafka-mq-go --peer-bin PATH (throughput, redelivery, compare): also run splunk/kafka-mq-go through a
+harness built outside this repository (docs/benchmarks.md says how), with the same messages, consumers, handler
+time and redelivery timeout, and read the figures it prints (project/bench/queue_compare.py).
+
+compare: all of it in one run, one table: each backend (and the peer) with 1 and 4 consumers, a no-op and a
+10 ms handler (--slow-messages for the slow handler), SIGKILL to handled elsewhere (--runs each), and the
+broker's CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +53,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.test import override_settings
 
 from outbox.queue import api, app_settings, markers
+from outbox.queue.config import QueueLimits
 from outbox.queue.topics import ensure_topics
+from project.bench import queue_compare
 from project.settings import queue_names
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -62,21 +76,69 @@ class Command(BaseCommand):
         throughput.add_argument("--messages", type=int, default=20_000)
         throughput.add_argument("--consumers", type=int, action="append",
                                 help="consumer processes (repeat for several runs; default 1 and 4)")
+        throughput.add_argument("--handler-ms", type=int, action="append", dest="handler_ms",
+                                help="each message's handler sleeps this long (repeat for several runs; default 0)")
         throughput.add_argument("--payload-bytes", type=int, default=256)
         throughput.add_argument("--partitions", type=int, default=8, help="partitions of the queue topic")
         throughput.add_argument("--backend", action="append", choices=["markers", "share"], dest="backends",
                                 help="queue backend (repeat for several; default markers and share)")
+        throughput.add_argument("--redelivery-timeout", type=float,
+                                help="the consumers' (and the peer's) redelivery timeout; default the queue's (30 s)")
         throughput.add_argument("--consumer-arg", action="append", default=[], dest="consumer_args",
                                 help="extra flag for outbox_consume, e.g. --consumer-arg=--max-in-progress=100")
         redelivery = sub.add_parser("redelivery", help="seconds from a consumer's SIGKILL to the redelivered message "
                                                        "being processed by another consumer")
         redelivery.add_argument("--runs", type=int, default=5)
         redelivery.add_argument("--redelivery-timeout", type=float, default=2.0)
-        redelivery.add_argument("--backend", choices=["markers", "share"], default="markers",
-                                help="share: the redelivery timeout is the share group's lock (1 s at least)")
+        redelivery.add_argument("--backend", action="append", choices=["markers", "share"], dest="backends",
+                                help="share: the redelivery timeout is the share group's lock (1 s at least); "
+                                     "repeat for several (default markers)")
+        compare = sub.add_parser("compare", help="one table: each backend and the peer, 1 and 4 consumers, a no-op "
+                                                 "and a 10 ms handler, SIGKILL to handled elsewhere, broker CPU")
+        compare.add_argument("--messages", type=int, default=20_000, help="messages of a no-op handler's runs")
+        compare.add_argument("--slow-messages", type=int, default=2_000,
+                             help="messages of the runs whose handler sleeps (--handler-ms above 0)")
+        compare.add_argument("--consumers", type=int, action="append", help="default 1 and 4")
+        compare.add_argument("--handler-ms", type=int, action="append", dest="handler_ms", help="default 0 and 10")
+        compare.add_argument("--payload-bytes", type=int, default=256)
+        compare.add_argument("--partitions", type=int, default=8, help="partitions of the queue topic")
+        compare.add_argument("--backend", action="append", choices=["markers", "share"], dest="backends",
+                             help="default markers and share")
+        compare.add_argument("--runs", type=int, default=3, help="SIGKILLs per backend (0: none)")
+        compare.add_argument("--redelivery-timeout", type=float, default=2.0,
+                             help="of the SIGKILL runs (the throughput runs keep the queue's default, 30 s)")
+        compare.add_argument("--idle-seconds", type=float, default=10.0,
+                             help="the broker's CPU is read this long before the runs and after, with none running")
+        compare.add_argument("--consumer-arg", action="append", default=[], dest="consumer_args",
+                             help="extra flag for outbox_consume")
+        for sub_parser in (throughput, redelivery, compare):
+            sub_parser.add_argument("--peer", choices=queue_compare.PEERS,
+                                    help="also run this queue library, through --peer-bin")
+            sub_parser.add_argument("--peer-bin", metavar="PATH",
+                                    help="the peer's harness binary (built outside this repository: "
+                                         "docs/benchmarks.md)")
+            sub_parser.add_argument("--peer-arg", action="append", default=[], dest="peer_args",
+                                    help="extra flag for the harness, e.g. --peer-arg=-session-timeout-ms=10000")
 
     def handle(self, *args: Any, mode: str, **options: Any) -> None:
+        if mode != "send":
+            self._check_peer(options["peer"], options["peer_bin"])
+        for handler in options.get("handler_ms") or []:
+            if handler < 0:
+                raise CommandError(f"--handler-ms: must be 0 or more, got {handler}")
+        if mode == "redelivery" and options["runs"] < 1:
+            raise CommandError(f"--runs: must be 1 or more, got {options['runs']}")
         getattr(self, f"bench_{mode}")(**options)
+
+    @staticmethod
+    def _check_peer(peer: str | None, peer_bin: str | None) -> None:
+        if peer and not peer_bin:
+            raise CommandError(f"--peer-bin: required with --peer {peer} (the harness binary; docs/benchmarks.md, "
+                               f"\"Queue backends side by side\", says how to build it)")
+        if peer_bin and not peer:
+            raise CommandError("--peer-bin: given without --peer")
+        if peer_bin and not os.access(peer_bin, os.X_OK):
+            raise CommandError(f"--peer-bin: {peer_bin} is not an executable file")
 
     # -- send -------------------------------------------------------------------------------------
 
@@ -97,18 +159,37 @@ class Command(BaseCommand):
 
     # -- throughput -------------------------------------------------------------------------------
 
-    def bench_throughput(self, messages: int, consumers: list[int] | None, payload_bytes: int, partitions: int,
-                         consumer_args: list[str], backends: list[str] | None, **_: Any) -> None:
-        for backend in backends or ["markers", "share"]:
-            for count in consumers or [1, 4]:
-                if backend == "share":
-                    elapsed, sending = self._share_run(count, messages, payload_bytes, partitions, consumer_args)
-                else:
-                    elapsed, sending = self._markers_run(count, messages, payload_bytes, partitions, consumer_args)
-                self.stdout.write(
-                    f"backend={backend} consumers={count} messages={messages} payload={payload_bytes}B "
-                    f"send={messages / sending:,.0f} msg/s end-to-end={messages / elapsed:,.0f} msg/s "
-                    f"({elapsed:.2f} s)")
+    def bench_throughput(self, messages: int, consumers: list[int] | None, handler_ms: list[int] | None,
+                         payload_bytes: int, partitions: int, consumer_args: list[str], backends: list[str] | None,
+                         redelivery_timeout: float | None, peer: str | None, peer_bin: str | None,
+                         peer_args: list[str], **_: Any) -> None:
+        for backend in [*(backends or ["markers", "share"]), *([peer] if peer else [])]:
+            for handler in handler_ms or [0]:
+                for count in consumers or [1, 4]:
+                    self._throughput(backend, count, messages, handler, payload_bytes, partitions, consumer_args,
+                                     redelivery_timeout, peer_bin, peer_args)
+
+    def _throughput(self, backend: str, count: int, messages: int, handler_ms: int, payload_bytes: int,
+                    partitions: int, consumer_args: list[str], redelivery_timeout: float | None,
+                    peer_bin: str | None, peer_args: list[str]) -> queue_compare.Throughput:
+        broker = queue_compare.Broker(_bootstrap())
+        if backend == "kafka-mq-go":
+            assert peer_bin is not None
+            result = self._peer_throughput(peer_bin, peer_args, broker, count, messages, handler_ms,
+                                           payload_bytes, partitions, redelivery_timeout)
+        else:
+            args = [*consumer_args, *(["--redelivery-timeout", f"{redelivery_timeout:g}"]
+                                      if redelivery_timeout is not None else [])]
+            run = self._share_run if backend == "share" else self._markers_run
+            result = run(broker, count, messages, handler_ms, payload_bytes, partitions, args)
+        per = result.per_1000()
+        broker_used = "n/a" if per is None else f"{per.cpu:.2f} CPU s, {per.written / 1e6:.2f} MB written /1k msgs"
+        self.stdout.write(
+            f"backend={backend} consumers={count} handler={handler_ms}ms messages={messages} "
+            f"payload={payload_bytes}B end-to-end={result.rate:,.0f} msg/s ({result.seconds:.2f} s) "
+            f"broker={broker_used} load={result.load:.2f}", ending="\n")
+        self.stdout.flush()
+        return result
 
     def _send_all(self, messages: int, payload_bytes: int) -> tuple[float, float]:
         payload = "x" * payload_bytes
@@ -117,35 +198,42 @@ class Command(BaseCommand):
             api.send_many(QUEUE, [payload] * min(1000, messages - offset))
         return started, time.time()
 
-    def _markers_run(self, count: int, messages: int, payload_bytes: int, partitions: int,
-                     consumer_args: list[str]) -> tuple[float, float]:
+    def _markers_run(self, broker: queue_compare.Broker, count: int, messages: int, handler_ms: int,
+                     payload_bytes: int, partitions: int, consumer_args: list[str]) -> queue_compare.Throughput:
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
-        with self._queues(prefix, partitions=partitions) as config:
+        with self._queues(prefix, partitions=partitions) as config, tempfile.TemporaryDirectory() as tmp:
+            events = Path(tmp) / "handled"
+            events.touch()
+            env = {"BENCH_EVENTS": str(events), "BENCH_HANDLER_MS": str(handler_ms)}
             processes = [self._spawn(prefix, "outbox_redeliver", [], name="tracker")]
             processes += [self._spawn(prefix, "outbox_consume", ["--queue", QUEUE, "--handler",
-                                                                "project.bench.queue_handlers.noop",
-                                                                *consumer_args], name=f"consumer-{n}")
+                                                                "project.bench.queue_handlers.counted",
+                                                                *consumer_args], name=f"consumer-{n}", env=env)
                           for n in range(count)]
             try:
                 self._wait_for_group(config, count)
-                started, sent = self._send_all(messages, payload_bytes)
+                usage = broker.usage()
+                started, _sent = self._send_all(messages, payload_bytes)
+                self._handled(events, messages)
+                usage, stretch = queue_compare.used(usage, broker.usage()), time.time() - started
                 last_ack = self._last_end(config, messages, timeout=600)
             finally:
                 self._stop(processes)
-        return last_ack - started, sent - started
+        return queue_compare.Throughput("markers", count, handler_ms, messages, last_ack - started, usage, stretch,
+                                        queue_compare.load_average())
 
-    def _share_run(self, count: int, messages: int, payload_bytes: int, partitions: int,
-                   consumer_args: list[str]) -> tuple[float, float]:
+    def _share_run(self, broker: queue_compare.Broker, count: int, messages: int, handler_ms: int,
+                   payload_bytes: int, partitions: int, consumer_args: list[str]) -> queue_compare.Throughput:
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         with self._queues(prefix, partitions=partitions, backend="share"), tempfile.TemporaryDirectory() as tmp:
             events = Path(tmp) / "handled"
             events.touch()
             logs = [Path(tmp) / f"consumer-{n}.log" for n in range(count)]
             processes = [self._spawn(prefix, "outbox_consume", ["--queue", QUEUE, "--handler",
-                                                               "project.bench.queue_handlers.noop_counted",
+                                                               "project.bench.queue_handlers.counted",
                                                                *consumer_args], name=f"consumer-{n}",
-                                     env={"BENCH_EVENTS": str(events), "OUTBOX_QUEUE_BACKEND": "share",
-                                          "LOG_LEVEL": "INFO"}, log=log)
+                                     env={"BENCH_EVENTS": str(events), "BENCH_HANDLER_MS": str(handler_ms),
+                                          "OUTBOX_QUEUE_BACKEND": "share", "LOG_LEVEL": "INFO"}, log=log)
                          for n, log in enumerate(logs)]
             try:
                 deadline = time.monotonic() + 60
@@ -164,18 +252,91 @@ class Command(BaseCommand):
                     time.sleep(0.2)
                 time.sleep(SHARE_JOIN_SETTLE)
                 events.write_text("")  # the handlers append (O_APPEND): what they write next lands from 0
-                started, sent = self._send_all(messages, payload_bytes)
-                deadline = time.monotonic() + 600
-                while True:
-                    lines = events.read_text().split()
-                    if len(lines) >= messages:
-                        break
-                    if time.monotonic() > deadline:
-                        raise CommandError(f"only {len(lines)} of {messages} messages handled within 600 s")
-                    time.sleep(0.2)
+                usage = broker.usage()
+                started, _sent = self._send_all(messages, payload_bytes)
+                lines = self._handled(events, messages)
+                usage, stretch = queue_compare.used(usage, broker.usage()), time.time() - started
             finally:
                 self._stop(processes)
-        return max(map(float, lines)) - started, sent - started
+        return queue_compare.Throughput("share", count, handler_ms, messages, max(lines) - started, usage, stretch,
+                                        queue_compare.load_average())
+
+    @staticmethod
+    def _handled(events: Path, messages: int, timeout: float = 600) -> list[float]:
+        """The handlers' return times (epoch seconds), once there are `messages` of them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = events.read_text().split()
+            if len(lines) >= messages:
+                return list(map(float, lines))
+            if time.monotonic() > deadline:
+                raise CommandError(f"only {len(lines)} of {messages} messages handled within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    # -- the peer ---------------------------------------------------------------------------------
+
+    def _peer_throughput(self, binary: str, peer_args: list[str], broker: queue_compare.Broker, count: int,
+                         messages: int, handler_ms: int, payload_bytes: int, partitions: int,
+                         redelivery_timeout: float | None) -> queue_compare.Throughput:
+        if redelivery_timeout is None:
+            redelivery_timeout = QueueLimits.redelivery_timeout  # what our consumers get by default
+        argv = queue_compare.harness_throughput_argv(
+            binary, bootstrap=_bootstrap(), messages=messages, consumers=count,
+            handler_ms=handler_ms, redelivery_timeout=redelivery_timeout, payload_bytes=payload_bytes,
+            partitions=partitions, extra=peer_args)
+        usage: queue_compare.Usage | None = None
+        started = 0.0
+        found = None
+        for line in self._harness(argv):
+            if line.kind == "stretch-start":
+                usage, started = broker.usage(), time.time()
+            elif line.kind == "throughput":
+                usage, stretch = queue_compare.used(usage, broker.usage()), time.time() - started
+                found = queue_compare.Throughput("kafka-mq-go", count, handler_ms, messages, line.number("seconds"),
+                                                 usage, stretch, queue_compare.load_average())
+                if line.number("duplicates"):
+                    self.stdout.write(f"kafka-mq-go: {line.number('duplicates'):.0f} messages handled twice")
+        if found is None:
+            raise CommandError("the kafka-mq-go harness exited without a throughput line")
+        return found
+
+    def _peer_redelivery(self, binary: str, peer_args: list[str], runs: int,
+                         redelivery_timeout: float) -> list[float]:
+        argv = queue_compare.harness_redelivery_argv(
+            binary, bootstrap=_bootstrap(), runs=runs,
+            redelivery_timeout=redelivery_timeout, extra=peer_args)
+        timings = []
+        for line in self._harness(argv):
+            if line.kind == "redelivery":
+                timings.append(line.number("seconds"))
+                self.stdout.write(f"run {len(timings)}: redelivered and processed {timings[-1]:.2f} s after the "
+                                  f"SIGKILL (kafka-mq-go)")
+        if len(timings) != runs:
+            raise CommandError(f"the kafka-mq-go harness printed {len(timings)} of {runs} redelivery runs")
+        return timings
+
+    @staticmethod
+    def _harness(argv: list[str]) -> Iterator[queue_compare.HarnessLine]:
+        """Runs the harness, yielding its own lines as they come (its stderr goes to a file, shown on failure)."""
+        with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=errors, text=True, bufsize=1, start_new_session=True) as process:
+            try:
+                assert process.stdout is not None
+                for raw in process.stdout:
+                    try:
+                        line = queue_compare.parse_harness_line(raw.rstrip("\n"))
+                    except queue_compare.HarnessError as exc:
+                        raise CommandError(str(exc)) from None
+                    if line is not None:
+                        yield line
+                code = process.wait(timeout=120)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+            if code != 0:
+                errors.seek(0)
+                tail = " | ".join(errors.read().strip().splitlines()[-5:])
+                raise CommandError(f"the kafka-mq-go harness exited with status {code}: {tail or '-'}")
 
     def _wait_for_group(self, config: Any, members: int, timeout: float = 60) -> None:
         """Until the consumer group has `members` members with partitions (a warm-up message goes round)."""
@@ -221,7 +382,24 @@ class Command(BaseCommand):
 
     # -- crash to redelivery ----------------------------------------------------------------------
 
-    def bench_redelivery(self, runs: int, redelivery_timeout: float, backend: str, **_: Any) -> None:
+    def bench_redelivery(self, runs: int, redelivery_timeout: float, backends: list[str] | None, peer: str | None,
+                         peer_bin: str | None, peer_args: list[str], **_: Any) -> None:
+        for backend in [*(backends or ["markers"]), *([peer] if peer else [])]:
+            self._kills(backend, runs, redelivery_timeout, peer_bin, peer_args)
+
+    def _kills(self, backend: str, runs: int, redelivery_timeout: float, peer_bin: str | None,
+               peer_args: list[str]) -> queue_compare.Kills:
+        if backend == "kafka-mq-go":
+            assert peer_bin is not None
+            timings = self._peer_redelivery(peer_bin, peer_args, runs, redelivery_timeout)
+        else:
+            timings = self._our_kills(backend, runs, redelivery_timeout)
+        self.stdout.write(f"backend={backend} redelivery_timeout={redelivery_timeout:g}s runs={runs} "
+                          f"median={statistics.median(timings):.2f} s min={min(timings):.2f} s "
+                          f"max={max(timings):.2f} s load={queue_compare.load_average():.2f}")
+        return queue_compare.Kills(backend, timings, queue_compare.load_average())
+
+    def _our_kills(self, backend: str, runs: int, redelivery_timeout: float) -> list[float]:
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         timings: list[float] = []
         share = backend == "share"
@@ -239,6 +417,7 @@ class Command(BaseCommand):
                     victim_log = Path(tmp) / f"victim-{run}.log"
                     victim = self._spawn(prefix, "outbox_consume", args, name=f"victim-{run}",
                                          env={**env, "BENCH_VICTIM": "1"}, log=victim_log)
+                    helpers.append(victim)  # stopped with the others if a run fails before its SIGKILL
                     if share:
                         self._wait_for_log([victim_log, Path(tmp) / "survivor.log"], "Consuming share queue")
                         time.sleep(SHARE_JOIN_SETTLE)
@@ -258,9 +437,45 @@ class Command(BaseCommand):
                                       f"the SIGKILL")
             finally:
                 self._stop(helpers)
-        self.stdout.write(f"backend={backend} redelivery_timeout={redelivery_timeout:g}s runs={runs} "
-                          f"median={statistics.median(timings):.2f} s min={min(timings):.2f} s "
-                          f"max={max(timings):.2f} s")
+        return timings
+
+    # -- all of it, one table ---------------------------------------------------------------------
+
+    def bench_compare(self, messages: int, slow_messages: int, consumers: list[int] | None,
+                      handler_ms: list[int] | None, payload_bytes: int, partitions: int, backends: list[str] | None,
+                      runs: int, redelivery_timeout: float, idle_seconds: float, consumer_args: list[str],
+                      peer: str | None, peer_bin: str | None, peer_args: list[str], **_: Any) -> None:
+        names = [*(backends or ["markers", "share"]), *([peer] if peer else [])]
+        broker = queue_compare.Broker(_bootstrap())
+        if broker.pid is None:
+            self.stdout.write(f"no process listens on {_bootstrap()} here: the broker's CPU is not measured")
+        idle = [self._idle(broker, idle_seconds)]
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        throughputs = [self._throughput(backend, count, slow_messages if handler else messages, handler,
+                                        payload_bytes, partitions, consumer_args, None, peer_bin, peer_args)
+                       for handler in handler_ms or [0, 10]
+                       for count in consumers or [1, 4]
+                       for backend in names]
+        kills = [self._kills(backend, runs, redelivery_timeout, peer_bin, peer_args) for backend in names] \
+            if runs else []
+        idle.append(self._idle(broker, idle_seconds))
+        known = [rate for rate in idle if rate is not None]
+        mean = queue_compare.Usage(statistics.mean(u.cpu for u in known),
+                                   round(statistics.mean(u.written for u in known))) if known else None
+        rates = " / ".join("n/a" if u is None else f"{u.cpu:.3f} CPU s/s, {u.written / 1e3:,.0f} kB/s written"
+                           for u in idle)
+        self.stdout.write(f"\n{started} to {time.strftime('%H:%M:%S %Z')}; the broker idle before / after: {rates}\n")
+        self.stdout.write(queue_compare.format_table(throughputs, kills, backends=names,
+                                                     redelivery_timeout=redelivery_timeout, idle=mean))
+
+    def _idle(self, broker: queue_compare.Broker, seconds: float) -> queue_compare.Usage | None:
+        """What the broker used per second over `seconds` with none of ours running."""
+        if seconds <= 0:
+            return None
+        before = broker.usage()
+        time.sleep(seconds)
+        spent = queue_compare.used(before, broker.usage())
+        return None if spent is None else spent.per_second(seconds)
 
     @staticmethod
     def _wait_for_log(logs: list[Path], line: str, timeout: float = 60) -> None:
@@ -323,3 +538,7 @@ class Command(BaseCommand):
 def _last_line(path: Path) -> str:
     lines = path.read_text(errors="replace").strip().splitlines()
     return lines[-1] if lines else "-"
+
+
+def _bootstrap() -> str:
+    return str(settings.OUTBOX["base_kafka_config"]["bootstrap.servers"])
