@@ -175,9 +175,14 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
             previous = store.latest(before=batch_id)
             before = previous[1] if previous else None
             batch = audit.normalize(frame)
+            if delta_latest or options.sink:
+                # Read from Kafka once: the checks, the sink and the MERGE's changed keys all read the batch.
+                batch = batch.persist()
             folded = audit.fold(before, batch, batch_id=batch_id, examples=options.examples,
                                 latest=bool(options.latest) and not delta_latest,
                                 whole_partitions=kafka.whole_partitions, topics=topics)
+            if batch.is_cached:
+                folded.cached.append(batch)  # released with the state's own cached frames
             offsets = covered(previous[2] if previous else {}, _start(batch_id),
                               store.spark_offsets(spark_checkpoint, batch_id) or {})
             outputs = options.outputs()
