@@ -96,6 +96,11 @@ def check_state(spark: SparkSession, options: FollowOptions) -> None:
     if wanted.latest_format == delta_table.FORMAT and before.tombstones != wanted.tombstones:
         raise StateError(f"--tombstones {wanted.tombstones}: the checkpoint {checkpoint} keeps the Delta --latest "
                          f"with --tombstones {before.tombstones}; {start_over}")
+    if wanted.latest_format == delta_table.FORMAT and not delta_table.exists(spark, str(before.latest)):
+        # Each micro-batch MERGEs into the table. This also loads its log once, at the start, rather than in the
+        # first micro-batch.
+        raise StateError(f"--latest {options.latest}: the checkpoint {checkpoint} keeps a Delta table there, and "
+                         f"there is none (deleted?); restore it, or {start_over}")
 
 
 def covered(previous: Offsets, start: dict[str, dict[str, int]], end: dict[str, dict[str, int]]) -> Offsets:
