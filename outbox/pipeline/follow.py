@@ -96,6 +96,11 @@ def check_state(spark: SparkSession, options: FollowOptions) -> None:
     if wanted.latest_format == delta_table.FORMAT and before.tombstones != wanted.tombstones:
         raise StateError(f"--tombstones {wanted.tombstones}: the checkpoint {checkpoint} keeps the Delta --latest "
                          f"with --tombstones {before.tombstones}; {start_over}")
+    if wanted.latest_format == delta_table.FORMAT and not delta_table.exists(spark, str(before.latest)):
+        # Each micro-batch MERGEs into the table. This also loads its log once, at the start, rather than in the
+        # first micro-batch.
+        raise StateError(f"--latest {options.latest}: the checkpoint {checkpoint} keeps a Delta table there, and "
+                         f"there is none (deleted?); restore it, or {start_over}")
 
 
 def covered(previous: Offsets, start: dict[str, dict[str, int]], end: dict[str, dict[str, int]]) -> Offsets:
@@ -175,9 +180,14 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
             previous = store.latest(before=batch_id)
             before = previous[1] if previous else None
             batch = audit.normalize(frame)
+            if delta_latest or options.sink:
+                # Read from Kafka once: the checks, the sink and the MERGE's changed keys all read the batch.
+                batch = batch.persist()
             folded = audit.fold(before, batch, batch_id=batch_id, examples=options.examples,
                                 latest=bool(options.latest) and not delta_latest,
                                 whole_partitions=kafka.whole_partitions, topics=topics)
+            if batch.is_cached:
+                folded.cached.append(batch)  # released with the state's own cached frames
             offsets = covered(previous[2] if previous else {}, _start(batch_id),
                               store.spark_offsets(spark_checkpoint, batch_id) or {})
             outputs = options.outputs()

@@ -22,6 +22,7 @@ Two ways to keep the table in follow mode:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pyspark.sql import Column, DataFrame, SparkSession, Window
@@ -104,6 +105,19 @@ def table(state: DataFrame, tombstones: Tombstones = "delete") -> DataFrame:
     return newest.where(F.col("value").isNotNull()).select(*RECORD_COLUMNS)
 
 
+# Up to this many keys in a micro-batch, the frames of its keys are broadcast to the joins with larger ones (the
+# keys' state, the table) instead of shuffling both sides: Spark cannot size a checkpointed frame by itself.
+BROADCAST_KEYS = 100_000
+
+
+def _broadcast_if_few(materialized: DataFrame) -> Callable[[DataFrame], DataFrame]:
+    """A broadcast hint for frames of the size of `materialized` (a local checkpoint: counting it is cheap) when it
+    holds at most BROADCAST_KEYS rows, else no hint."""
+    if materialized.count() <= BROADCAST_KEYS:
+        return F.broadcast
+    return lambda frame: frame
+
+
 def changes(previous_keys: DataFrame, batch: DataFrame, batch_keys: DataFrame) -> DataFrame:
     """The rows a micro-batch changes in the table: per (topic, key), its new newest record (a null `value`:
     a tombstone), with `_by_id`, whether the key ever had an outbox id. Materialized (a local checkpoint).
@@ -114,19 +128,21 @@ def changes(previous_keys: DataFrame, batch: DataFrame, batch_keys: DataFrame) -
     against the table's row in `merge` (the higher partition wins).
 
     `previous_keys` (one row per key ever seen) is read once, for the batch's keys only: those are
-    few and materialized, so Spark broadcasts them instead of shuffling every key of the table.
+    few and materialized, so Spark broadcasts them instead of shuffling every key of the table, and
+    so are the frames derived from them (up to BROADCAST_KEYS keys).
     """
     touched = batch_keys.select("topic", "key").distinct().localCheckpoint().alias("t")
     known = previous_keys.alias("k")
     prior = (known.join(touched, [known["topic"] == touched["topic"], known["key"].eqNullSafe(touched["key"])])
              .select(known["topic"], known["partition"], known["key"], known["max_id"]).localCheckpoint())
-    records = _records(batch, _chosen(prior, batch_keys))
+    few = _broadcast_if_few(touched)
+    records = _records(batch, _chosen(few(prior), batch_keys))
     candidates = records.withColumn("_n", _newest(records)).where(F.col("_n") == 1).drop("_n").alias("c")
     after = (prior.unionByName(batch_keys.where(F.col("max_id").isNotNull()).select(*KEY, "max_id"))
              .groupBy(F.col("topic").alias("_topic"), F.col("key").alias("_key"))
              .agg(F.max(F.struct("max_id", "partition")).alias("_top")).alias("r"))
-    joined = candidates.join(after, [candidates["topic"] == after["_topic"],
-                                     candidates["key"].eqNullSafe(after["_key"])], "left")
+    joined = candidates.join(few(after), [candidates["topic"] == after["_topic"],
+                                          candidates["key"].eqNullSafe(after["_key"])], "left")
     best = F.col("_top")
     wins = ((best.isNull() & F.col("max_id").isNull())
             | ((F.col("max_id") == best.getField("max_id")) & (F.col("partition") == best.getField("partition"))))
@@ -137,7 +153,9 @@ def merge(spark: SparkSession, path: str, changed: DataFrame, commit: delta_tabl
           tombstones: Tombstones = "delete") -> None:
     """MERGE `changes()` (materialized) into the Delta table at `path`, in one commit (skipped if `commit`
     is there already)."""
-    source, target = changed.alias("s"), delta_table.table(spark, path).alias("t")
+    # Spark cannot size a checkpointed RDD: without the hint the MERGE's search for the files it touches
+    # shuffles every row of the table to join them with the source.
+    source, target = _broadcast_if_few(changed)(changed).alias("s"), delta_table.table(spark, path).alias("t")
     same_key = (F.col("t.topic") == F.col("s.topic")) & F.col("t.key").eqNullSafe(F.col("s.key"))
     newer = F.col("s._by_id") | (F.col("s.partition") >= F.col("t.partition"))
     values: dict[str, str | Column] = {name: F.col(f"s.{name}") for name in RECORD_COLUMNS}

@@ -134,6 +134,11 @@ def test_follow_merges_each_micro_batch_once_as_the_reference_says(spark, bootst
         code, _, _, stderr = audit(spark, bootstrap_servers, tmp_path / "out", *follow, *changed)
         lines = stderr.strip().splitlines()
         assert code == 2 and says in lines[-1] and lines[-1].startswith("python -m outbox.pipeline: error: "), stderr
+    # ... and the Delta --latest it kept must still be there (checked at start, not in a micro-batch's MERGE).
+    moved = latest.rename(tmp_path / "moved")
+    code, _, _, stderr = audit(spark, bootstrap_servers, tmp_path / "out", *follow, *tables)
+    moved.rename(latest)
+    assert code == 2 and "keeps a Delta table there, and there is none" in stderr.strip().splitlines()[-1], stderr
 
 
 def _produce_keys(messages: Ledgered, start: int, count: int, keys: int = 12) -> None:
