@@ -52,7 +52,9 @@ def free_port() -> int:
 def test_the_alert_rules_pass_promtool_and_their_unit_tests():
     check = subprocess.run([tool("promtool"), "check", "rules", "outbox-alerts.yml"], cwd=RULES_DIR,
                            capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 12 rules found" in check.stdout, check.stdout + check.stderr
+    groups = yaml.safe_load((RULES_DIR / "outbox-alerts.yml").read_text())["groups"]
+    rules = sum(len(group["rules"]) for group in groups)
+    assert check.returncode == 0 and f"SUCCESS: {rules} rules found" in check.stdout, check.stdout + check.stderr
     tests = subprocess.run([tool("promtool"), "test", "rules", "outbox-alerts.test.yml"], cwd=RULES_DIR,
                            capture_output=True, text=True, timeout=120)
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
