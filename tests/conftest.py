@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import uuid
@@ -39,6 +40,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = item.path.parent.name
         if folder in FOLDER_MARKERS and item.get_closest_marker(FOLDER_MARKERS[folder]) is None:
             item.add_marker(FOLDER_MARKERS[folder])
+
+
+@pytest.fixture(autouse=True)
+def _outbox_log_level() -> Iterator[None]:
+    """A simulation quiets the outbox loggers for its thousands of runs (tests/sim/replay.quiet); the next test,
+    which may read the logs (caplog), hears them again whatever order the tests ran in."""
+    logger = logging.getLogger("outbox")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -183,24 +183,27 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
             if delta_latest or options.sink:
                 # Read from Kafka once: the checks, the sink and the MERGE's changed keys all read the batch.
                 batch = batch.persist()
-            folded = audit.fold(before, batch, batch_id=batch_id, examples=options.examples,
-                                latest=bool(options.latest) and not delta_latest,
-                                whole_partitions=kafka.whole_partitions, topics=topics)
-            if batch.is_cached:
-                folded.cached.append(batch)  # released with the state's own cached frames
-            offsets = covered(previous[2] if previous else {}, _start(batch_id),
-                              store.spark_offsets(spark_checkpoint, batch_id) or {})
-            outputs = options.outputs()
-            if folded.latest is not None and outputs.latest_format is None:  # the state still keeps it
-                outputs = replace(outputs, latest_format="parquet")
+            folded = None
+            try:  # whatever fails, the cached frames go (a long-lived session would keep them)
+                folded = audit.fold(before, batch, batch_id=batch_id, examples=options.examples,
+                                    latest=bool(options.latest) and not delta_latest,
+                                    whole_partitions=kafka.whole_partitions, topics=topics)
+                offsets = covered(previous[2] if previous else {}, _start(batch_id),
+                                  store.spark_offsets(spark_checkpoint, batch_id) or {})
+                outputs = options.outputs()
+                if folded.latest is not None and outputs.latest_format is None:  # the state still keeps it
+                    outputs = replace(outputs, latest_format="parquet")
+                done = folded
 
-            def before_marking(saved: audit.AuditState) -> None:
-                write_outputs(frame.sparkSession, batch_id, batch, before, folded, saved)
+                def before_marking(saved: audit.AuditState) -> None:
+                    write_outputs(frame.sparkSession, batch_id, batch, before, done, saved)
 
-            try:
                 saved = store.save(batch_id, folded, offsets, before_marking=before_marking, outputs=outputs)
             finally:
-                folded.release()
+                if folded is not None:
+                    folded.release()
+                if batch.is_cached:
+                    batch.unpersist()
             run.folded.append(batch_id)
             log(f"batch {batch_id}: folded in {time.monotonic() - began:.1f}s")
             on_state(saved, offsets, run)

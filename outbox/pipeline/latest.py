@@ -108,14 +108,20 @@ def table(state: DataFrame, tombstones: Tombstones = "delete") -> DataFrame:
 # Up to this many keys in a micro-batch, the frames of its keys are broadcast to the joins with larger ones (the
 # keys' state, the table) instead of shuffling both sides: Spark cannot size a checkpointed frame by itself.
 BROADCAST_KEYS = 100_000
+# And a frame of whole records (the MERGE's source) only while its values add up to at most this: a broadcast
+# goes through the driver, and a micro-batch of big payloads would fail there, again at every restart.
+BROADCAST_BYTES = 64 * 2**20
 
 
-def _broadcast_if_few(materialized: DataFrame) -> Callable[[DataFrame], DataFrame]:
+def _broadcast_if_few(materialized: DataFrame, *, values: bool = False) -> Callable[[DataFrame], DataFrame]:
     """A broadcast hint for frames of the size of `materialized` (a local checkpoint: counting it is cheap) when it
-    holds at most BROADCAST_KEYS rows, else no hint."""
-    if materialized.count() <= BROADCAST_KEYS:
-        return F.broadcast
-    return lambda frame: frame
+    holds at most BROADCAST_KEYS rows (and, with `values`, at most BROADCAST_BYTES of them), else no hint."""
+    if values:
+        rows, size = materialized.agg(F.count(F.lit(1)), F.sum(F.length("value"))).first()
+        few = rows <= BROADCAST_KEYS and (size or 0) <= BROADCAST_BYTES
+    else:
+        few = materialized.count() <= BROADCAST_KEYS
+    return F.broadcast if few else (lambda frame: frame)
 
 
 def changes(previous_keys: DataFrame, batch: DataFrame, batch_keys: DataFrame) -> DataFrame:
@@ -155,7 +161,8 @@ def merge(spark: SparkSession, path: str, changed: DataFrame, commit: delta_tabl
     is there already)."""
     # Spark cannot size a checkpointed RDD: without the hint the MERGE's search for the files it touches
     # shuffles every row of the table to join them with the source.
-    source, target = _broadcast_if_few(changed)(changed).alias("s"), delta_table.table(spark, path).alias("t")
+    source = _broadcast_if_few(changed, values=True)(changed).alias("s")
+    target = delta_table.table(spark, path).alias("t")
     same_key = (F.col("t.topic") == F.col("s.topic")) & F.col("t.key").eqNullSafe(F.col("s.key"))
     newer = F.col("s._by_id") | (F.col("s.partition") >= F.col("t.partition"))
     values: dict[str, str | Column] = {name: F.col(f"s.{name}") for name in RECORD_COLUMNS}

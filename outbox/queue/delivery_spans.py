@@ -44,7 +44,8 @@ class DeliverySpans:
     def start(self, delivery: Delivery, marker: Marker) -> Marker:
         """Start the delivery's span; its Start marker, with the span's traceparent in mq-trace-links."""
         earlier = markers.trace_links(delivery.raw_headers)
-        span = self._open(delivery, list(enumerate(earlier, start=1)))
+        # The header keeps the newest MAX_TRACE_LINKS deliveries: number them back from this one.
+        span = self._open(delivery, list(enumerate(earlier, start=max(1, delivery.deliveries - len(earlier)))))
         own = self._tracer.traceparent(span)
         if not own:
             return marker

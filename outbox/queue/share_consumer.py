@@ -136,9 +136,12 @@ class ShareQueueConsumer:
                                      timeout)
         if delivery is None:
             return None
-        with self._lock:
-            self.spans.received(delivery)
-        self._instruments.received(self.queue)
+        try:
+            with self._lock:
+                self.spans.received(delivery)
+            self._instruments.received(self.queue)
+        except Exception:  # a span processor's or a metric's surprise: the delivery is taken, so hand it out
+            log.exception("Tracing or metrics failed on a received message of queue %s (handled anyway)", self.queue)
         return Message(self, delivery)  # type: ignore[arg-type]  # the same protocol as QueueConsumer
 
     def close(self, timeout: float = 30.0) -> None:

@@ -11,8 +11,9 @@ them on its next fetch. A SIGKILLed consumer's messages are therefore handled el
     session timeout + heartbeat interval + one fetch wait (librdkafka's fetch.wait.max.ms, 500 ms)
 
 The session follows the lock (the queue's redelivery_timeout: how long the queue lets a message wait
-for a consumer that stopped), heartbeats are a quarter of it and at most 1 s, so that is the lock
-plus at most 1.5 s. The brokers bound both (group.share.min/max.session.timeout.ms,
+for a consumer that stopped) up to MAX_SESSION_MS, heartbeats are a quarter of it and at most 1 s, so
+that is the lock plus at most 1.5 s, and at most 11.5 s for a long lock (the records a dead consumer
+never took wait for the session too, not for the lock). The brokers bound both (group.share.min/max.session.timeout.ms,
 group.share.min/max.heartbeat.interval.ms); where their minimum session is above the lock, the wait
 is that minimum's instead, and the consumer says so in one line.
 
@@ -28,6 +29,9 @@ from dataclasses import dataclass
 
 #: The heartbeat interval asked for, at most: a survivor hears of a dead member's partitions this soon.
 MAX_HEARTBEAT_MS = 1_000
+#: The session asked for, at most, however long the lock: a dead member's partitions (with records it never
+#: took) move within this; what it held comes back at its lock's end or its connection's, whichever is first.
+MAX_SESSION_MS = 10_000
 #: librdkafka's fetch.wait.max.ms: a survivor's fetch in flight may wait this long before the next one
 #: asks for its new partitions.
 FETCH_WAIT_MS = 500
@@ -81,10 +85,11 @@ class FailureDetection:
 
 
 def failure_detection(lock: float, ranges: BrokerRanges = UNBOUNDED) -> FailureDetection:
-    """The session timeout follows the lock of `lock` seconds, clamped to `ranges`; heartbeats a quarter of it,
-    at most MAX_HEARTBEAT_MS, and always shorter than the session (the broker refuses anything else)."""
+    """The session timeout follows the lock of `lock` seconds up to MAX_SESSION_MS, clamped to `ranges`;
+    heartbeats a quarter of it, at most MAX_HEARTBEAT_MS, and always shorter than the session (the broker
+    refuses anything else)."""
     lock_ms = max(1, round(lock * 1000))
-    session = _clamp(lock_ms, ranges.min_session_ms, ranges.max_session_ms)
+    session = _clamp(min(lock_ms, MAX_SESSION_MS), ranges.min_session_ms, ranges.max_session_ms)
     heartbeat = _clamp(min(session // 4, MAX_HEARTBEAT_MS), ranges.min_heartbeat_ms, ranges.max_heartbeat_ms)
     if heartbeat >= session:  # brokers whose minimum heartbeat is above a short lock's session
         session = min(ranges.max_session_ms, max(session, 4 * heartbeat))

@@ -115,3 +115,51 @@ def test_the_deliveries_seen_are_kept_for_the_newest_messages_only():
     for delivery in range(1, 20):
         many.add("a", delivery, f"tp-{delivery}")
     assert [number for number, _ in many.earlier("a")] == list(range(4, 20)), "the newest 16 deliveries"
+
+
+def test_a_markers_redelivery_numbers_its_links_back_from_itself_when_the_header_kept_only_the_newest():
+    """mq-trace-links keeps the newest MAX_TRACE_LINKS deliveries' traceparents: the 20th delivery's links are
+    deliveries 4 to 19, not 1 to 16."""
+    from outbox.queue import markers
+    from outbox.queue.consumer_state import Delivery
+    from outbox.queue.delivery_spans import DeliverySpans
+
+    class Recording:
+        earlier: list[tuple[int, str]] = []
+
+        def started(self, ref: Any, message_id: str, deliveries: int, headers: Any, earlier: Any) -> object:
+            Recording.earlier = earlier
+            return object()
+
+        def traceparent(self, span: Any) -> str:
+            return ""
+
+    kept = [f"00-{n:032x}-{n:016x}-01" for n in range(4, 4 + markers.MAX_TRACE_LINKS)]
+    headers = [(markers.TRACE_LINKS_HEADER, ",".join(kept).encode())]
+    delivery = Delivery(ref=(0, 1), id="m", key=None, payload=b"", raw_headers=headers, deliveries=20,
+                        received_at=0.0, last_marker=0.0)
+    DeliverySpans(Recording()).start(delivery, markers.Marker(markers.Kind.START, (0, 1)))
+    assert [number for number, _ in Recording.earlier] == list(range(4, 20))
+    assert Recording.earlier[0][1] == kept[0]
+
+
+def test_a_span_that_cannot_start_does_not_keep_a_taken_message_from_its_handler(exporter, caplog):
+    # The delivery is taken when receive() finds it: a surprise from tracing must not strand it (the batch would
+    # never be settled, and the consumer would poll no more).
+    consumer = traced(FakeShareConsumer([[TracedRecord(5, 1)]]), exporter)
+
+    def broken(delivery: Any) -> None:
+        raise RuntimeError("span processor failed")
+
+    consumer.spans.received = broken  # type: ignore[method-assign]
+    message = handle_next_untraced(consumer)
+    assert message.id == "id5" and "span processor failed" in caplog.text
+
+
+def handle_next_untraced(consumer: ShareQueueConsumer) -> Any:
+    consumer.round()
+    message = consumer.receive(timeout=0)
+    assert message is not None
+    message.ack()
+    consumer.round()
+    return message
