@@ -56,17 +56,35 @@ def docker_client() -> Any | None:
     """A client of the Docker engine at DOCKER_HOST (or the usual socket) if one answers, else None."""
     if not os.environ.get("DOCKER_HOST") and not Path("/var/run/docker.sock").exists():
         return None
+    if not unix_socket_answers(os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"):
+        return None  # an engine that is gone left its socket: docker-py would leak its own socket finding out
     try:
         import docker
 
         client = docker.from_env(timeout=5)
+    except Exception:
+        return None
+    try:
         if client.ping():
             client.api.timeout = PULL_TIMEOUT  # a quick answer to the ping, then patience
             return client
-        client.close()
     except Exception:
-        pass
+        pass  # a socket left by an engine that is gone: refused, like no engine at all
+    client.close()  # else its socket is left open (a ResourceWarning, an error under pytest)
     return None
+
+
+def unix_socket_answers(host: str) -> bool:
+    """False when `host` is a unix socket nobody listens on; True for one that accepts, or any other host."""
+    if not host.startswith("unix://"):
+        return True
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5)
+        try:
+            probe.connect(host.removeprefix("unix://"))
+        except OSError:
+            return False
+    return True
 
 
 def candidates(variable: str, default: tuple[str, ...]) -> tuple[str, ...]:

@@ -162,3 +162,21 @@ def services_with(compose: str, pattern: str) -> set[str]:
         elif service and re.search(pattern, line):
             found.add(service)
     return found
+
+
+def test_a_socket_an_engine_left_behind_is_no_engine_and_leaks_nothing(monkeypatch, tmp_path):
+    """A stopped dockerd leaves /var/run/docker.sock; docker-py refused there left its own socket open
+    (a ResourceWarning, which this suite turns into an error in whichever test the collector hits)."""
+    import gc
+    import socket
+    import warnings
+
+    path = tmp_path / "docker.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.bind(str(path))  # the file stays, nobody listens
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert services.docker_client() is None
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
