@@ -134,7 +134,28 @@ def start_postgres(stack: contextlib.ExitStack, image: str) -> str:
     container = PostgresContainer(image, username="outbox", password="outbox", dbname="outbox",
                                   shm_size="256m").with_command(POSTGRES_COMMAND)
     postgres = stack.enter_context(container)
-    return postgres.get_connection_url(host=container_host(), driver=None).replace("postgresql://", "postgres://")
+    url = postgres.get_connection_url(host=container_host(), driver=None).replace("postgresql://", "postgres://")
+    wait_for_published_port(url)
+    return url
+
+
+def wait_for_published_port(url: str, timeout: float = 60.0) -> None:
+    """testcontainers calls Postgres ready when psql answers inside the container; the published port can still
+    close a connection for a moment after (the engine's proxy to the container's address). Wait for it."""
+    import time
+
+    import psycopg
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            psycopg.connect(url.replace("postgres://", "postgresql://", 1), connect_timeout=5).close()
+            return
+        except psycopg.OperationalError as error:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Postgres container's published port did not answer in {timeout:.0f} s: "
+                                   f"{str(error).strip().splitlines()[0]}") from None
+            time.sleep(0.2)
 
 
 def start_kafka(stack: contextlib.ExitStack, image: str) -> str:

@@ -194,3 +194,32 @@ def test_data_formatted_by_a_newer_kafka_is_refused_and_by_an_older_one_warned_a
     with pytest.raises(services.ServiceError, match="started"):
         kafka.up()
     assert "without share groups: the share backend of outbox.queue will not work on it" in capsys.readouterr().out
+
+
+def test_a_killed_dockerds_network_namespaces_are_cleared_and_a_running_ones_kept(services, tmp_path, monkeypatch):
+    """A dockerd killed with its machine leaves its containers' namespaces mounted, their addresses still on the
+    bridge: the next engine's containers got the same addresses and their published ports refused connections."""
+    roots = tmp_path / "run"
+    dead, alive, other = roots / "outbox-docker-dead0000", roots / "outbox-docker-live0000", roots / "unrelated"
+    for root in (dead, alive, other):
+        (root / "netns").mkdir(parents=True)
+        (root / "netns" / "b94eff885648").touch()
+    unmounted = []
+    monkeypatch.setattr(services, "EXEC_ROOTS", roots)
+    monkeypatch.setattr(services, "running_exec_roots", lambda: {str(alive)})
+    monkeypatch.setattr(services.subprocess, "run", lambda cmd, **_: unmounted.append(cmd))
+    services.clear_dead_engines()
+    assert unmounted == [["umount", "--lazy", str(dead / "netns" / "b94eff885648")]]
+    assert not dead.exists() and (alive / "netns" / "b94eff885648").exists() and other.exists()
+
+
+def test_running_exec_roots_finds_this_machines_dockerd_by_its_command_line(services, monkeypatch):
+    fake = {"1/cmdline": b"/sbin/init\0", "7/cmdline": b"dockerd\0--host\0unix:///x\0--exec-root\0/run/outbox-docker-ab\0",
+            "9/cmdline": b"/usr/bin/python3\0dockerd\0--exec-root\0/run/not-it\0"}
+
+    class Proc:
+        def glob(self, _pattern):
+            return [SimpleNamespace(read_bytes=lambda body=body: body) for body in fake.values()]
+
+    monkeypatch.setattr(services, "Path", lambda path: Proc() if path == "/proc" else Path(path))
+    assert services.running_exec_roots() == {"/run/outbox-docker-ab"}
