@@ -33,7 +33,7 @@ consume: setup
 	  $(PY) manage.py outbox_consume --queue order-confirmations --handler project.shop.handlers.confirm_order --inbox
 
 test: setup
-	$(PY) -m ruff check .
+	$(PY) -m ruff check . bin/services
 	$(PY) -m pytest
 
 # The admin on the oldest Django this package supports (5.2: its own admin markup and styles), in a
@@ -74,7 +74,7 @@ test-docker: $(STAMP) images
 	REQUIRE_DOCKER_TESTS=1 $(PY) -m pytest -m docker
 
 lint: $(STAMP)
-	$(PY) -m ruff check .
+	$(PY) -m ruff check . bin/services
 
 down:
 	bin/services down
