@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from tests.support.harness import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_DATABASE_URL = "postgres://outbox:outbox@127.0.0.1:5432/outbox"
 LOCAL_BOOTSTRAP = "127.0.0.1:9092"
@@ -37,6 +39,7 @@ KAFKA_IMAGES = (f"apache/kafka:{KAFKA_VERSION}", f"{LOCAL_IMAGE_PREFIX}kafka:{KA
 POSTGRES_COMMAND = ("postgres -c max_connections=200 -c shared_buffers=512MB -c work_mem=16MB "
                     "-c max_wal_size=4GB -c autovacuum_naptime=10s")
 CONTAINER_START_TIMEOUT = 120
+DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 PULL_TIMEOUT = 600  # seconds without a word from the engine while it pulls (a big layer unpacking)
 
 
@@ -54,10 +57,8 @@ class Services:
 
 def docker_client() -> Any | None:
     """A client of the Docker engine at DOCKER_HOST (or the usual socket) if one answers, else None."""
-    if not os.environ.get("DOCKER_HOST") and not Path("/var/run/docker.sock").exists():
-        return None
-    if not unix_socket_answers(os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"):
-        return None  # an engine that is gone left its socket: docker-py would leak its own socket finding out
+    if not unix_socket_answers(docker_host()):
+        return None  # none there, or an engine that is gone left its socket: docker-py would leak its own finding out
     try:
         import docker
 
@@ -69,9 +70,14 @@ def docker_client() -> Any | None:
             client.api.timeout = PULL_TIMEOUT  # a quick answer to the ping, then patience
             return client
     except Exception:
-        pass  # a socket left by an engine that is gone: refused, like no engine at all
+        pass  # refused or no answer in time: no engine either
     client.close()  # else its socket is left open (a ResourceWarning, an error under pytest)
     return None
+
+
+def docker_host() -> str:
+    """Where docker-py looks for the engine: DOCKER_HOST, else the usual socket."""
+    return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_HOST
 
 
 def unix_socket_answers(host: str) -> bool:
@@ -135,27 +141,22 @@ def start_postgres(stack: contextlib.ExitStack, image: str) -> str:
                                   shm_size="256m").with_command(POSTGRES_COMMAND)
     postgres = stack.enter_context(container)
     url = postgres.get_connection_url(host=container_host(), driver=None).replace("postgresql://", "postgres://")
-    wait_for_published_port(url)
+    where = url.split("@")[-1]
+    wait_until(lambda: published_port_answers(url), 60, f"the Postgres container's published port ({where})",
+               interval=0.2)
     return url
 
 
-def wait_for_published_port(url: str, timeout: float = 60.0) -> None:
+def published_port_answers(url: str) -> bool:
     """testcontainers calls Postgres ready when psql answers inside the container; the published port can still
-    close a connection for a moment after (the engine's proxy to the container's address). Wait for it."""
-    import time
-
+    close a connection for a moment after (the engine's proxy to the container's address)."""
     import psycopg
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            psycopg.connect(url.replace("postgres://", "postgresql://", 1), connect_timeout=5).close()
-            return
-        except psycopg.OperationalError as error:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the Postgres container's published port did not answer in {timeout:.0f} s: "
-                                   f"{str(error).strip().splitlines()[0]}") from None
-            time.sleep(0.2)
+    try:
+        psycopg.connect(url.replace("postgres://", "postgresql://", 1), connect_timeout=5).close()
+    except psycopg.OperationalError:
+        return False
+    return True
 
 
 def start_kafka(stack: contextlib.ExitStack, image: str) -> str:
