@@ -10,6 +10,13 @@ mark and purge query times (their metrics), and what the minute cost Postgres (C
 processes, autovacuum included, and WAL) per record. `--hold-transaction START:MINUTES` holds a
 REPEATABLE READ transaction open for part of the run, as a forgotten session would. It ends with one
 line: the verdict against the targets of docs/benchmarks.md, "Hours under load".
+
+The writers start `--warmup` seconds (30 by default) before the first minute: a Kafka broker's JVM
+compiles its produce path in the first 20-30 s of load after it starts, and a new topic's first
+produce waits for its metadata, which put commit-to-ack p99 at 100 ms or more in the first minute
+of a soak on a freshly started broker and 12-15 ms on a warm one (docs/benchmarks.md). The warm-up's
+records are delivered and checked like the others; their figures are said on a line of their own and
+left out of the minutes and the verdict.
 """
 
 from __future__ import annotations
@@ -198,18 +205,26 @@ def other_tables(conn: psycopg.Connection) -> str:
     return ", ".join(f"{name} {live:,} rows {size / 2**20:.2f} MiB" for name, live, size in rows)
 
 
+def latencies_ms(times: dict[int, float], appended: dict[int, float], since: float, until: float,
+                 wall: float) -> list[float]:
+    """Commit to append of the records committed in [since, until); one not yet appended counts with the
+    time it has waited so far (until `wall`), so a stall shows as one."""
+    return [(appended.get(i, wall) - when) * 1000 for i, when in times.items() if since <= when < until]
+
+
 def soak(*, dsn: str, bootstrap: str, topic: str, table: str, minutes: float, rate: float,
          write: Callable[[str, float, float, Committed, threading.Event], None],
          harvesters: list[Any], scrape: Callable[[Any], tuple[float, float, float, float]],
-         hold: tuple[float, float] | None, say: Callable[[str], None]) -> Verdict:
+         hold: tuple[float, float] | None, say: Callable[[str], None], warmup: float = 0.0) -> Verdict:
     """Run the soak; `write(kind, rate, seconds, committed, stop)` writes, `scrape(harvester)` answers
-    the (mark count, mark seconds, purge count, purge seconds) so far."""
+    the (mark count, mark seconds, purge count, purge seconds) so far. The writers start `warmup`
+    seconds before the first minute."""
     committed = Committed()
     reader = Reader(bootstrap, topic)
     reader.start()
     stop = threading.Event()
     seconds = minutes * 60
-    writers = [threading.Thread(target=write, args=(kind, rate / 2, seconds, committed, stop), daemon=True)
+    writers = [threading.Thread(target=write, args=(kind, rate / 2, warmup + seconds, committed, stop), daemon=True)
                for kind in ("sql", "stash")]
     meter_conn = psycopg.connect(dsn, autocommit=True)
     try:
@@ -220,16 +235,20 @@ def soak(*, dsn: str, bootstrap: str, topic: str, table: str, minutes: float, ra
     processes = [psutil.Process(h.process.pid) for h in harvesters]
     old = OldTransaction(dsn)
     say(f"  other tables at the start: {other_tables(meter_conn)}")
-    began = time.monotonic()
     for writer in writers:
         writer.start()
+    warm_began = time.time()
+    time.sleep(warmup)
+    began = time.monotonic()
+    began_wall = time.time()
+    with reader.lock:
+        seen = len(reader.appended)
     results: list[Minute] = []
     cost = meter.read() if meter is not None else None
     cpu = sum(sum(p.cpu_times()[:2]) for p in processes)
     queries = [scrape(h) for h in harvesters]
     rss_start = sum(p.memory_info().rss for p in processes) / 2**20
     count = int(minutes + 0.999)
-    seen = 0
     try:
         for index in range(1, count + 1):
             held = hold is not None and hold[0] <= index - 1 < hold[0] + hold[1]
@@ -247,12 +266,14 @@ def soak(*, dsn: str, bootstrap: str, topic: str, table: str, minutes: float, ra
             acked_now = len(appended)
             minute.acked = acked_now - seen
             seen = acked_now
-            # Records committed in the minute ending 10 s ago (so they had time to land); one still not
-            # acknowledged counts with the time it has waited so far, so a stall shows as one.
+            # Records committed in the minute ending 10 s ago (so they had time to land), none of the warm-up's.
             wall = time.time()
-            window = (wall - 70, wall - 10)
-            minute.latencies = [(appended.get(i, wall) - when) * 1000
-                                for i, when in times.items() if window[0] <= when < window[1]]
+            minute.latencies = latencies_ms(times, appended, max(wall - 70, began_wall), wall - 10, wall)
+            if index == 1 and warmup > 0:
+                warm = Minute(0, latencies=latencies_ms(times, appended, warm_began, began_wall, wall))
+                say(f"  warm-up, {warmup:g} s before minute 1 (in no minute nor the verdict): {len(warm.latencies):,} "
+                    f"records, p50 {warm.p(50):.1f} ms, p99 {warm.p(99):.1f} ms, worst "
+                    f"{max(warm.latencies, default=0.0):.1f} ms")
             minute.backlog, minute.oldest_age, minute.size_mib, minute.dead_rows = table_figures(meter_conn, table)
             if meter is not None:
                 now_cost = meter.read()

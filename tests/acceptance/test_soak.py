@@ -22,11 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_short_soak_with_an_old_transaction_says_every_minute_and_loses_nothing(database_url, bootstrap_servers):
     env = {**os.environ, "DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers}
     result = subprocess.run([sys.executable, str(ROOT / "manage.py"), "outbox_bench", "soak", "--minutes", "1",
-                             "--rate", "300", "--keys", "20", "--hold-transaction", "0:1"],
+                             "--rate", "300", "--keys", "20", "--hold-transaction", "0:1", "--warmup", "5"],
                             capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
-    assert "an old transaction from minute 0 for 1" in lines[0]
+    assert "an old transaction from minute 0 for 1" in lines[0] and "after a 5 s warm-up" in lines[0]
+    warm = next(line for line in lines if line.strip().startswith("warm-up, 5 s before minute 1"))
+    assert re.search(r"1,[45]\d\d records, p50 [\d.]+ ms, p99 [\d.]+ ms", warm), warm  # 300/s for 5 s
     minute = next(line for line in lines if line.strip().startswith("min   1:"))
     for figure in ("records/s", "p50", "p99", "backlog", "table", "dead", "harvester", "mark", "purge", "Postgres",
                    "[old transaction open]"):
@@ -37,5 +39,5 @@ def test_a_short_soak_with_an_old_transaction_says_every_minute_and_loses_nothin
         other = next(line for line in lines if line.strip().startswith(f"other tables at the {when}:"))
         assert "outbox_dead_letter" in other and "outbox_harvester_history" in other, other
     written = re.search(r"written ([\d,]+), read back ([\d,]+)", result.stdout)
-    assert written and written.group(1) == written.group(2) == "18,000", result.stdout
+    assert written and written.group(1) == written.group(2) == "19,500", result.stdout  # 300/s for 65 s
     assert re.fullmatch(r"verdict: (PASS|FAIL)( \(.*\))?", lines[-1]), lines[-1]

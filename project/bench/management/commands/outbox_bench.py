@@ -101,6 +101,9 @@ class Command(BaseCommand):
         soak_parser.add_argument("--minutes", type=float, default=60.0)
         soak_parser.add_argument("--rate", type=float, default=2000.0, help="records/s, half plain SQL, half stash")
         soak_parser.add_argument("--keys", type=int, default=200)
+        soak_parser.add_argument("--warmup", type=float, default=30.0,
+                                 help="seconds of writing before the first minute, said apart and left out of the "
+                                      "minutes and the verdict (default 30: a broker's JVM warms up)")
         soak_parser.add_argument("--harvesters", type=int, default=1, help="harvester processes (default 1)")
         soak_parser.add_argument("--partitions", type=int, default=8)
         soak_parser.add_argument("--hold-transaction", metavar="START:MINUTES",
@@ -343,7 +346,9 @@ class Command(BaseCommand):
     # -- hours under load --------------------------------------------------------------------------
 
     def bench_soak(self, minutes: float, rate: float, keys: int, harvesters: int, partitions: int,
-                   hold_transaction: str | None, harvest_args: list[str], **_: Any) -> None:
+                   hold_transaction: str | None, harvest_args: list[str], warmup: float, **_: Any) -> None:
+        if warmup < 0:
+            raise CommandError(f"--warmup: at least 0 seconds, got {warmup:g}")
         self._require_empty_outbox()
         hold = None
         if hold_transaction:
@@ -357,7 +362,8 @@ class Command(BaseCommand):
         ports = [free_port() for _ in range(harvesters)]
         held = f"an old transaction from minute {hold[0]:g} for {hold[1]:g}" if hold else "no old transaction"
         self.stdout.write(f"soak: {minutes:g} min at {rate:,.0f} records/s (half plain SQL, half stash_many) over "
-                          f"{keys} keys, {harvesters} harvester(s); {held}; harvest flags {harvest_args or 'default'}")
+                          f"{keys} keys, {harvesters} harvester(s), after a {warmup:g} s warm-up; {held}; "
+                          f"harvest flags {harvest_args or 'default'}")
 
         def write(kind: str, share: float, seconds: float, committed: soak.Committed, stop: Any) -> None:
             pump(records=int(share * seconds), keys=keys, topic=topic, rate=share, batch=20, on_commit=committed.add,
@@ -379,7 +385,8 @@ class Command(BaseCommand):
             time.sleep(1.0)  # the metrics endpoints are up
             result = soak.soak(dsn=conf.harvest_config().dsn, bootstrap=conf.kafka_config()["bootstrap.servers"],
                                topic=topic, table=OutboxRecord._meta.db_table, minutes=minutes, rate=rate,
-                               write=write, harvesters=running, scrape=queries, hold=hold, say=self.stdout.write)
+                               write=write, harvesters=running, scrape=queries, hold=hold, say=self.stdout.write,
+                               warmup=warmup)
             self._wait_drained()
         self.stdout.write(result.line())
         self._delete_topic(topic)
