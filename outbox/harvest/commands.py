@@ -67,7 +67,8 @@ class Mark:
 class Purge:
     """Delete rows whose records Kafka acknowledged; answer on_purged().
 
-    With `fenced`, also tell whether this replica's fence session still holds the fence.
+    With `fenced`, also tell whether this replica's fence session still holds the fence (without, the
+    store does not read it: contract.PURGE_UNFENCED).
     """
 
     ids: tuple[int, ...]

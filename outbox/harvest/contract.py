@@ -162,7 +162,10 @@ WHERE locktype = 'relation' AND relation = %(table_oid)s AND mode = 'RowExclusiv
 
 # Whether the leader's fence session (by its backend pid) still holds the table's fence. Purges and
 # resets run on another session and answer this too, so a leader whose fence session ended (and
-# someone else may be marking) learns it at its next purge, and stops sending.
+# someone else may be marking) learns it at its next mark (which fails on the ended session) or at its
+# next purge that reads it, and stops sending. A purge nothing waits on reads it only if no mark
+# succeeded since the previous purge (PURGE_UNFENCED otherwise; Lanes.purge_reads_fence): reading
+# pg_locks costs the server more than the DELETE (docs/benchmarks.md).
 FENCE_HELD = """
 SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = %(class)s AND objid = %(table_oid)s
                  AND objsubid = 1 AND granted AND pid = %(fence_pid)s) AS held
@@ -175,6 +178,12 @@ PURGE = f"""
 WITH fence AS ({FENCE_HELD}),
 gone AS (DELETE FROM {{table}} WHERE id = ANY(%(ids)s::bigint[]) RETURNING 1)
 SELECT (SELECT held FROM fence), (SELECT count(*) FROM gone)
+"""
+
+# The same purge without reading the fence: nothing waits on it, and a mark on the fence session
+# succeeded since the last purge, so that session held the fence then. Its row count answers.
+PURGE_UNFENCED = """
+DELETE FROM {table} WHERE id = ANY(%(ids)s::bigint[])
 """
 
 # Reset: a delivery failed. The next term reads the row again anyway; tables made by this app's

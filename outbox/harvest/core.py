@@ -266,6 +266,8 @@ class Core:
         """The rows a Mark read, sorted by id, and the transactions writing to the outbox just before
         (their virtual transaction ids; None: not read, as a mark without gaps does not)."""
         taken = self.marking.marked(mark, records, writers)
+        if taken is not None:
+            self.lanes.mark_saw_fence = True  # it ran on the fence session, which held the fence
         for record in taken or ():
             self.lanes.take(record)
 

@@ -86,7 +86,7 @@ def engine_statements(table: str, dead_letter_table: str | None = None, shards: 
     above = sql.SQL(contract.mark_above(shards))
     texts = {
         contract.MARK: "mark", (contract.GAPS if shards <= 1 else contract.shard_gaps(shards)): "gaps",
-        contract.WRITERS: "writers", contract.PURGE: "purge",
+        contract.WRITERS: "writers", contract.PURGE: "purge", contract.PURGE_UNFENCED: "purge",
         contract.RESET: "reset", contract.RESET_COUNTED: "reset", contract.HOLD: "hold",
         contract.HOLD_COUNTED: "hold", contract.CHECK_HELD: "check_held", contract.TAKE_FENCE: "fence",
         contract.RELEASE_FENCE: "fence", contract.FENCE_HOLDER: "fence", contract.TERMINATE: "fence",

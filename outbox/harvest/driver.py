@@ -399,7 +399,8 @@ class Driver:
 
     def _purge(self, command: cmd.Purge) -> None:
         instruments = self._instruments
-        delete = self._timed("purge", lambda store: store.purge(command.ids), lambda answer: answer[0])
+        delete = self._timed("purge", lambda store: store.purge(command.ids, command.fenced),
+                             lambda answer: answer[0])
 
         def purge(store: Store) -> bool:
             began = time.perf_counter()

@@ -119,6 +119,10 @@ class Lanes:
         self.settle_wanted = True
         #: Keys with records queued behind their full slots: they wait for a purge.
         self._blocked: set[str] = set()
+        #: A mark succeeded since the last purge was issued: the fence session held the fence then, so
+        #: the next purge need not read it if nothing waits on it (contract.PURGE_UNFENCED). Set by
+        #: Core.on_marked.
+        self.mark_saw_fence = False
         self._to_reset: list[Entry] = []
         self._resetting: list[Entry] | None = None
         self._reset_retry_at = now
@@ -459,14 +463,25 @@ class Lanes:
             due = max(due, self._to_purge_since + self.limits.purge_delay)
         return due
 
+    def purge_reads_fence(self) -> bool:
+        """Whether the next purge reads the fence. It must before a purge that frees what waits to be
+        sent (a key's slot, the throttle, a solo record): the next send must follow a purge that ran
+        while the fence was held. A purge nothing waits on leads to no send: it need not if a mark
+        succeeded since the last purge (the mark ran on the fence session while that held the fence;
+        a mark on an ended session fails, and the term starts again)."""
+        return self.settle_wanted or not self.mark_saw_fence
+
     def flush_settling(self, fenced: bool, active: bool = False) -> None:
-        """Purge and reset what is due; `fenced`: each also checks that the fence is still held;
+        """Purge and reset what is due; `fenced`: each also checks that the fence is still held (a purge
+        nothing waits on not when a mark saw it since the last purge);
         `active`: the term is active (not draining, revoked or stopping), so purges may wait (_purge_due)."""
         now = self.core.now
         if self._to_purge and self._purging is None and now >= self._purge_due(active):
             self._next_purge_at = now + self.limits.purge_interval
             self._purging, self._to_purge = self._to_purge, []
-            self.core.command(cmd.Purge(tuple(e.record.id for e in self._purging), fenced))
+            read_fence = fenced and self.purge_reads_fence()
+            self.mark_saw_fence = False
+            self.core.command(cmd.Purge(tuple(e.record.id for e in self._purging), read_fence))
         if self._to_reset and self._resetting is None and now >= self._reset_retry_at:
             self._resetting, self._to_reset = self._to_reset, []
             self.core.command(cmd.Reset(tuple(e.record.id for e in self._resetting),

@@ -139,6 +139,7 @@ class PostgresStore:
         self._mark_sql = sql.SQL(contract.MARK).format(table=ident, above=sql.SQL(contract.mark_above(shards)))
         self._gaps_sql = sql.SQL(contract.GAPS if shards <= 1 else contract.shard_gaps(shards)).format(table=ident)
         self._purge_sql = sql.SQL(contract.PURGE).format(table=ident)
+        self._purge_unfenced_sql = sql.SQL(contract.PURGE_UNFENCED).format(table=ident)
         self._reset_sql = sql.SQL(contract.RESET_COUNTED if counts_failures else contract.RESET).format(table=ident)
         self._hold_sql = sql.SQL(contract.HOLD_COUNTED if counts_failures else contract.HOLD).format(table=ident)
         self._check_sql = sql.SQL(contract.CHECK_HELD).format(table=ident)
@@ -403,10 +404,19 @@ class PostgresStore:
             self._purge_conn = connect(self._dsn, "purge", name=self._name)
         return self._purge_conn
 
-    def purge(self, ids: Sequence[int]) -> tuple[int, bool]:
+    def purge(self, ids: Sequence[int], read_fence: bool = True) -> tuple[int, bool]:
         """Delete rows whose records Kafka acknowledged: (how many went, whether this replica's fence
-        session still holds the fence)."""
-        return self._settle(self._purge_sql, {"ids": list(ids)})
+        session still holds the fence; True without `read_fence`)."""
+        if read_fence:
+            return self._settle(self._purge_sql, {"ids": list(ids)})
+        with self._purge_lock:
+            try:
+                deleted = self._purge_connection().execute(self._purge_unfenced_sql, {"ids": list(ids)},
+                                                           prepare=True).rowcount
+            except psycopg.Error:
+                self._drop_purge()
+                raise
+        return deleted, True
 
     def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
         """Rows whose delivery failed: count the failure when the table can (same answer as purge)."""

@@ -59,6 +59,7 @@ def test_each_statement_of_the_engine_counts_as_its_kind_in_pg_stat_statements(s
         version = store.hold(ids[0], "too large")
         assert store.reset([ids[1]], ["timed out"])[0] == 1
         assert store.purge([ids[2]])[0] == 1
+        assert store.purge([ids[1]], read_fence=False) == (1, True), "deleted, the fence not read (counts as held)"
         held = next(r for r in records if r.id == ids[0])
         assert store.park(Record(held.id, held.create_time, held.topic, held.key, held.value, version=version),
                           "too large", 3, "test", None)
@@ -75,7 +76,7 @@ def test_each_statement_of_the_engine_counts_as_its_kind_in_pg_stat_statements(s
         store.close()
         conn.close()
     calls = {kind: after[kind][0] - before.get(kind, (0, 0.0, 0))[0] for kind in after}
-    assert calls == {"mark": 1, "gaps": 1, "writers": 1, "check_held": 1, "hold": 1, "reset": 1, "purge": 1,
+    assert calls == {"mark": 1, "gaps": 1, "writers": 1, "check_held": 1, "hold": 1, "reset": 1, "purge": 2,
                      "park": 1, "fence": 2, "status": 1}, "the status kind counts the read before"
     was = before.get("mark", (0, 0.0, 0))
     assert after["mark"][1] > was[1] and after["mark"][2] - was[2] == 3, "the mark's time and rows"

@@ -46,6 +46,21 @@ class BarrierOnAck(Lanes):
         return (1 if lane.single or lane.retrying else self.limits.max_in_flight_per_key) - busy
 
 
+class FenceSeenByAMarkBeforeAWaitedPurge(Lanes):
+    """Skips the fence's read after a mark also when the purge frees what waits to be sent: the next
+    send may then follow a purge that ran after the fence was lost (the mark ran before)."""
+
+    def purge_reads_fence(self) -> bool:
+        return not self.mark_saw_fence
+
+
+class PurgesNeverReadTheFence(Lanes):
+    """No purge or reset reads the fence."""
+
+    def flush_settling(self, fenced: bool, active: bool = False) -> None:
+        super().flush_settling(False, active)
+
+
 class ReusedLeaderId(Leadership):
     """Keeps its leader id when it refreshes after a failure."""
 
@@ -211,6 +226,14 @@ MUTATIONS: dict[str, Options] = {
     "barrier lowered on the ack instead of after the purge": Options(core_factory=with_part(lanes=BarrierOnAck),
                                                                      per_key=1),
     "a leader id reused": Options(core_factory=with_part(leadership=ReusedLeaderId), per_key=1),
+    # A purge reads the fence unless a mark saw it since the last purge (lanes.flush_settling). What the
+    # reads add shows where a leader does not fence itself on missing heartbeats: then the database
+    # fence alone must stop it (tests/unit/test_simulation.py runs that with the real lanes).
+    "purges and resets never read the fence, no heartbeat fence": Options(
+        core_factory=with_part(leadership=NoHeartbeatFence, lanes=PurgesNeverReadTheFence), per_key=1, db_fence=True),
+    "a purge something waits on not reading the fence after a mark, no heartbeat fence": Options(
+        core_factory=with_part(leadership=NoHeartbeatFence, lanes=FenceSeenByAMarkBeforeAWaitedPurge), per_key=1,
+        db_fence=True),
     # The database fence stops a stale leader too; without it (PgBouncer in transaction mode) only
     # the heartbeat fence does.
     "no fencing on missing heartbeats": Options(core_factory=with_part(leadership=NoHeartbeatFence), per_key=1,
@@ -247,6 +270,8 @@ SHARD_MUTATIONS: dict[str, ShardOptions] = {
 CAUGHT_BY: dict[str, list[int]] = {
     "barrier lowered on the ack instead of after the purge": [1, 2, 4],
     "a leader id reused": [1, 2, 3],
+    "purges and resets never read the fence, no heartbeat fence": [736, 1186],
+    "a purge something waits on not reading the fence after a mark, no heartbeat fence": [736, 2708],
     "no fencing on missing heartbeats": [6, 23, 38],
     "ids not yet visible skipped (no gaps kept)": [2, 3, 4],
     "a gap forgotten before its writers ended": [2, 3, 4],

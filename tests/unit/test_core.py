@@ -441,10 +441,39 @@ def test_a_purge_that_finds_the_fence_lost_stops_sending_at_once():
     lid = d.lead()
     d.marked([rec(1, "a", lid), rec(2, "a", lid), rec(3, "b", lid)])
     d.deliver(1)
-    assert d.one(cmd.Purge).fenced
+    assert d.one(cmd.Purge).fenced, "record 2 waits on it: read although the mark just saw the fence"
     d.core.on_purged(fence_held=False)
     d.take()
     assert d.sent() == [] and d.of(cmd.AbortSends) and d.core.phase is Phase.DRAINING
+
+
+def test_a_purge_nothing_waits_on_reads_the_fence_only_when_no_mark_saw_it_since_the_last_purge():
+    d = Driver()
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid), rec(3, "c", lid)])
+    d.deliver(1)
+    assert not d.one(cmd.Purge).fenced, "nothing waits, and the mark ran on the fence session holding the fence"
+    d.purged()
+    d.advance(0.1)
+    d.deliver(2)
+    assert d.one(cmd.Purge).fenced, "no mark since the last purge: this one reads the fence"
+    d.purged()
+    mark = d.core.marking.pending or d.mark_again()
+    d.core.on_mark_failed(mark, "connection lost")  # a failed mark saw nothing
+    d.take()
+    d.advance(0.1)
+    d.deliver(3)
+    purges = d.of(cmd.Purge)
+    assert purges and all(p.fenced for p in purges), "a failed mark does not stand for the fence"
+
+
+def test_a_purge_reads_the_fence_when_the_throttle_waits_on_it():
+    d = Driver(max_in_flight_records=2)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid), rec(3, "c", lid)])
+    assert d.sent() == [1, 2], "the throttle is full: 3 waits"
+    d.deliver(1)
+    assert d.one(cmd.Purge).fenced, "3 waits on this purge: read although the mark just saw the fence"
 
 
 def test_marks_read_on_from_the_highest_id_read_and_look_up_the_ids_not_yet_visible():

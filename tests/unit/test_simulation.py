@@ -34,6 +34,22 @@ def test_each_deliberate_bug_is_caught(name):
         assert not result.ok, f"seed {seed} no longer catches {name!r}: run python -m tests.sim.mutations"
 
 
+def test_the_database_fence_alone_stops_a_leader_that_does_not_fence_itself():
+    """A leader that goes on when it no longer sees its heartbeats is stopped by the database fence: its
+    next mark fails, or its next purge that reads the fence finds it gone (Lanes.purge_reads_fence).
+    The seeds where that same leader breaks order without the fence included (CAUGHT_BY of "no
+    fencing on missing heartbeats"), and those where purges that do not read it do."""
+    replay.quiet()
+    options = scenario.Options(core_factory=mutations.with_part(leadership=mutations.NoHeartbeatFence), per_key=1,
+                               db_fence=True)
+    seeds = {*mutations.CAUGHT_BY["no fencing on missing heartbeats"],
+             *mutations.CAUGHT_BY["purges and resets never read the fence, no heartbeat fence"],
+             *mutations.CAUGHT_BY["a purge something waits on not reading the fence after a mark, no heartbeat fence"],
+             *range(1, 101)}
+    failed = {seed: result.violation for seed in sorted(seeds) if not (result := scenario.run(seed, options)).ok}
+    assert not failed, failed
+
+
 @pytest.mark.parametrize("module", ["scenario", "shard_scenario", "queue_scenario"])
 def test_docs_simulation_replay_command_runs_a_seed(module):
     """docs/simulation.md's `python -m tests.sim.<scenario> SEED`, outside pytest."""

@@ -467,8 +467,9 @@ class MemoryStore:
     def park(self, record: Record, reason: str, attempts: int, parked_by: str, dead_letter_topic: str | None) -> bool:
         return bool(self._run(True, lambda s: self.table.park(s, record, reason)))
 
-    def purge(self, ids: Sequence[int]) -> tuple[int, bool]:
-        return self._run(False, lambda s: self.table.purge(s, ids, self.fence))  # type: ignore[return-value]
+    def purge(self, ids: Sequence[int], read_fence: bool = True) -> tuple[int, bool]:
+        fence = self.fence if read_fence else None  # None: not read (answers held)
+        return self._run(False, lambda s: self.table.purge(s, ids, fence))  # type: ignore[return-value]
 
     def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
         return self._run(False, lambda s: self.table.reset(s, ids, errors, self.fence))  # type: ignore[return-value]
