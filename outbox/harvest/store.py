@@ -14,9 +14,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -27,6 +27,8 @@ from outbox.harvest.redaction import dsn_problem
 from outbox.reasons import first_line
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 CONNECT_TIMEOUT = 5
 #: application_name prefix of the engine's sessions (seen in pg_stat_activity, and by the fence).
@@ -409,13 +411,8 @@ class PostgresStore:
         session still holds the fence; True without `read_fence`)."""
         if read_fence:
             return self._settle(self._purge_sql, {"ids": list(ids)})
-        with self._purge_lock:
-            try:
-                deleted = self._purge_connection().execute(self._purge_unfenced_sql, {"ids": list(ids)},
-                                                           prepare=True).rowcount
-            except psycopg.Error:
-                self._drop_purge()
-                raise
+        deleted = self._on_purge_session(self._purge_unfenced_sql, {"ids": list(ids)}, lambda c: c.rowcount,
+                                         prepare=True)
         return deleted, True
 
     def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
@@ -424,24 +421,24 @@ class PostgresStore:
 
     def hold(self, record_id: int, reason: str) -> int | None:
         """Note on a poison row why it is held; returns its version after that (None: the row is gone)."""
-        with self._purge_lock:
-            try:
-                row = self._purge_connection().execute(
-                    self._hold_sql, {"id": record_id, "error": reason}).fetchone()
-            except psycopg.Error:
-                self._drop_purge()
-                raise
+        row = self._on_purge_session(self._hold_sql, {"id": record_id, "error": reason}, lambda c: c.fetchone())
         return row[0] if row else None
 
     def _settle(self, statement: sql.Composed, params: dict[str, Any]) -> tuple[int, bool]:
         params.update({"class": self._fence_class, "table_oid": self.table_oid, "fence_pid": self.fence_pid})
+        held, count = self._on_purge_session(statement, params, lambda c: c.fetchone(), prepare=True)
+        return count, held
+
+    def _on_purge_session(self, statement: sql.Composed, params: dict[str, Any],
+                          answer: Callable[[psycopg.Cursor[Any]], _T], prepare: bool = False) -> _T:
+        """Run one statement on the purge session and read its answer, under the purge lock; a session
+        that failed is dropped (the next statement opens another)."""
         with self._purge_lock:
             try:
-                held, count = self._purge_connection().execute(statement, params, prepare=True).fetchone()
+                return answer(self._purge_connection().execute(statement, params, prepare=prepare))
             except psycopg.Error:
                 self._drop_purge()
                 raise
-        return count, held
 
     def _drop_purge(self) -> None:
         conn, self._purge_conn = self._purge_conn, None
