@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -41,3 +44,37 @@ def test_a_short_soak_with_an_old_transaction_says_every_minute_and_loses_nothin
     written = re.search(r"written ([\d,]+), read back ([\d,]+)", result.stdout)
     assert written and written.group(1) == written.group(2) == "19,500", result.stdout  # 300/s for 65 s
     assert re.fullmatch(r"verdict: (PASS|FAIL)( \(.*\))?", lines[-1]), lines[-1]
+
+
+def test_a_soak_stopped_by_sigterm_stops_its_writers_and_the_harvesters_it_started(database_url, bootstrap_servers):
+    """A soak killed half-way (a timeout, CI, `kill`) leaves no harvester behind and does not write on."""
+    env = {**os.environ, "DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+           "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, str(ROOT / "manage.py"), "outbox_bench", "soak", "--minutes", "10", "--rate", "300",
+               "--keys", "20", "--warmup", "60"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          cwd=ROOT) as soak:
+        try:
+            assert soak.stdout is not None
+            said = []
+            for line in soak.stdout:  # printed once the harvester leads, just before the writers start
+                said.append(line)
+                if line.strip().startswith("other tables at the start:"):
+                    break
+            else:
+                pytest.fail(f"the soak ended before it began: {soak.wait()} {''.join(said)[-2000:]}")
+            harvesters = [child for child in psutil.Process(soak.pid).children(recursive=True)
+                          if "harvest" in " ".join(child.cmdline())]
+            assert harvesters, "the soak runs a harvester of its own"
+            time.sleep(3)  # the writers are under way
+            began = time.monotonic()
+            soak.send_signal(signal.SIGTERM)
+            assert soak.wait(timeout=90) == 143
+            stopped_in = time.monotonic() - began
+            _, alive = psutil.wait_procs(harvesters, timeout=5)
+            assert not alive, f"harvesters left running: {[p.pid for p in alive]}"
+            assert stopped_in < 60, f"the writers ran on for {stopped_in:.0f} s"  # they had 10 minutes left
+        finally:
+            if soak.poll() is None:
+                soak.kill()
+                soak.wait()

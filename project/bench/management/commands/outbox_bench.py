@@ -367,13 +367,14 @@ class Command(BaseCommand):
 
         def write(kind: str, share: float, seconds: float, committed: soak.Committed, stop: Any) -> None:
             pump(records=int(share * seconds), keys=keys, topic=topic, rate=share, batch=20, on_commit=committed.add,
-                 writer=kind)
+                 writer=kind, stop=stop)
 
         def queries(harvester: HarvesterProcess) -> tuple[float, float, float, float]:
             port = harvester.metrics_port
             return (scrape(port, "outbox_mark_seconds_count"), scrape(port, "outbox_mark_seconds_sum"),
                     scrape(port, "outbox_purge_seconds_count"), scrape(port, "outbox_purge_seconds_sum"))
 
+        unwind_on_sigterm()  # the writers stop, and so do the harvesters started here
         with contextlib.ExitStack() as stack:
             running = []
             for port in ports:
@@ -426,8 +427,7 @@ class Command(BaseCommand):
                           f"poll.interval.ms {poll}; harvest flags {harvest_args or 'default'}")
         side = SideBySide(self.stdout.write, bootstrap, pg_port=pg_port, poll_interval_ms=poll,
                           harvest_args=harvest_args, project_dsn=conf.harvest_config().dsn)
-        # A SIGTERM (timeout, CI) unwinds like Ctrl-C, so that what the benchmark started is stopped.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        unwind_on_sigterm()
         try:
             side.setup()
             report = side.run(rounds, records, workloads, duration)
@@ -773,6 +773,11 @@ class AppendTimeReader(threading.Thread):
                     if name == "outbox-id":
                         self.appended.setdefault(int(value), message.timestamp()[1] / 1000)
         consumer.close()
+
+
+def unwind_on_sigterm() -> None:
+    """A SIGTERM (a timeout, CI, `kill`) unwinds like Ctrl-C, so that what the benchmark started is stopped."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def free_port() -> int:

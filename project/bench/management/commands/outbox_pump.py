@@ -5,6 +5,7 @@ Like goharvest's pump: load for benchmarks and soak tests.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -16,18 +17,21 @@ from project.bench.writer import PLAIN_INSERT  # what a writer in another langua
 
 
 def pump(*, records: int, keys: int, topic: str, rate: float | None = None, batch: int = 1000, value_bytes: int = 100,
-         database: str = "default", on_commit: Any = None, writer: str = "stash") -> int:
+         database: str = "default", on_commit: Any = None, writer: str = "stash",
+         stop: threading.Event | None = None) -> int:
     """Write `records` records over `keys` keys in transactions of `batch`; returns how many were written.
 
     `writer` is "stash" (stash_many()) or "sql" (plain INSERT statements, as an application in any
     language would write them). With `rate` (records/s), transactions are paced to that rate;
     `on_commit(ids, commit_time)` is called after each commit (the latency benchmark records
-    commit times with it).
+    commit times with it). Once `stop` is set, no further transaction begins (a soak that is
+    interrupted ends its writers at once, not when their records would have run out).
     """
     padding = "x" * max(0, value_bytes - 20)
     written = 0
     began = time.perf_counter()
-    while written < records:
+    stop = stop or threading.Event()
+    while written < records and not stop.is_set():
         count = min(batch, records - written)
         rows = [{"topic": topic, "key": f"key-{(written + i) % keys}", "value": f"{written + i}:{padding}"}
                 for i in range(count)]
@@ -46,7 +50,7 @@ def pump(*, records: int, keys: int, topic: str, rate: float | None = None, batc
         if rate:
             ahead = written / rate - (time.perf_counter() - began)
             if ahead > 0:
-                time.sleep(ahead)
+                stop.wait(ahead)
     connections[database].close()
     return written
 
