@@ -29,6 +29,7 @@ MAX_SHARDS = 256
 #: Advisory-lock classes (the high 32 bits of the key; the table's oid is the low 32).
 SHARD_CLASS_BASE = 0x0B0D0000
 SHARD_COUNT_CLASS_BASE = 0x0B0E0000
+INDEX_BUILD_CLASS_BASE = 0x0B0F0000
 
 
 def shard_of(key: str, shards: int) -> int:
@@ -76,6 +77,11 @@ def shard_class(shards: int, shard: int) -> int:
 def shard_count_class(shards: int) -> int:
     """The advisory-lock class every leader of an N-shard group holds (shared) while it leads."""
     return SHARD_COUNT_CLASS_BASE + shards
+
+
+def index_build_class(shards: int) -> int:
+    """The advisory-lock class held by the one session that builds a table's index for N shards."""
+    return INDEX_BUILD_CLASS_BASE + shards
 
 
 def lock_key(lock_class: int, table_oid: int) -> int:

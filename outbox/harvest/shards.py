@@ -104,25 +104,56 @@ def ensure_shard_index(dsn: str, table: str, shards: int) -> None:
         close_quietly(conn)
 
 
-def create_shard_index(conn: psycopg.Connection, table: str, shards: int) -> None:
+#: Seconds between a replica's looks while another builds the shard index.
+INDEX_BUILD_POLL = 0.2
+
+
+def create_shard_index(conn: psycopg.Connection, table: str, shards: int, *, poll: float = INDEX_BUILD_POLL) -> None:
     """Create the table's index for `shards` shards unless it exists (sharding.py). CONCURRENTLY, so
     writers go on meanwhile (a partitioned table cannot: its index is built directly); `conn` is in
-    autocommit mode."""
+    autocommit mode.
+
+    Replicas that start together build it once: the one that takes the build's advisory lock builds it,
+    the others look again every `poll` seconds until it is there. They poll (pg_try_advisory_lock) rather
+    than wait in the lock, because a session waiting holds a transaction open and CREATE INDEX
+    CONCURRENTLY waits for every older transaction: the two would deadlock. Built at once, the builds
+    failed ("deadlock detected", "tuple concurrently updated"), and one replica could drop another's
+    index half-built, taking it for an interrupted build.
+    """
     try:
         schema = table.rpartition(".")[0]
         index = f"{schema}.{sharding.index_name(table, shards)}" if schema else sharding.index_name(table, shards)
-        row = conn.execute("SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)",
-                           [table_name(index)]).fetchone()
-        if row is not None and row[0]:
-            return
-        if row is not None:  # a CREATE INDEX CONCURRENTLY that was interrupted leaves an invalid index
-            conn.execute(psycopg.sql.SQL("DROP INDEX IF EXISTS {}").format(table_identifier(index)))
-        partitioned = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = "
-                                   "to_regclass(%s))", [table_name(table)]).fetchone()[0]
-        log.info("Creating index %s for %d shards of %s (once)", index, shards, table)
-        conn.execute(sharding.create_index_sql(table, shards, concurrently=not partitioned))
+        oid = conn.execute("SELECT to_regclass(%s)::oid", [table_name(table)]).fetchone()[0]
+        key = sharding.lock_key(sharding.index_build_class(shards), int(oid or 0))
+        waiting = False
+        while not conn.execute("SELECT pg_try_advisory_lock(%s)", [key]).fetchone()[0]:
+            if _index_state(conn, index):
+                return
+            if not waiting:
+                log.info("Waiting for another replica to build index %s for %d shards of %s", index, shards, table)
+                waiting = True
+            time.sleep(poll)
+        try:
+            state = _index_state(conn, index)
+            if state:
+                return
+            if state is not None:  # an interrupted CREATE INDEX CONCURRENTLY leaves an invalid index
+                conn.execute(psycopg.sql.SQL("DROP INDEX IF EXISTS {}").format(table_identifier(index)))
+            partitioned = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = "
+                                       "to_regclass(%s))", [table_name(table)]).fetchone()[0]
+            log.info("Creating index %s for %d shards of %s (once)", index, shards, table)
+            conn.execute(sharding.create_index_sql(table, shards, concurrently=not partitioned))
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", [key])
     except psycopg.Error as error:
         raise StoreError(f"cannot create the index for {shards} shards on {table!r}: {first_line(error)}") from None
+
+
+def _index_state(conn: psycopg.Connection, index: str) -> bool | None:
+    """Whether `index` is valid (None: there is no such index)."""
+    row = conn.execute("SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)",
+                       [table_name(index)]).fetchone()
+    return None if row is None else bool(row[0])
 
 
 def check_shard_terms(conn: psycopg.Connection, config: HarvestConfig) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import re
 import signal
+import threading
 import time
 import uuid
 
@@ -52,6 +53,45 @@ def test_the_shard_of_a_key_is_the_same_in_python_and_in_postgres(database_url):
             rows = conn.execute(f"SELECT k, {sharding.shard_expression(shards, 'k')} FROM unnest(%s::text[]) AS k",
                                 [keys]).fetchall()
             assert {key: shard for key, shard in rows} == {key: sharding.shard_of(key, shards) for key in keys}
+
+
+def test_replicas_that_start_together_build_the_shard_index_once(database_url):
+    """Replicas of a new N start at once (a deployment's rollout): each wants the index, one builds it, none fails.
+
+    Before, each built it at once: CREATE INDEX CONCURRENTLY of one name in several sessions failed with
+    "tuple concurrently updated" or "deadlock detected", and a replica could drop another's index while
+    it was being built, taking it for an interrupted build.
+    """
+    shards = 5  # a count no other test builds
+    with connect(database_url, "setup") as conn:
+        conn.execute(f"DROP INDEX IF EXISTS {sharding.index_name('outbox', shards)}")
+        conn.execute("INSERT INTO outbox (kafka_topic, kafka_key, kafka_value) "
+                     "SELECT 't', 'k' || (i % 100), 'v' FROM generate_series(1, 20000) AS i")
+    replicas = 4
+    start = threading.Barrier(replicas)
+    failures: list[BaseException] = []
+
+    def replica() -> None:
+        start.wait()
+        try:
+            ensure_shard_index(database_url, "outbox", shards)
+        except BaseException as error:  # every failure is the test's finding
+            failures.append(error)
+
+    threads = [threading.Thread(target=replica) for _ in range(replicas)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not failures, [str(error) for error in failures]
+        with connect(database_url, "check") as conn:
+            valid = conn.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)",
+                                 [sharding.index_name("outbox", shards)]).fetchall()
+        assert valid == [(True,)], valid
+    finally:
+        with connect(database_url, "setup") as conn:
+            conn.execute(f"DROP INDEX IF EXISTS {sharding.index_name('outbox', shards)}")
 
 
 def test_a_shards_mark_reads_its_own_rows_through_its_index(database_url):
