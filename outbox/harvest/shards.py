@@ -38,7 +38,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaException, Producer
 
-from outbox.harvest import events, sharding
+from outbox.harvest import contract, events, sharding
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import LiveConnector
 from outbox.harvest.contract import ReplicaState
@@ -123,7 +123,7 @@ def create_shard_index(conn: psycopg.Connection, table: str, shards: int, *, pol
     try:
         schema = table.rpartition(".")[0]
         index = f"{schema}.{sharding.index_name(table, shards)}" if schema else sharding.index_name(table, shards)
-        oid = conn.execute("SELECT to_regclass(%s)::oid", [table_name(table)]).fetchone()[0]
+        oid = conn.execute(contract.TABLE_OID, {"table": table_name(table)}).fetchone()[0]
         key = sharding.lock_key(sharding.index_build_class(shards), int(oid or 0))
         waiting = False
         while not conn.execute("SELECT pg_try_advisory_lock(%s)", [key]).fetchone()[0]:

@@ -84,6 +84,7 @@ def test_replicas_that_start_together_build_the_shard_index_once(database_url):
             thread.start()
         for thread in threads:
             thread.join(timeout=60)
+        assert not [thread for thread in threads if thread.is_alive()], "a replica still waits after 60 s"
         assert not failures, [str(error) for error in failures]
         with connect(database_url, "check") as conn:
             valid = conn.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)",
