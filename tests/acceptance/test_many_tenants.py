@@ -11,6 +11,7 @@ import uuid
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from tests.support.harness import Process, assert_complete_and_ordered, replica_env, wait_until
 from tests.support.tenants import PREFIX, TenantWriter, create_tenant, read_tenants
@@ -37,6 +38,19 @@ def statements_run(database_url: str) -> int:
         return conn.execute(f"/* {OWN} */ SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements "
                             "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
                             "AND query NOT LIKE %s", [f"%{OWN}%"]).fetchone()[0]
+
+
+def explain_missing(database_url: str, schema: str, missing: set[int], processes: list[Process]) -> str:
+    """Where records that never arrived are: still in their outbox (and how), and what the harvesters warned."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        rows = conn.execute(sql.SQL(f"/* {OWN} */ SELECT * FROM {{}}.outbox WHERE id = ANY(%s) ORDER BY id").format(
+            sql.Identifier(schema)), [sorted(missing)]).fetchall()
+        left = conn.execute(sql.SQL(f"/* {OWN} */ SELECT count(*) FROM {{}}.outbox").format(
+            sql.Identifier(schema))).fetchone()[0]
+    warnings = [line for process in processes for line in process.log().splitlines()
+                if schema in line or "WARNING" in line or "ERROR" in line or "Traceback" in line][-40:]
+    return (f"{len(missing)} record(s) of {schema} never published, e.g. {sorted(missing)[:5]}; {left} row(s) left "
+            f"in its outbox; the missing ones there: {rows!r}; the harvesters said: " + "\n".join(warnings))
 
 
 def test_two_processes_harvest_fifty_tenants_idle_for_under_five_statements_a_second(
@@ -72,6 +86,8 @@ def test_two_processes_harvest_fifty_tenants_idle_for_under_five_statements_a_se
         audits = read_tenants(bootstrap_servers, topic, writer.ids, timeout=120)
         assert sorted(audits) == sorted(schemas)
         for schema in schemas:  # ids repeat across tenants (an identity each): a record is its schema and id
+            missing = set(writer.ids[schema]) - audits[schema].ids
+            assert not missing, explain_missing(database_url, schema, missing, processes)
             assert_complete_and_ordered(audits[schema], writer.ids[schema])
             assert len(audits[schema].by_key) == 4
     finally:
