@@ -337,6 +337,11 @@ class Core:
     def on_producer_restarted(self) -> None:
         self.lanes.restarting = False
 
+    def on_producer_replaced(self) -> None:
+        """The records go through a new producer (restarted, or rebuilt for smaller batches): until one of a
+        key's records is acknowledged there, the key sends one at a time (lanes.py)."""
+        self.lanes.producer_replaced()
+
     # ============================================================================ inside
 
     def _advance(self) -> None:

@@ -24,6 +24,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from outbox.harvest import commands as cmd
 from outbox.harvest import contract, events
+from outbox.harvest.acks import AckOffsets
 from outbox.harvest.commands import DeliveryError
 from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record, iso_utc
@@ -135,6 +136,9 @@ class Driver:
         self._inbox: deque[Result] = deque()
         self._deliveries: deque[tuple[int, KafkaError | None]] = deque()
         self.wake: Callable[[], None] = lambda: None
+        #: The offsets the record producer in use was acknowledged at (acks.py), and that producer.
+        self._acks = AckOffsets()
+        self._acks_of: Any = None
 
     @property
     def pending(self) -> bool:
@@ -188,6 +192,15 @@ class Driver:
             core.on_backpressure([r.id for r in records])
             return
         producer = io.producer
+        if producer is not self._acks_of:  # a new producer is a new idempotent session
+            replaced = self._acks_of is not None
+            self._acks_of, self._acks = producer, AckOffsets()
+            if replaced:
+                # Its first record of each key must go alone (lanes.py): these were batched for the old one.
+                core.on_producer_replaced()
+                core.on_backpressure([r.id for r in records])
+                return
+        acks = self._acks
         delivered = self._on_delivery
         created_last: Any = None
         created_text = ""
@@ -230,9 +243,9 @@ class Driver:
                 core.on_refused(record.id, failure)
                 continue
             if tracer is None:
-                on_delivery = functools.partial(delivered, record.id)
+                on_delivery = functools.partial(delivered, record.id, acks)
             else:
-                on_delivery = functools.partial(self._on_traced_delivery, record.id, handles[index])
+                on_delivery = functools.partial(self._on_traced_delivery, record.id, acks, handles[index])
             try:
                 producer.produce(record.topic, value=record.value, key=record.key, headers=headers,
                                  on_delivery=on_delivery)
@@ -264,21 +277,34 @@ class Driver:
         if held_back:
             core.on_backpressure(held_back)
 
-    def _on_delivery(self, record_id: int, error: KafkaError | None, _message: Any) -> None:
-        if error is not None and error.code() in SIZE_ERRORS:
+    def _on_delivery(self, record_id: int, acks: AckOffsets, error: KafkaError | None, message: Any) -> None:
+        if error is None:
+            error = self._not_delivered(record_id, acks, message)
+        elif error.code() in SIZE_ERRORS:
             self.io.refused_for_size(None)  # one request reads every topic's limit again
         self.delivered(record_id, error)
 
-    def _on_traced_delivery(self, record_id: int, handle: Any, error: KafkaError | None, message: Any) -> None:
+    def _on_traced_delivery(self, record_id: int, acks: AckOffsets, handle: Any, error: KafkaError | None,
+                            message: Any) -> None:
         tracer = self._tracer
         assert tracer is not None
         if error is None:
-            tracer.acknowledged(handle, message)
-            self.delivered(record_id, None)
-            return
+            error = self._not_delivered(record_id, acks, message)
+            if error is None:
+                tracer.acknowledged(handle, message)
+                self.delivered(record_id, None)
+                return
         tracer.failed(handle, record_id, delivery_error(error))
         self._failed_spans[record_id] = handle  # before the report, so the turn that takes it finds it
-        self._on_delivery(record_id, error, message)
+        self._on_delivery(record_id, acks, error, message)
+
+    def _not_delivered(self, record_id: int, acks: AckOffsets, message: Any) -> KafkaError | None:
+        """A report of delivery that Kafka gave for a batch it took for a duplicate (acks.py), as a failure
+        to retry; None for a delivery."""
+        reason = acks.repeated(record_id, message)
+        if reason is None:
+            return None
+        return KafkaError(KafkaError.DUPLICATE_SEQUENCE_NUMBER, reason, retriable=True)
 
     def _end_failed_spans(self) -> None:
         tracer = self._tracer

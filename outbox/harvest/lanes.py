@@ -7,6 +7,13 @@ the ack alone lets a crash replay R0 R1 after R1. A key's acknowledged records a
 order, never one while an earlier one of its key is unsettled. A failed delivery resets the row
 and forces a re-mark under a new leader id (Leadership.remark), so the failed record goes out again
 before anything marked after it.
+
+A key's first record goes alone (a new lane is `single` until one of its records is acknowledged, and
+every lane is again when the producer is replaced): a partition that holds nothing yet from a producer
+accepts that producer's first batch whatever its sequence number, so if the batch before it failed for
+a moment (the partition's leader not ready, as just after the topic was created) the later one is
+written first and the earlier one's retry is answered as a duplicate (acks.py). Only records of other
+keys can be written ahead of it that way; the key's own next record waits for its ack.
 """
 
 from __future__ import annotations
@@ -76,8 +83,9 @@ class Lane:
     holds: int = 0
     #: Records of this key were dropped from memory while it was held (they stay marked).
     overflowed: bool = False
-    #: One record at a time until one goes through (after a failure of this key).
-    single: bool = False
+    #: One record at a time until one goes through: a new lane's first record (module docstring), and
+    #: after a failure of this key or a new producer.
+    single: bool = True
     #: Listed in the ready queue.
     ready: bool = False
     #: How many of `unsettled`, from the front, are acknowledged and queued for purging.
@@ -188,6 +196,11 @@ class Lanes:
             log.warning("Giving up %d record(s) in flight: %s", self.in_flight, reason)
             self.core.command(cmd.AbortSends(reason))
 
+    def producer_replaced(self) -> None:
+        """A new producer: every key's next record goes alone until one is acknowledged (module docstring)."""
+        for lane in self.lanes.values():
+            lane.single = True
+
     def restart_producer(self) -> None:
         if not self.restarting:
             self.restarting = True
@@ -203,7 +216,11 @@ class Lanes:
             return
         entry.state = EntryState.ACKED
         lane = self.lanes[entry.record.key]
-        lane.single = False
+        if lane.single:
+            lane.single = False  # its next records may go together now: no need to wait for the purge
+            if lane.queued:
+                self._blocked.discard(lane.key)
+                self.make_ready(lane)
         if entry is self.solo:
             self.solo = None
             self.core.poison.published(lane, entry)

@@ -53,6 +53,11 @@ class Options:
     db_fence: bool | None = None
     #: Whether the records' topic has a small max.message.bytes (None: the seed decides).
     topic_limits: bool | None = None
+    #: Producers now and then number a partition's records from 0 again, which Kafka acknowledges as
+    #: duplicates without writing them (ProducerFaults.seq_lost, outbox/harvest/acks.py). Off in the
+    #: seeds' runs: with several records of a key in flight, a later one may be written before the
+    #: earlier is sent again, an order no harvester can restore.
+    lost_sequences: bool = False
 
 
 def limits_for(world: SimWorld, per_key: int) -> Limits:
@@ -158,7 +163,7 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
     table.faults = TableFaults(fail_before=rng.choice((0, 0.005, 0.02)), fail_after=rng.choice((0, 0.005, 0.02)),
                                slow=rng.choice((0, 0, 0.02, 0.1)))
     kafka.faults = ProducerFaults(transient=rng.choice((0, 0.01, 0.05)), ack_lost=rng.choice((0, 0.01, 0.05)),
-                                  fatal=rng.choice((0, 0, 0.002)))
+                                  fatal=rng.choice((0, 0, 0.002)), seq_lost=0.02 if options.lost_sequences else 0.0)
 
     def live() -> list[SimReplica]:
         return [r for r in replicas if r.running and not r.crashed and not r.stopped]

@@ -50,6 +50,19 @@ def test_the_database_fence_alone_stops_a_leader_that_does_not_fence_itself():
     assert not failed, failed
 
 
+def test_records_that_kafka_takes_for_duplicates_are_sent_again():
+    """Producers that now and then number a partition's records from 0 again: Kafka acknowledges those
+    as duplicates of what it wrote first and writes nothing (outbox/harvest/acks.py). With one record
+    per key in flight, nothing is lost and order holds; the seeds include those that catch a driver
+    that takes such acknowledgements for delivery (CAUGHT_BY)."""
+    replay.quiet()
+    options = scenario.Options(per_key=1, lost_sequences=True)
+    seeds = {*mutations.CAUGHT_BY["an acknowledgement at an offset already written taken for delivery"],
+             *range(1, 61)}
+    failed = {seed: result.violation for seed in sorted(seeds) if not (result := scenario.run(seed, options)).ok}
+    assert not failed, failed
+
+
 @pytest.mark.parametrize("module", ["scenario", "shard_scenario", "queue_scenario"])
 def test_docs_simulation_replay_command_runs_a_seed(module):
     """docs/simulation.md's `python -m tests.sim.<scenario> SEED`, outside pytest."""

@@ -18,11 +18,19 @@ UNLIMITED = 10**9
 
 
 class Acked:
+    """A report of delivery: each record at an offset of its own, as Kafka writes them."""
+
+    def __init__(self, topic: str, offset: int) -> None:
+        self._topic, self._offset = topic, offset
+
+    def topic(self) -> str:
+        return self._topic
+
     def partition(self) -> int:
         return 0
 
     def offset(self) -> int:
-        return 1
+        return self._offset
 
 
 class Producer:
@@ -38,11 +46,11 @@ class Producer:
         if self.calls - 1 == self.fail_at:
             assert self.error is not None
             raise self.error
-        self.callbacks.append(on_delivery)
+        self.callbacks.append((topic, on_delivery))
 
     def acknowledge_all(self) -> None:
-        for callback in self.callbacks:
-            callback(None, Acked())
+        for offset, (topic, callback) in enumerate(self.callbacks):
+            callback(None, Acked(topic, offset))
         self.callbacks.clear()
 
 

@@ -8,7 +8,14 @@ What the harvester relies on, and what goes wrong with it, is modelled; the wire
   refuses a whole batch that holds a poison record (the producer itself refuses a huge one at
   produce()) or that is larger than its topic's `max_message_bytes` (a producer's batches are at most
   its `batch_bytes`, as librdkafka's batch.size), may lose a batch's acknowledgement (the batch is
-  written; librdkafka retries it and the broker answers "duplicate"), or fails it for a while;
+  written; librdkafka retries it and the broker answers "duplicate", with the offsets it wrote it
+  at), or fails it for a while;
+- like Kafka, it takes a producer's first batch to a partition whatever its sequence, so a batch
+  after one that failed for a moment can be written first, and the earlier one's retry is then
+  answered "duplicate" at no offset, though it was never written (acks.py); with `seq_lost` the
+  producer forgets a partition's sequence and numbers new records from 0 again, which the broker
+  takes for duplicates of what it wrote first (it answers with those records' offsets and writes
+  nothing: the harvester must not take either for delivery);
 - with `gapless` (several records of a key in flight) a refused batch is a fatal error: nothing
   after it is written, and every record in the producer fails; without it (one in flight per key),
   librdkafka's own delivery timeout fails records, queued ones unwritten, in-flight ones perhaps
@@ -125,11 +132,16 @@ class StoredMessage:
         return (self._key or b"").decode()
 
 
+#: librdkafka's offset of a message whose offset is not known.
+OFFSET_INVALID = -1001
+
+
 @dataclass
 class ProducerFaults:
     transient: float = 0.0  # a batch is not written this time (retried)
     ack_lost: float = 0.0  # a batch is written but its acknowledgement lost (retried: duplicate)
     fatal: float = 0.0  # the producer fails fatally at a batch
+    seq_lost: float = 0.0  # the producer numbers a partition's next batch from 0 again (acks.py)
     latency: tuple[float, float] = (0.0005, 0.004)
 
 
@@ -146,6 +158,31 @@ class Pending:
     on_report: Callable[[KafkaError | None, Any], None]
     seq: int = -1
     state: str = "queued"  # queued, inflight, done
+    offset: int = OFFSET_INVALID  # where the broker says it is (a duplicate: where it wrote that number)
+
+
+class Report:
+    """What a delivery report hands the callback: confluent_kafka.Message's accessors of a Pending."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self, pending: Pending) -> None:
+        self._pending = pending
+
+    def topic(self) -> str:
+        return self._pending.topic
+
+    def partition(self) -> int:
+        return self._pending.partition
+
+    def offset(self) -> int:
+        return self._pending.offset
+
+    def key(self) -> bytes | None:
+        return _encode(self._pending.key)
+
+    def value(self) -> bytes | None:
+        return _encode(self._pending.value)
 
 
 @dataclass(eq=False)
@@ -170,6 +207,8 @@ class MemoryBroker:
         self._producer_ids = 0
         #: (producer id, epoch, topic, partition) -> next expected sequence
         self._expected: dict[tuple[int, int, str, int], int] = {}
+        #: (producer id, epoch, topic, partition) -> {sequence: offset it was written at}
+        self._written_at: dict[tuple[int, int, str, int], dict[int, int]] = {}
         self._fenced_epochs: dict[int, int] = {}
         self.groups: dict[str, Group] = {}
         #: Topics' max.message.bytes (a topic not named here takes any batch).
@@ -246,16 +285,22 @@ class MemoryBroker:
             self.size_refusals.append((self.world.now, batch.topic))
             return "refused"
         key = (producer.id, batch.epoch, batch.topic, batch.partition)
-        expected = self._expected.get(key, 0)
+        # Kafka keeps no state of a producer that has written nothing to the partition yet, and takes its
+        # first batch whatever its sequence: a batch after one that failed for a moment can land first.
+        expected = self._expected.get(key, batch.first_seq)
         if batch.first_seq > expected:
             return "out_of_order"
+        written_at = self._written_at.setdefault(key, {})
         if batch.first_seq < expected:
+            for message in batch.messages:  # answered with where those numbers were written
+                message.offset = written_at.get(message.seq, OFFSET_INVALID)
             return "duplicate"
         self._expected[key] = expected + len(batch.messages)
         self._fenced_epochs[producer.id] = batch.epoch
         for message in batch.messages:
-            self.append(batch.topic, batch.partition, message.key, message.value, message.headers,
-                        producer=producer.id, replica=producer.replica)
+            stored = self.append(batch.topic, batch.partition, message.key, message.value, message.headers,
+                                 producer=producer.id, replica=producer.replica)
+            message.offset = written_at[message.seq] = stored.offset()
         return "written"
 
 
@@ -341,8 +386,9 @@ class MemoryProducer:
             while queue and (count is None or released < count):
                 message = queue.popleft()
                 if error is None:
-                    self.broker.append(where[0], where[1], message.key, message.value, message.headers,
-                                       producer=self.id, replica=self.replica)
+                    message.offset = self.broker.append(where[0], where[1], message.key, message.value,
+                                                        message.headers, producer=self.id,
+                                                        replica=self.replica).offset()
                 self._report(message, error)
                 released += 1
         return released
@@ -374,6 +420,9 @@ class MemoryProducer:
             while len(messages) < count and (self.batch_bytes is None
                                              or batch_size([*messages, queue[0]]) <= self.batch_bytes):
                 messages.append(queue.popleft())
+            faults = self.broker.faults
+            if faults.seq_lost and self.world.chance(faults.seq_lost):
+                self._next_seq.pop(where, None)  # librdkafka's state of the partition lost: numbered from 0
             seq = self._next_seq.get(where, 0)
             for i, message in enumerate(messages):
                 if message.seq < 0:
@@ -441,7 +490,7 @@ class MemoryProducer:
 
         def serve() -> None:
             self._reporting -= 1
-            message.on_report(error, message)
+            message.on_report(error, Report(message))
         # Delivery reports reach the application through poll(): later, never at once.
         self.world.after(self.world.latency(0.0002, 0.002), serve)
 

@@ -1,0 +1,60 @@
+"""Acknowledgements that are not deliveries: Kafka's answer to a batch it takes for a duplicate.
+
+An idempotent producer numbers each partition's records; the broker writes a batch once and answers a
+batch whose numbers it has already written with the offsets it wrote them at (or, for older ones,
+DUPLICATE_SEQUENCE_NUMBER), and librdkafka reports either as delivered. That is right for a retry of
+the same records. If the producer ever numbered other records with numbers already used (its state of
+a partition lost and started again), those records were not written, and their reports say delivered
+all the same: purging their rows would lose them, with nothing logged.
+
+A record written now lands after everything written before it, at an offset no other record has. So a
+report of delivery at an offset this producer was already acknowledged at, or at none, is taken as a
+failed delivery: the row stays, the term re-marks, and the record goes out again (a duplicate if it was
+written after all). One AckOffsets per producer instance (a new producer is a new idempotent session);
+each remembers the last WINDOW offsets acknowledged per partition.
+
+    acks = AckOffsets()
+    acks.repeated(record_id, message)   # None, or why the report is not a delivery
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+#: Offsets remembered per partition. A batch Kafka answers as a duplicate is one of the producer's last
+#: few (Kafka keeps five per partition); a few thousand covers any batch size.
+WINDOW = 4096
+
+
+class AckOffsets:
+    """The offsets one producer's reports of delivery named lately, per partition. Used from the thread
+    that serves that producer's reports (they come one at a time)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._window = window
+        #: (topic, partition) -> {offset: record id}, and the offsets in the order they came (to forget).
+        self._seen: dict[tuple[str, int], dict[int, int]] = {}
+        self._order: dict[tuple[str, int], deque[int]] = {}
+
+    def repeated(self, record_id: int, message: Any) -> str | None:
+        """Why this report of delivery (a confluent_kafka.Message) is not one, or None if it is."""
+        offset = message.offset()
+        where = (message.topic(), message.partition())
+        if offset is None or offset < 0:
+            return (f"Kafka reported it delivered to {where[0]} [{where[1]}] at no offset (a duplicate of records "
+                    f"this producer sent before, so perhaps never written); sending it again")
+        seen = self._seen.get(where)
+        if seen is None:
+            seen = self._seen[where] = {}
+            self._order[where] = deque()
+        earlier = seen.get(offset)
+        if earlier is not None and earlier != record_id:
+            return (f"Kafka reported it delivered to {where[0]} [{where[1]}] at offset {offset}, where record "
+                    f"{earlier} was written: it took it for a duplicate and did not write it; sending it again")
+        seen[offset] = record_id
+        order = self._order[where]
+        order.append(offset)
+        if len(order) > self._window:
+            seen.pop(order.popleft(), None)
+        return None
