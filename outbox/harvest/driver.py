@@ -301,7 +301,7 @@ class Driver:
     def _not_delivered(self, record_id: int, acks: AckOffsets, message: Any) -> KafkaError | None:
         """A report of delivery that Kafka gave for a batch it took for a duplicate (acks.py), as a failure
         to retry; None for a delivery."""
-        reason = acks.repeated(record_id, message)
+        reason = acks.repeated(message)
         if reason is None:
             return None
         return KafkaError(KafkaError.DUPLICATE_SEQUENCE_NUMBER, reason, retriable=True)

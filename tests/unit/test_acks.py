@@ -23,32 +23,49 @@ def acked(offset: int, topic: str = "orders", partition: int = 0) -> StoredMessa
 
 def test_new_offsets_are_deliveries_and_a_repeat_for_another_record_is_not():
     acks = AckOffsets()
-    assert acks.repeated(1, acked(10)) is None
-    assert acks.repeated(2, acked(11)) is None
-    reason = acks.repeated(3, acked(10))
-    assert reason is not None and "offset 10, where record 1 was written" in reason
-    assert acks.repeated(3, acked(12)) is None  # sent again, written this time
+    assert acks.repeated(acked(10)) is None
+    assert acks.repeated(acked(11)) is None
+    reason = acks.repeated(acked(10))
+    assert reason is not None and "offset 10, where another record of this producer was written" in reason
+    assert acks.repeated(acked(12)) is None  # sent again, written this time
 
 
 def test_partitions_and_topics_have_offsets_of_their_own():
     acks = AckOffsets()
-    assert acks.repeated(1, acked(0, partition=0)) is None
-    assert acks.repeated(2, acked(0, partition=1)) is None
-    assert acks.repeated(3, acked(0, topic="payments")) is None
+    assert acks.repeated(acked(0, partition=0)) is None
+    assert acks.repeated(acked(0, partition=1)) is None
+    assert acks.repeated(acked(0, topic="payments")) is None
 
 
 def test_a_delivery_at_no_offset_is_not_one():
     """librdkafka's DUPLICATE_SEQUENCE_NUMBER: reported delivered, offset unknown (-1001)."""
-    reason = AckOffsets().repeated(1, acked(-1001))
+    reason = AckOffsets().repeated(acked(-1001))
     assert reason is not None and "at no offset" in reason
 
 
+def test_an_offset_far_below_the_last_is_a_log_that_began_again():
+    """The topic deleted and re-created under the producer: its offsets start from 0 again, and are deliveries."""
+    acks = AckOffsets(window=100)
+    for offset in range(500, 700):
+        assert acks.repeated(acked(offset)) is None
+    assert acks.repeated(acked(0)) is None and acks.repeated(acked(1)) is None
+    assert acks.repeated(acked(0)) is not None
+
+
+def test_a_report_that_comes_late_is_remembered():
+    acks = AckOffsets()
+    assert acks.repeated(acked(3)) is None
+    assert acks.repeated(acked(1)) is None
+    assert acks.repeated(acked(2)) is None
+    assert acks.repeated(acked(1)) is not None and acks.repeated(acked(3)) is not None
+
+
 def test_offsets_older_than_the_window_are_forgotten():
-    acks = AckOffsets(window=3)
+    acks = AckOffsets(window=2)
     for offset in range(5):
-        assert acks.repeated(offset + 1, acked(offset)) is None
-    assert acks.repeated(9, acked(0)) is None  # forgotten: memory stays bounded
-    assert acks.repeated(9, acked(4)) is not None
+        assert acks.repeated(acked(offset)) is None
+    assert acks.repeated(acked(4)) is not None
+    assert acks.repeated(acked(0)) is None  # forgotten: memory stays bounded
 
 
 class Producer:
@@ -110,7 +127,7 @@ def test_the_driver_reports_a_repeated_offset_as_a_failure_to_retry():
     record_id, error = reports[2]
     assert record_id == 3 and error is not None
     assert error.code() == KafkaError.DUPLICATE_SEQUENCE_NUMBER and error.retriable() and not error.fatal()
-    assert "where record 1 was written" in error.str()
+    assert "where another record of this producer was written" in error.str()
 
 
 def test_a_new_producer_gets_each_keys_first_record_alone_and_offsets_of_its_own():
