@@ -8,12 +8,12 @@ order, never one while an earlier one of its key is unsettled. A failed delivery
 and forces a re-mark under a new leader id (Leadership.remark), so the failed record goes out again
 before anything marked after it.
 
-A key's first record goes alone (a new lane is `single` until one of its records is acknowledged, and
-every lane is again when the producer is replaced): a partition that holds nothing yet from a producer
-accepts that producer's first batch whatever its sequence number, so if the batch before it failed for
-a moment (the partition's leader not ready, as just after the topic was created) the later one is
-written first and the earlier one's retry is answered as a duplicate (acks.py). Only records of other
-keys can be written ahead of it that way; the key's own next record waits for its ack.
+A key's first record to a topic goes alone (until one of the key's records to that topic is
+acknowledged on this producer; a new producer starts again): a partition that holds nothing yet from
+a producer accepts that producer's first batch whatever its sequence number, so if the batch before
+it failed for a moment (the partition's leader not ready, as just after the topic was created) the
+later one is written first and the earlier one's retry is answered as a duplicate (acks.py). Only
+records of other keys can be written ahead of it that way; the key's own next record waits for its ack.
 """
 
 from __future__ import annotations
@@ -83,9 +83,11 @@ class Lane:
     holds: int = 0
     #: Records of this key were dropped from memory while it was held (they stay marked).
     overflowed: bool = False
-    #: One record at a time until one goes through: a new lane's first record (module docstring), and
-    #: after a failure of this key or a new producer.
-    single: bool = True
+    #: One record at a time until one goes through (after a failure of this key).
+    single: bool = False
+    #: Topics a record of this key was acknowledged in on the current producer: the first record to any
+    #: other goes alone (module docstring).
+    acked_topics: set[str] = field(default_factory=set)
     #: Listed in the ready queue.
     ready: bool = False
     #: How many of `unsettled`, from the front, are acknowledged and queued for purging.
@@ -197,9 +199,10 @@ class Lanes:
             self.core.command(cmd.AbortSends(reason))
 
     def producer_replaced(self) -> None:
-        """A new producer: every key's next record goes alone until one is acknowledged (module docstring)."""
+        """A new producer: every key's next record to a topic goes alone until one is acknowledged there
+        (module docstring)."""
         for lane in self.lanes.values():
-            lane.single = True
+            lane.acked_topics.clear()
 
     def restart_producer(self) -> None:
         if not self.restarting:
@@ -216,9 +219,11 @@ class Lanes:
             return
         entry.state = EntryState.ACKED
         lane = self.lanes[entry.record.key]
-        if lane.single:
-            lane.single = False  # its next records may go together now: no need to wait for the purge
-            if lane.queued:
+        topic = entry.record.topic
+        if lane.single or topic not in lane.acked_topics:
+            lane.single = False
+            lane.acked_topics.add(topic)
+            if lane.queued:  # its next records may go together now: no need to wait for the purge
                 self._blocked.discard(lane.key)
                 self.make_ready(lane)
         if entry is self.solo:
@@ -312,7 +317,9 @@ class Lanes:
             self.ready.append(lane)
 
     def slots(self, lane: Lane) -> int:
-        limit = 1 if lane.single or lane.retrying else self.limits.max_in_flight_per_key
+        queued = lane.queued
+        alone = lane.single or lane.retrying or bool(queued and queued[0].record.topic not in lane.acked_topics)
+        limit = 1 if alone else self.limits.max_in_flight_per_key
         return limit - len(lane.unsettled)
 
     def dispatch(self) -> None:

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox.harvest import commands as cmd
-from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.lanes import EntryState, Lane, Lanes
@@ -48,17 +47,10 @@ class BarrierOnAck(Lanes):
 
 
 class KeysPipelinedFromTheStart(Lanes):
-    """Sends a key's records together from its first one, on a new producer too (lanes.py's single lanes)."""
+    """Sends a key's records together from its first one to a topic, on a new producer too (lanes.py)."""
 
-    def take(self, record: Record) -> None:
-        new = record.key not in self.lanes
-        super().take(record)
-        lane = self.lanes.get(record.key)
-        if new and lane is not None:
-            lane.single = False
-
-    def producer_replaced(self) -> None:
-        pass
+    def slots(self, lane: Lane) -> int:
+        return (1 if lane.single or lane.retrying else self.limits.max_in_flight_per_key) - len(lane.unsettled)
 
 
 class FenceSeenByAMarkBeforeAWaitedPurge(Lanes):

@@ -213,6 +213,28 @@ def test_several_records_of_a_key_in_flight_are_purged_in_their_order():
     assert d.one(cmd.Purge).ids == (2, 3)
 
 
+def test_a_keys_first_record_to_another_topic_goes_alone_too():
+    """A partition takes a producer's first batch whatever its sequence, whichever key's records it has:
+    acknowledged in one topic, a key still sends its first record to another alone."""
+    d = Driver(max_in_flight_per_key=8)
+    d.lead()
+    now = datetime.now(UTC)
+    records = [Record(1, now, "orders", "k", "v"), Record(2, now, "orders", "k", "v"),
+               Record(3, now, "audit", "k", "v"), Record(4, now, "audit", "k", "v")]
+    d.marked(records)
+    assert d.sent() == [1]
+    d.deliver(1)
+    assert d.sent() == [2], "acknowledged in orders; the first to audit waits until nothing of the key is in flight"
+    d.deliver(2)
+    d.purged()
+    assert d.sent() == []
+    d.advance(0.1)
+    d.purged()
+    assert d.sent() == [3]
+    d.deliver(3)
+    assert d.sent() == [4]
+
+
 def test_a_new_producer_makes_every_key_send_one_record_at_a_time_again():
     """A partition that has nothing from a producer yet takes its first batch whatever its sequence
     (lanes.py): on a new producer a key's second record waits for its first one's ack again."""
