@@ -279,7 +279,7 @@ class Driver:
 
     def _on_delivery(self, record_id: int, acks: AckOffsets, error: KafkaError | None, message: Any) -> None:
         if error is None:
-            error = self._not_delivered(record_id, acks, message)
+            error = self._not_delivered(acks, message)
         elif error.code() in SIZE_ERRORS:
             self.io.refused_for_size(None)  # one request reads every topic's limit again
         self.delivered(record_id, error)
@@ -289,7 +289,7 @@ class Driver:
         tracer = self._tracer
         assert tracer is not None
         if error is None:
-            error = self._not_delivered(record_id, acks, message)
+            error = self._not_delivered(acks, message)
             if error is None:
                 tracer.acknowledged(handle, message)
                 self.delivered(record_id, None)
@@ -298,7 +298,7 @@ class Driver:
         self._failed_spans[record_id] = handle  # before the report, so the turn that takes it finds it
         self._on_delivery(record_id, acks, error, message)
 
-    def _not_delivered(self, record_id: int, acks: AckOffsets, message: Any) -> KafkaError | None:
+    def _not_delivered(self, acks: AckOffsets, message: Any) -> KafkaError | None:
         """A report of delivery that Kafka gave for a batch it took for a duplicate (acks.py), as a failure
         to retry; None for a delivery."""
         reason = acks.repeated(message)

@@ -232,7 +232,7 @@ class BatchesNotFitted(Driver):
 class TrustsEveryAck(Driver):
     """Takes every report of delivery for one, even at an offset already written (acks.py)."""
 
-    def _not_delivered(self, record_id: int, acks: Any, message: Any) -> None:
+    def _not_delivered(self, acks: Any, message: Any) -> None:
         return None
 
 

@@ -178,12 +178,6 @@ class Report:
     def offset(self) -> int:
         return self._pending.offset
 
-    def key(self) -> bytes | None:
-        return _encode(self._pending.key)
-
-    def value(self) -> bytes | None:
-        return _encode(self._pending.value)
-
 
 @dataclass(eq=False)
 class Batch:
