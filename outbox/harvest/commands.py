@@ -68,11 +68,14 @@ class Purge:
     """Delete rows whose records Kafka acknowledged; answer on_purged().
 
     With `fenced`, also tell whether this replica's fence session still holds the fence (without, the
-    store does not read it: contract.PURGE_UNFENCED).
+    store does not read it: contract.PURGE_UNFENCED). Without `durable`, the purge may answer before
+    the server flushed it (Postgres' asynchronous commit): a crash of the database server can then
+    undo it, and the records are published again (Lanes.purges_durable says when that is allowed).
     """
 
     ids: tuple[int, ...]
     fenced: bool = False
+    durable: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -425,7 +425,7 @@ class Driver:
 
     def _purge(self, command: cmd.Purge) -> None:
         instruments = self._instruments
-        delete = self._timed("purge", lambda store: store.purge(command.ids, command.fenced),
+        delete = self._timed("purge", lambda store: store.purge(command.ids, command.fenced, command.durable),
                              lambda answer: answer[0])
 
         def purge(store: Store) -> bool:

@@ -277,7 +277,7 @@ class FakeStore(MemoryStore):
         with self.lock:
             return super().park(record, reason, attempts, parked_by, dead_letter_topic)
 
-    def purge(self, ids: Sequence[int], read_fence: bool = True) -> tuple[int, bool]:
+    def purge(self, ids: Sequence[int], read_fence: bool = True, durable: bool = True) -> tuple[int, bool]:
         if self.purge_gate is not None:
             self.purge_gate.wait()
         with self.lock:
@@ -285,7 +285,7 @@ class FakeStore(MemoryStore):
                 self.fail_purges -= 1
                 raise psycopg.OperationalError("injected purge failure")
             self.purged.extend(ids)
-            return super().purge(ids, read_fence)
+            return super().purge(ids, read_fence, durable)
 
     def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
         with self.lock:

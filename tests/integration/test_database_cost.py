@@ -217,3 +217,33 @@ def test_a_standby_reads_no_server_figures(statement_stats):
         reporter.join(timeout=10)
     assert sample.db_round_trips == {"fence": [1, 0.001, 0]} and sample.db_statements is None
     assert reporter.statements is None
+
+
+def test_purges_not_needed_on_disk_commit_asynchronously_and_durable_ones_as_the_server_says(database_url):
+    """cmd.Purge.durable: a purge nothing needs on disk (several records per key in flight) commits with
+    synchronous_commit off on the purge session; a durable one (one per key) with the server's own setting
+    again; a new session after one was lost starts from the server's and is set again."""
+    store = PostgresStore.open(database_url, "outbox", name="t", group="g")
+
+    def setting() -> str:
+        assert store._purge_conn is not None
+        return store._purge_conn.execute("SHOW synchronous_commit").fetchone()[0]
+
+    server = psycopg.connect(database_url, autocommit=True)
+    try:
+        default = server.execute("SHOW synchronous_commit").fetchone()[0]
+        with transaction.atomic():
+            ids = stash_many([{"topic": "durable", "key": f"k{i}", "value": "v"} for i in range(3)])
+        assert store.take_fence() is None
+        assert store.purge([ids[0]], read_fence=False, durable=False) == (1, True)
+        assert setting() == "off"
+        assert store.purge([ids[1]], durable=True) == (1, True)
+        assert setting() == default
+        assert store.purge([ids[2]], read_fence=False, durable=False) == (1, True)
+        store._drop_purge()  # the session lost: the next opens with the server's setting
+        assert store.purge([], read_fence=False, durable=False) == (0, True)
+        assert setting() == "off"
+        assert server.execute("SELECT count(*) FROM outbox WHERE id = ANY(%s)", [ids]).fetchone()[0] == 0
+    finally:
+        store.close()
+        server.close()

@@ -53,6 +53,14 @@ class KeysPipelinedFromTheStart(Lanes):
         return (1 if lane.single or lane.retrying else self.limits.max_in_flight_per_key) - len(lane.unsettled)
 
 
+class PurgesNeverDurable(Lanes):
+    """Lets every purge commit asynchronously, with one record per key in flight too: a key's next
+    record goes out on a purge that a crash of the database can still undo (R0 R1 R0)."""
+
+    def purges_durable(self) -> bool:
+        return False
+
+
 class FenceSeenByAMarkBeforeAWaitedPurge(Lanes):
     """Skips the fence's read after a mark also when the purge frees what waits to be sent: the next
     send may then follow a purge that ran after the fence was lost (the mark ran before)."""
@@ -276,6 +284,10 @@ MUTATIONS: dict[str, Options] = {
     # those as duplicates of what it wrote first, and writes nothing.
     "an acknowledgement at an offset already written taken for delivery": Options(
         driver_factory=TrustsEveryAck, per_key=1, lost_sequences=True),
+    # A database that crashes now and then undoes the purges that committed asynchronously and were
+    # not flushed yet (MemoryTable.restart): with one record per key in flight, a purge must be durable.
+    "purges committed asynchronously with one record per key in flight": Options(
+        core_factory=with_part(lanes=PurgesNeverDurable), per_key=1, db_restarts=True),
 }
 
 SHARD_MUTATIONS: dict[str, ShardOptions] = {
@@ -306,6 +318,7 @@ CAUGHT_BY: dict[str, list[int]] = {
     "batches not fitted to the topic's limit": [4, 8, 9],
     "a key's first records sent together (on a new producer)": [5, 14, 16],
     "an acknowledgement at an offset already written taken for delivery": [1, 2, 3],
+    "purges committed asynchronously with one record per key in flight": [11, 12, 16],
     # Shards (SHARD_MUTATIONS, tests/sim/shard_scenario.py).
     "a shard's fence let go at once when its term ends": [13, 34, 68],
     "a shard's mark reads every shard's rows": [1, 2, 3],

@@ -22,7 +22,7 @@ from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults
-from outbox.harvest.memory.table import HUGE, POISON, MemoryTable, TableFaults
+from outbox.harvest.memory.table import ASYNC_FLUSH_BOUND, HUGE, POISON, MemoryTable, TableFaults
 from outbox.harvest.memory.world import SimWorld, Violation
 from outbox.harvest.topics import record_size
 from tests.sim import checks, replay
@@ -58,6 +58,10 @@ class Options:
     #: seeds' runs: with several records of a key in flight, a later one may be written before the
     #: earlier is sent again, an order no harvester can restore.
     lost_sequences: bool = False
+    #: The database server crashes and restarts now and then, undoing the purges that committed
+    #: asynchronously and were not flushed yet (MemoryTable.restart). Off in the seeds' runs, so their
+    #: schedules stay as they were; tests/unit/test_simulation.py runs seeds with it.
+    db_restarts: bool = False
 
 
 def limits_for(world: SimWorld, per_key: int) -> Limits:
@@ -209,6 +213,19 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
 
     for _ in range(rng.randint(0, 12)):
         world.at(rng.uniform(0.5, FAULTS_END - 1), fault)
+
+    # Drawn from a generator of its own, like the topic limit.
+    restarts = random.Random(seed * 7919 + 29)
+
+    def restart() -> None:
+        sessions = [session for replica in replicas for session in (replica.store.fence, replica.store.purger)]
+        undone = table.restart(sessions, lost_within=restarts.uniform(0.0, ASYNC_FLUSH_BOUND),
+                               down_for=restarts.uniform(0.2, 3.0))
+        world.note(f"fault: the database restarted; purges undone: {undone}")
+
+    if options.db_restarts:
+        for _ in range(restarts.randint(1, 4)):
+            world.at(restarts.uniform(0.5, FAULTS_END - 1), restart)
 
     def calm() -> None:
         table.faults = TableFaults()

@@ -427,9 +427,9 @@ class FaultyStore:
                 raise psycopg.OperationalError("injected: connection lost after the mark ran")
         return marked
 
-    def purge(self, ids: Sequence[int], read_fence: bool = True) -> tuple[int, bool]:
+    def purge(self, ids: Sequence[int], read_fence: bool = True, durable: bool = True) -> tuple[int, bool]:
         self._purges += 1
         if self._purges == 2 or self._random.random() < self._fail_purge:
             self.purges_failed += 1
             raise psycopg.OperationalError("injected: purge failed")
-        return self._store.purge(ids, read_fence)
+        return self._store.purge(ids, read_fence, durable)

@@ -152,7 +152,7 @@ def test_invalid_config_is_refused_at_start():
 def test_background_failure_stops_the_harvester_and_wait_says_why(rig_factory):
     rig = rig_factory()
 
-    def explode(items, read_fence=True):
+    def explode(items, read_fence=True, durable=True):
         raise RuntimeError("disk on fire")
 
     rig.store.purge = explode

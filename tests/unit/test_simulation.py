@@ -63,6 +63,25 @@ def test_records_that_kafka_takes_for_duplicates_are_sent_again():
     assert not failed, failed
 
 
+@pytest.mark.parametrize("per_key", [1, 4])
+def test_database_restarts_undo_asynchronous_purges_without_breaking_order(per_key):
+    """The database server crashes and restarts now and then (MemoryTable.restart): the purges that
+    committed asynchronously and were not flushed come back. With several records per key in flight
+    purges are asynchronous (Lanes.purges_durable), and the records they bring back are published again,
+    as repeats; with one per key they are durable. The seeds include those that catch asynchronous
+    purges with one record per key (CAUGHT_BY)."""
+    replay.quiet()
+    options = scenario.Options(per_key=per_key, db_restarts=True)
+    seeds = {*mutations.CAUGHT_BY["purges committed asynchronously with one record per key in flight"],
+             *range(1, 61)}
+    results = [scenario.run(seed, options, trace=True) for seed in sorted(seeds)]
+    failed = {result.seed: result.violation for result in results if not result.ok}
+    assert not failed, failed
+    undone = [result.seed for result in results
+              if any("purges undone: [" in line and "undone: []" not in line for line in result.trace)]
+    assert bool(undone) == (per_key > 1), f"runs where a restart undid purges: {undone}"
+
+
 @pytest.mark.parametrize("module", ["scenario", "shard_scenario", "queue_scenario"])
 def test_docs_simulation_replay_command_runs_a_seed(module):
     """docs/simulation.md's `python -m tests.sim.<scenario> SEED`, outside pytest."""

@@ -1,5 +1,6 @@
 """The outbox table in memory: rows that become visible when their transaction commits, database
-sessions that can drop, the table's advisory-lock fence (with shards, each shard's fence and the
+sessions that can drop, a server that can crash and restart (undoing the purges that committed
+asynchronously and were not flushed yet), the table's advisory-lock fence (with shards, each shard's fence and the
 shared locks store.py takes beside it, sharding.py), and statements that fail before or after
 they commit. `MemoryStore` is the engine's Store (connector.py) over it, with the real store's two
 sessions; a statement that fails raises psycopg.OperationalError, as the real store's do.
@@ -31,6 +32,8 @@ POISON = "POISON"
 #: ...and one the producer refuses before it leaves the process (over the producer's own limit).
 HUGE = "HUGE"
 POISONS = frozenset({POISON, HUGE})
+#: Postgres' WAL writer flushes an asynchronous commit within three wal_writer_delay (200 ms by default).
+ASYNC_FLUSH_BOUND = 0.6
 
 
 @functools.lru_cache(maxsize=4096)
@@ -123,6 +126,11 @@ class MemoryTable:
     writers: set[str] = field(default_factory=set)
     #: Other transactions running (they hold the database's horizon back; they write nothing here).
     running: dict[str, str] = field(default_factory=dict)
+    #: Rows deleted by purges that committed asynchronously since the last commit that waited for the
+    #: flush (which flushes them too: the WAL is one sequence), with when: a crash brings them back.
+    unflushed: list[tuple[float, Row]] = field(default_factory=list)
+    #: The server is restarting until then: every statement fails.
+    down_until: float = 0.0
 
     # -- writers --------------------------------------------------------------------------------
 
@@ -143,6 +151,7 @@ class MemoryTable:
         self.writers.discard(row.writer)
         row.committed = True
         self.committed.append(row.id)
+        self.unflushed.clear()  # a writer's commit waits for the flush of the WAL up to it
 
     def rollback(self, row: Row) -> None:
         self.writers.discard(row.writer)
@@ -196,10 +205,28 @@ class MemoryTable:
         self.count_shared.get(session.shards, {}).pop(session, None)
         session.holds_fence = False
 
+    def restart(self, sessions: Sequence[Session], lost_within: float, down_for: float) -> list[int]:
+        """The server crashes and starts again: every session ends (the fences with them), statements
+        fail for `down_for`, and the purges that committed asynchronously in the last `lost_within`
+        seconds (at most ASYNC_FLUSH_BOUND) and were not flushed by a commit since are undone: their
+        rows are back. Returns their ids."""
+        for session in sessions:
+            self.drop(session)
+        self.down_until = self.world.now + down_for
+        since = self.world.now - min(lost_within, ASYNC_FLUSH_BOUND)
+        undone = [row for deleted_at, row in self.unflushed if deleted_at >= since]
+        self.unflushed.clear()
+        for row in undone:
+            self.rows[row.id] = row
+        return [row.id for row in undone]
+
     def _run(self, session: Session, apply: Callable[[], object]) -> object:
         """Run one statement with the configured faults; raises StatementFailed like a broken connection."""
         if not session.alive:
             raise StatementFailed("the session was ended")
+        if self.world.now < self.down_until:
+            self.drop(session)
+            raise StatementFailed("the database system is starting up")
         if self.world.chance(self.faults.fail_before):
             self.drop(session)
             raise StatementFailed("injected: connection lost before the statement ran")
@@ -337,7 +364,10 @@ class MemoryTable:
             return not self.db_fence or self.shard_fences.get((fence.shards, fence.shard)) is fence
         return fence is None or not self.db_fence or self.fence_holder is fence
 
-    def purge(self, session: Session, ids: Sequence[int], fence: Session | None = None) -> tuple[int, bool]:
+    def purge(self, session: Session, ids: Sequence[int], fence: Session | None = None,
+              durable: bool = True) -> tuple[int, bool]:
+        """Delete acknowledged rows; not `durable`: committed asynchronously, undone by a crash until
+        flushed (restart())."""
         def apply() -> tuple[int, bool]:
             removed = 0
             for row_id in ids:
@@ -347,7 +377,11 @@ class MemoryTable:
                 if not self.published(row_id):
                     raise Violation(f"row {row_id} was purged before Kafka had it")
                 del self.rows[row_id]
+                if not durable:
+                    self.unflushed.append((self.world.now, row))
                 removed += 1
+            if durable and removed:
+                self.unflushed.clear()  # its commit waits for the flush (one that deleted nothing writes none)
             return removed, self._fence_held(fence)
         return self._run(session, apply)  # type: ignore[return-value]
 
@@ -467,9 +501,9 @@ class MemoryStore:
     def park(self, record: Record, reason: str, attempts: int, parked_by: str, dead_letter_topic: str | None) -> bool:
         return bool(self._run(True, lambda s: self.table.park(s, record, reason)))
 
-    def purge(self, ids: Sequence[int], read_fence: bool = True) -> tuple[int, bool]:
+    def purge(self, ids: Sequence[int], read_fence: bool = True, durable: bool = True) -> tuple[int, bool]:
         fence = self.fence if read_fence else None  # None: not read (answers held)
-        return self._run(False, lambda s: self.table.purge(s, ids, fence))  # type: ignore[return-value]
+        return self._run(False, lambda s: self.table.purge(s, ids, fence, durable))  # type: ignore[return-value]
 
     def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
         return self._run(False, lambda s: self.table.reset(s, ids, errors, self.fence))  # type: ignore[return-value]
