@@ -83,11 +83,11 @@ class Limits:
     mark_query_records: int = limit(1000, 1, "Rows marked by one mark query.")
     purge_interval: float = limit(0.01, 0.0, "Purges are coalesced: at most one statement this often, deleting every "
                                              "record acknowledged meanwhile (a key's slot frees a little later).")
-    purge_delay: float = limit(0.0, 0.0, "Acknowledged records that nothing waits on (no record of their key, the "
+    purge_delay: float = limit(0.1, 0.0, "Acknowledged records that nothing waits on (no record of their key, the "
                                          "throttle, a stop or a revoke) are purged together, at most this long "
-                                         "after the first of them was acknowledged: fewer DELETEs at a steady "
-                                         "rate, a longer latency tail (docs/benchmarks.md, issue 28). 0 (the "
-                                         "default): every purge_interval.")
+                                         "after the first of them was acknowledged: one DELETE for many wakes at "
+                                         "a steady rate, which costs the database a tenth of the purges' CPU "
+                                         "(docs/benchmarks.md, issue 28). 0: every purge_interval.")
     held_check_interval: float = limit(1.0, 0.001, "How often a leader re-reads its held (poison) rows, so a "
                                                    "fix, a deletion or an operator's retry is seen at once.")
     held_retry_after: float = limit(60.0, 0.001, "A held record is tried again after this long (doubling each "

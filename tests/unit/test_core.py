@@ -28,9 +28,11 @@ class Driver:
 
     def __init__(self, **limits: object) -> None:
         ids = (uuid.UUID(int=i) for i in itertools.count(1))
-        # One record per key in flight (goharvest's barrier) unless a test pipelines.
+        # One record per key in flight (goharvest's barrier) unless a test pipelines; purges at once unless a
+        # test delays them (the tests that do say so).
         defaults = {"mark_query_records": 10, "max_in_flight_records": 100, "max_in_flight_per_key": 1,
-                    "heartbeat_timeout": 5.0, "queue_timeout": 30.0, "held_retry_after": 60.0, "min_poll_interval": 0.1}
+                    "heartbeat_timeout": 5.0, "queue_timeout": 30.0, "held_retry_after": 60.0, "min_poll_interval": 0.1,
+                    "purge_delay": 0.0}
         self.core = Core(Limits(**{**defaults, **limits}), new_leader_id=lambda: next(ids))
         self.core.checking = True
         self.commands: list[cmd.Command] = []
