@@ -174,16 +174,22 @@ SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 
 # Purge: delete rows whose records Kafka acknowledged. Whoever deletes such a row (a leader that
 # has since been replaced included), the record is published: nothing is lost, and the next term
 # does not send it again. Answers (fence held, rows gone).
+# Without %(durable)s its transaction commits asynchronously (synchronous_commit off for that one
+# transaction: set_config(..., true), so no session keeps it, a pooler's neither); durable, with the
+# session's own setting. cmd.Purge.durable says when a purge may be undone by a crash of the server.
+PURGE_COMMIT = ("set_config('synchronous_commit', CASE WHEN %(durable)s THEN current_setting('synchronous_commit') "
+                "ELSE 'off' END, true)")
 PURGE = f"""
 WITH fence AS ({FENCE_HELD}),
 gone AS (DELETE FROM {{table}} WHERE id = ANY(%(ids)s::bigint[]) RETURNING 1)
-SELECT (SELECT held FROM fence), (SELECT count(*) FROM gone)
+SELECT (SELECT held FROM fence), (SELECT count(*) FROM gone), {PURGE_COMMIT}
 """
 
 # The same purge without reading the fence: nothing waits on it, and a mark on the fence session
-# succeeded since the last purge, so that session held the fence then. Its row count answers.
-PURGE_UNFENCED = """
-DELETE FROM {table} WHERE id = ANY(%(ids)s::bigint[])
+# succeeded since the last purge, so that session held the fence then. Answers (True, rows gone).
+PURGE_UNFENCED = f"""
+WITH gone AS (DELETE FROM {{table}} WHERE id = ANY(%(ids)s::bigint[]) RETURNING 1)
+SELECT true, (SELECT count(*) FROM gone), {PURGE_COMMIT}
 """
 
 # Reset: a delivery failed. The next term reads the row again anyway; tables made by this app's

@@ -68,9 +68,10 @@ class RoundTrips:
 
 # -- server time (pg_stat_statements) ---------------------------------------------------------------
 
-#: What pg_stat_statements may write for a value the client sent or a constant in the text, and what
-#: the engine's text has for a parameter: all alike once normalized.
-_VALUES = re.compile(r"%\(\w+\)s|\$\d+|'(?:[^']|'')*'|(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+#: What pg_stat_statements may write for a value the client sent or a constant in the text (booleans
+#: included), and what the engine's text has for a parameter: all alike once normalized.
+_VALUES = re.compile(r"%\(\w+\)s|\$\d+|'(?:[^']|'')*'|(?<![\w.])\d+(?:\.\d+)?(?![\w.])|\b(?:true|false)\b",
+                     re.IGNORECASE)
 _SPACE = re.compile(r"\s+")
 
 

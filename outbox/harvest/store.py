@@ -5,8 +5,8 @@ Two sessions, used from two threads:
   reads and parking): a leader that lost the fence can therefore mark nothing;
 - the *purge session* purges, resets and holds, so settling never waits behind a mark.
 Every statement commits before it returns, which is what lets a purge free its key's slot. A purge
-the engine does not need on disk (cmd.Purge.durable) commits asynchronously (`synchronous_commit =
-off` on the purge session): visible at once, flushed by the WAL writer or the next commit that waits.
+the engine does not need on disk (cmd.Purge.durable) commits asynchronously (contract.PURGE_COMMIT):
+visible at once, flushed by the WAL writer or the next commit that waits.
 """
 
 from __future__ import annotations
@@ -144,9 +144,6 @@ class PostgresStore:
         self._gaps_sql = sql.SQL(contract.GAPS if shards <= 1 else contract.shard_gaps(shards)).format(table=ident)
         self._purge_sql = sql.SQL(contract.PURGE).format(table=ident)
         self._purge_unfenced_sql = sql.SQL(contract.PURGE_UNFENCED).format(table=ident)
-        #: The purge session's commits, by whether a purge must be durable: the server's own setting
-        #: (which may wait for a synchronous standby), or asynchronous.
-        self._commit_sql = {True: sql.SQL("RESET synchronous_commit"), False: sql.SQL("SET synchronous_commit = off")}
         self._reset_sql = sql.SQL(contract.RESET_COUNTED if counts_failures else contract.RESET).format(table=ident)
         self._hold_sql = sql.SQL(contract.HOLD_COUNTED if counts_failures else contract.HOLD).format(table=ident)
         self._check_sql = sql.SQL(contract.CHECK_HELD).format(table=ident)
@@ -166,8 +163,6 @@ class PostgresStore:
         #: The fence session's backend pid while it holds the fence (read by the purge session's checks).
         self.fence_pid = 0
         self._purge_conn: psycopg.Connection | None = None
-        #: Whether the purge session commits asynchronously now (a new session has the server's setting).
-        self._purge_async = False
         self._purge_lock = threading.Lock()
 
     @classmethod
@@ -411,21 +406,17 @@ class PostgresStore:
     def _purge_connection(self) -> psycopg.Connection:
         if self._purge_conn is None or self._purge_conn.closed:
             self._purge_conn = connect(self._dsn, "purge", name=self._name)
-            self._purge_async = False
         return self._purge_conn
 
     def purge(self, ids: Sequence[int], read_fence: bool = True, durable: bool = True) -> tuple[int, bool]:
         """Delete rows whose records Kafka acknowledged: (how many went, whether this replica's fence
         session still holds the fence; True without `read_fence`). Without `durable` it commits
-        asynchronously (the session keeps that until a durable purge asks for the server's setting back)."""
-        if durable == self._purge_async:
-            self._on_purge_session(self._commit_sql[durable], {}, lambda c: None)
-            self._purge_async = not durable
+        asynchronously."""
         if read_fence:
-            return self._settle(self._purge_sql, {"ids": list(ids)})
-        deleted = self._on_purge_session(self._purge_unfenced_sql, {"ids": list(ids)}, lambda c: c.rowcount,
-                                         prepare=True)
-        return deleted, True
+            return self._settle(self._purge_sql, {"ids": list(ids), "durable": durable})
+        held, count, _ = self._on_purge_session(self._purge_unfenced_sql, {"ids": list(ids), "durable": durable},
+                                                lambda c: c.fetchone(), prepare=True)
+        return count, held
 
     def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
         """Rows whose delivery failed: count the failure when the table can (same answer as purge)."""
@@ -438,8 +429,8 @@ class PostgresStore:
 
     def _settle(self, statement: sql.Composed, params: dict[str, Any]) -> tuple[int, bool]:
         params.update({"class": self._fence_class, "table_oid": self.table_oid, "fence_pid": self.fence_pid})
-        held, count = self._on_purge_session(statement, params, lambda c: c.fetchone(), prepare=True)
-        return count, held
+        row = self._on_purge_session(statement, params, lambda c: c.fetchone(), prepare=True)
+        return row[1], row[0]  # (rows, fence held); a purge's third column is its commit's setting
 
     def _on_purge_session(self, statement: sql.Composed, params: dict[str, Any],
                           answer: Callable[[psycopg.Cursor[Any]], _T], prepare: bool = False) -> _T:
@@ -454,7 +445,6 @@ class PostgresStore:
 
     def _drop_purge(self) -> None:
         conn, self._purge_conn = self._purge_conn, None
-        self._purge_async = False
         close_quietly(conn)
 
     def close(self) -> None:

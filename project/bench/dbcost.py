@@ -119,6 +119,23 @@ class ServerMeter:
             time.sleep(0.01)
         raise RuntimeError("the server's processes kept changing while their CPU time was read")
 
+    def sessions(self, prefix: str) -> dict[int, tuple[str, float]]:
+        """CPU seconds so far of each live backend whose application_name starts with `prefix`, by pid
+        (with its application_name): what the harvester's own sessions cost, apart from the server's
+        other processes (the writers' backends, autovacuum, the WAL writer)."""
+        with self.conn.cursor() as cursor:
+            cursor.execute("SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE %s",
+                           [prefix + "%"])
+            found = cursor.fetchall()
+        spent = {}
+        for pid, application in found:
+            try:
+                times = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            spent[pid] = (application, times.user + times.system)
+        return spent
+
     def statements(self) -> Statements:
         if not self.has_statements:
             return Statements()
@@ -142,3 +159,14 @@ class ServerMeter:
                            [self.table])
             row = cursor.fetchone()
         return Cost(self.cpu(), int(wal), statements, int(row[0]) if row else 0)
+
+
+def session_cpu(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds between two ServerMeter.sessions() reads, by the session's purpose (its application_name's
+    word after the prefix: fence, purge, listen, status), most first. A session opened between the reads
+    counts from zero; one closed between them is not seen."""
+    spent: dict[str, float] = defaultdict(float)
+    for pid, (application, cpu) in after.items():
+        purpose = application.split(" ")[0].rsplit("-", 1)[-1]
+        spent[purpose] += cpu - before.get(pid, (application, 0.0))[1]
+    return dict(sorted(spent.items(), key=lambda item: -item[1]))

@@ -219,10 +219,11 @@ def test_a_standby_reads_no_server_figures(statement_stats):
     assert reporter.statements is None
 
 
-def test_purges_not_needed_on_disk_commit_asynchronously_and_durable_ones_as_the_server_says(database_url):
-    """cmd.Purge.durable: a purge nothing needs on disk (several records per key in flight) commits with
-    synchronous_commit off on the purge session; a durable one (one per key) with the server's own setting
-    again; a new session after one was lost starts from the server's and is set again."""
+def test_a_purge_sets_its_commit_for_its_own_transaction_only(database_url):
+    """cmd.Purge.durable: a purge nothing needs on disk commits with synchronous_commit off for its own
+    transaction (contract.PURGE_COMMIT; a crash may undo it: tests/integration/test_database_crash.py shows it),
+    a durable one with the session's setting; neither leaves the setting on the session, where a pooler in
+    transaction mode would hand it to the application's transactions."""
     store = PostgresStore.open(database_url, "outbox", name="t", group="g")
 
     def setting() -> str:
@@ -236,13 +237,11 @@ def test_purges_not_needed_on_disk_commit_asynchronously_and_durable_ones_as_the
             ids = stash_many([{"topic": "durable", "key": f"k{i}", "value": "v"} for i in range(3)])
         assert store.take_fence() is None
         assert store.purge([ids[0]], read_fence=False, durable=False) == (1, True)
-        assert setting() == "off"
-        assert store.purge([ids[1]], durable=True) == (1, True)
         assert setting() == default
-        assert store.purge([ids[2]], read_fence=False, durable=False) == (1, True)
-        store._drop_purge()  # the session lost: the next opens with the server's setting
-        assert store.purge([], read_fence=False, durable=False) == (0, True)
-        assert setting() == "off"
+        assert store.purge([ids[1]], durable=False) == (1, True)
+        assert setting() == default
+        assert store.purge([ids[2]], read_fence=False, durable=True) == (1, True)
+        assert setting() == default
         assert server.execute("SELECT count(*) FROM outbox WHERE id = ANY(%s)", [ids]).fetchone()[0] == 0
     finally:
         store.close()

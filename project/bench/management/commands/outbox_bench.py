@@ -42,6 +42,7 @@ from django.test import override_settings
 from outbox import conf
 from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.status import StatusReporter, StatusSnapshot
+from outbox.harvest.store import APPLICATION_PREFIX
 from outbox.models import HarvesterSample, HarvesterStatus, OutboxRecord
 from outbox.stasher import stash, stash_many
 from project.bench import dbcost, soak, tracing_bench
@@ -303,10 +304,11 @@ class Command(BaseCommand):
             with HarvesterProcess(harvest_args) as harvester:
                 harvester.wait_for_leadership()
                 time.sleep(1.0)  # past start-up
-                before = meter.read()
+                before, sessions = meter.read(), meter.sessions(APPLICATION_PREFIX)
                 pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer="sql")
                 self._wait_drained()
                 both = meter.read() - before
+                own = dbcost.session_cpu(sessions, meter.sessions(APPLICATION_PREFIX))
             self._vacuum()
             before = meter.read()
             pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer="sql")
@@ -315,6 +317,9 @@ class Command(BaseCommand):
                 self._wait_drained()
             self._report(f"steady {offered:,.0f} records/s for {duration:.0f}s, {size} a transaction", count, alone,
                          both - alone, both)
+            self.stdout.write(f"    the harvester's own sessions: CPU {sum(own.values()):.2f} s "
+                              f"= {sum(own.values()) / max(alone.cpu, 1e-9):.2f}x the writer's "
+                              f"({', '.join(f'{kind} {cpu:.2f} s' for kind, cpu in own.items())})")
             self._delete_topic(topic)
 
     @staticmethod
