@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.integration.test_postgres_majors import OLDEST, ROOT, free_port, running_port, services
-from tests.support.harness import Replica, read_topic, replica_env, wait_until
+from tests.support.harness import Replica, read_topic, wait_until
+from tests.support.oldest_postgres import Cluster, oldest_postgres, services
 
 pytestmark = pytest.mark.integration
 
@@ -50,40 +47,23 @@ def insert(url: str, topic: str, first: int, count: int, per_transaction: int) -
     return ids
 
 
-def crash(port: int) -> None:
+def crash(cluster: Cluster) -> None:
     """SIGQUIT to the postmaster: an immediate shutdown, the WAL not yet written to disk lost as in a crash."""
-    pid = int((ROOT / ".services" / f"postgres-{OLDEST}" / "data" / "postmaster.pid").read_text().splitlines()[0])
-    os.kill(pid, signal.SIGQUIT)
-    wait_until(lambda: rows(f"postgres://outbox:outbox@127.0.0.1:{port}/outbox") is None, 30, "the server to go")
+    os.kill(cluster.postmaster_pid(), signal.SIGQUIT)
+    wait_until(lambda: rows(cluster.url) is None, 30, "the server to go")
 
 
 @pytest.mark.parametrize("per_key", [256, 1])
 def test_a_database_crash_repeats_records_but_loses_none_and_reverses_no_key(per_key, bootstrap_servers, new_topic,
                                                                              tmp_path):
-    already = running_port(OLDEST)  # a developer's: crashed and started again, and left running
-    port = already or free_port()
-    url = f"postgres://outbox:outbox@127.0.0.1:{port}/outbox"
     topic = new_topic("db-crash")
-    env = replica_env(url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
-    flags = ["--postgres", str(OLDEST), "--postgres-only"]
-    up = services("up", *flags, env=env)
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        migrated = subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=300)
-        assert migrated.returncode == 0, migrated.stderr
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("DELETE FROM outbox")
-        crash_while_draining(per_key, url, port, topic, env, flags, bootstrap_servers, tmp_path)
-    finally:
-        if already is None:
-            down = services("down", *flags, env=env)
-            assert down.returncode == 0, down.stdout + down.stderr
+    with oldest_postgres(bootstrap_servers) as cluster:
+        crash_while_draining(per_key, cluster, topic, bootstrap_servers, tmp_path)
 
 
-def crash_while_draining(per_key: int, url: str, port: int, topic: str, env: dict[str, str], flags: list[str],
-                         bootstrap_servers: str, tmp_path: Path) -> None:
-    replica = Replica(f"db-crash-{per_key}", env, tmp_path,
+def crash_while_draining(per_key: int, cluster: Cluster, topic: str, bootstrap_servers: str, tmp_path: Path) -> None:
+    url = cluster.url
+    replica = Replica(f"db-crash-{per_key}", cluster.env, tmp_path,
                       ["--heartbeat-timeout", "2", "--max-in-flight-per-key", str(per_key)])
     try:
         wait_until(replica.is_leading, 60, "the harvester to lead")
@@ -91,8 +71,8 @@ def crash_while_draining(per_key: int, url: str, port: int, topic: str, env: dic
         wait_until(lambda: (rows(url) or BACKLOG) < BACKLOG * 3 // 4, 60, "the drain to be under way")
         left = rows(url)
         assert left is not None
-        crash(port)
-        up = services("up", *flags, env=env)  # starts it again: recovery from the WAL on disk
+        crash(cluster)
+        up = services("up", *cluster.flags, env=cluster.env)  # starts it again: recovery from the WAL on disk
         assert up.returncode == 0, up.stdout + up.stderr
         back = rows(url)
         assert back is not None
