@@ -68,7 +68,7 @@ def crash_while_draining(per_key: int, cluster: Cluster, topic: str, bootstrap_s
     try:
         wait_until(replica.is_leading, 60, "the harvester to lead")
         ids = insert(url, topic, 0, BACKLOG, BACKLOG)  # one commit: the harvester drains it with no writer beside
-        wait_until(lambda: (rows(url) or BACKLOG) < BACKLOG * 3 // 4, 60, "the drain to be under way")
+        wait_until(lambda: (n := rows(url)) is not None and n < BACKLOG * 3 // 4, 60, "the drain to be under way")
         left = rows(url)
         assert left is not None
         crash(cluster)
