@@ -412,11 +412,8 @@ class PostgresStore:
         """Delete rows whose records Kafka acknowledged: (how many went, whether this replica's fence
         session still holds the fence; True without `read_fence`). Without `durable` it commits
         asynchronously."""
-        if read_fence:
-            return self._settle(self._purge_sql, {"ids": list(ids), "durable": durable})
-        held, count, _ = self._on_purge_session(self._purge_unfenced_sql, {"ids": list(ids), "durable": durable},
-                                                lambda c: c.fetchone(), prepare=True)
-        return count, held
+        return self._settle(self._purge_sql if read_fence else self._purge_unfenced_sql,
+                            {"ids": list(ids), "durable": durable})
 
     def reset(self, ids: Sequence[int], errors: Sequence[str]) -> tuple[int, bool]:
         """Rows whose delivery failed: count the failure when the table can (same answer as purge)."""
@@ -429,8 +426,9 @@ class PostgresStore:
 
     def _settle(self, statement: sql.Composed, params: dict[str, Any]) -> tuple[int, bool]:
         params.update({"class": self._fence_class, "table_oid": self.table_oid, "fence_pid": self.fence_pid})
+        # (fence held, rows): an unfenced purge answers True; a purge's third column is its commit's setting.
         row = self._on_purge_session(statement, params, lambda c: c.fetchone(), prepare=True)
-        return row[1], row[0]  # (rows, fence held); a purge's third column is its commit's setting
+        return row[1], row[0]
 
     def _on_purge_session(self, statement: sql.Composed, params: dict[str, Any],
                           answer: Callable[[psycopg.Cursor[Any]], _T], prepare: bool = False) -> _T:
