@@ -46,15 +46,20 @@ class StoreError(Exception):
 MIN_SERVER_VERSION = 140000
 
 
-def connect(dsn: str, purpose: str, *, name: str = "", **params: str) -> psycopg.Connection:
+def connect(dsn: str, purpose: str, *, name: str = "", generic_plans: bool = False,
+            **params: str) -> psycopg.Connection:
     """An autocommit connection of the engine's own, named in pg_stat_activity by purpose (and replica);
-    `params` adds libpq parameters (e.g. keepalives)."""
+    `params` adds libpq parameters (e.g. keepalives).
+
+    `generic_plans`: its prepared statements are planned once, not at every execution (the fence and
+    purge sessions: a mark or purge's best plan does not depend on its parameters, and planning it
+    anew cost the server more than running it; docs/benchmarks.md)."""
     application = f"{APPLICATION_PREFIX}-{purpose}" + (f" {name}" if name else "")
     conn = psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT, application_name=application[:63],
                            **params)
     # The engine's statements are short lookups whose cost estimates can pass jit_above_cost (a shard's gaps,
     # estimated over the whole shard): compiling them would cost more than running them.
-    conn.execute("SET jit = off")
+    conn.execute("SET jit = off; SET plan_cache_mode = force_generic_plan" if generic_plans else "SET jit = off")
     return conn
 
 
@@ -171,7 +176,7 @@ class PostgresStore:
         """Connect and check the table; raises StoreError with a one-line reason."""
         where = describe_dsn(dsn)
         try:
-            conn = connect(dsn, "fence", name=f"{group_tag(group)} {name}")
+            conn = connect(dsn, "fence", name=f"{group_tag(group)} {name}", generic_plans=True)
         except psycopg.OperationalError as error:
             raise StoreError(f"cannot connect to Postgres at {where}: {first_line(error)}") from None
         except psycopg.ProgrammingError:  # libpq cannot parse it; its words could quote part of a password
@@ -224,7 +229,8 @@ class PostgresStore:
     def _fence_connection(self) -> psycopg.Connection:
         if self._fence_conn is None or self._fence_conn.closed:
             self._fence_held = False  # a new session holds no lock
-            self._fence_conn = connect(self._dsn, "fence", name=f"{group_tag(self._group)} {self._name}")
+            self._fence_conn = connect(self._dsn, "fence", name=f"{group_tag(self._group)} {self._name}",
+                                       generic_plans=True)
         return self._fence_conn
 
     @property
@@ -405,7 +411,7 @@ class PostgresStore:
 
     def _purge_connection(self) -> psycopg.Connection:
         if self._purge_conn is None or self._purge_conn.closed:
-            self._purge_conn = connect(self._dsn, "purge", name=self._name)
+            self._purge_conn = connect(self._dsn, "purge", name=self._name, generic_plans=True)
         return self._purge_conn
 
     def purge(self, ids: Sequence[int], read_fence: bool = True, durable: bool = True) -> tuple[int, bool]:

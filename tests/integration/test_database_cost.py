@@ -246,3 +246,30 @@ def test_a_purge_sets_its_commit_for_its_own_transaction_only(database_url):
     finally:
         store.close()
         server.close()
+
+
+def test_the_fence_and_purge_sessions_plan_their_statements_once(database_url):
+    """Planning a mark anew at every execution (a custom plan, for its parameters) cost the server more than
+    running it: the fence and purge sessions use each prepared statement's generic plan."""
+    store = PostgresStore.open(database_url, "outbox", name="t", group="g")
+
+    def plans(conn: psycopg.Connection | None) -> dict[str, tuple[int, int]]:
+        assert conn is not None
+        rows = conn.execute("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements").fetchall()
+        return {text.split()[0] + " " + text.split()[1]: (generic, custom) for text, generic, custom in rows}
+
+    try:
+        assert store.take_fence() is None
+        after = 0
+        for round_ in range(8):
+            with transaction.atomic():
+                ids = stash_many([{"topic": "plans", "key": f"k{i}", "value": "v"} for i in range(3)])
+            records, _ = store.mark(100, after, ((ids[0], ids[0]),) if round_ % 2 else ())
+            after = max(r.id for r in records)
+            assert store.purge(ids, read_fence=bool(round_ % 2), durable=False)[0] == 3
+        marks, purges = plans(store._fence_conn), plans(store._purge_conn)
+    finally:
+        store.close()
+    assert len(marks) == 3 and len(purges) == 2, (marks, purges)  # mark, writers, gaps; fenced and unfenced purge
+    for statement, (generic, custom) in {**marks, **purges}.items():
+        assert custom == 0 and generic >= 4, (statement, generic, custom)

@@ -95,9 +95,25 @@ def test_replicas_that_start_together_build_the_shard_index_once(database_url):
             conn.execute(f"DROP INDEX IF EXISTS {sharding.index_name('outbox', shards)}")
 
 
+def explain_prepared(conn: psycopg.Connection, statement: sql.Composable, params: dict[str, object]) -> str:
+    """EXPLAIN (ANALYZE, BUFFERS) of `statement` run as the engine runs it: prepared, on a session planning it
+    once for any parameters (a generic plan, whose conditions name $1, $2, ... instead of values)."""
+    text = statement.as_string(conn)
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", text)))
+    for number, name in enumerate(names, 1):
+        text = text.replace(f"%({name})s", f"${number}")
+    conn.execute(f"PREPARE explained AS {text}")
+    try:
+        values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)  # EXPLAIN takes no parameters
+        return "\n".join(row[0] for row in conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS) EXECUTE explained({})").format(values)))
+    finally:
+        conn.execute("DEALLOCATE explained")
+
+
 def test_a_shards_mark_reads_its_own_rows_through_its_index(database_url):
     ensure_shard_index(database_url, "outbox", 4)
-    with connect(database_url, "explain") as conn:  # a session as the engine opens them
+    with connect(database_url, "explain", generic_plans=True) as conn:  # a session as the engine's fence session
         conn.execute("DELETE FROM outbox")
         conn.execute("INSERT INTO outbox (kafka_topic, kafka_key, kafka_value) "
                      "SELECT 't', 'k' || (i % 100), 'v' FROM generate_series(1, 20000) AS i")
@@ -105,17 +121,16 @@ def test_a_shards_mark_reads_its_own_rows_through_its_index(database_url):
         mark = sql.SQL(contract.MARK).format(table=sql.Identifier("outbox"), above=sql.SQL(contract.mark_above(4)))
         first = conn.execute("SELECT min(id) FROM outbox").fetchone()[0]
         for after in (0, first + 10_000, first + 19_990):  # a mark from the head, from the middle, near the end
-            plan = "\n".join(row[0] for row in conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + mark,
-                                                             {"after": after, "shard": 1, "limit": 1000}))
+            plan = explain_prepared(conn, mark, {"after": after, "shard": 1, "limit": 1000})
             assert sharding.index_name("outbox", 4) in plan and "outbox_pkey" not in plan, plan
+            assert "$2" in plan, f"a generic plan: {plan}"
             # It starts at `after` in the shard's index: a 1000-row mark reads its rows' pages, not the shard's.
             assert int(re.search(r"Buffers: shared hit=(\d+)", plan).group(1)) < 200, plan
         # Each gap's lookup reads the gap's ids only (by either index), not the rest of the table or the shard.
         gaps = sql.SQL(contract.shard_gaps(4)).format(table=sql.Identifier("outbox"))
         los, his = list(range(first + 10_000, first + 12_000, 10)), list(range(first + 10_005, first + 12_005, 10))
-        plan = "\n".join(row[0] for row in conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + gaps,
-                                                         {"los": los, "his": his, "shard": 1, "limit": 1000}))
-        assert "Seq Scan" not in plan, plan
+        plan = explain_prepared(conn, gaps, {"los": los, "his": his, "shard": 1, "limit": 1000})
+        assert "Seq Scan" not in plan and "$" in plan, plan
         buffers = int(re.search(r"Buffers: shared hit=(\d+)", plan).group(1))
         assert buffers < 8 * len(los), plan  # a descent and the gap's few rows, per gap
         assert "JIT" not in plan, "the engine's sessions run without JIT (its cost estimates are no guide here)"
