@@ -52,14 +52,18 @@ def connect(dsn: str, purpose: str, *, name: str = "", generic_plans: bool = Fal
     `params` adds libpq parameters (e.g. keepalives).
 
     `generic_plans`: its prepared statements are planned once, not at every execution (the fence and
-    purge sessions: a mark or purge's best plan does not depend on its parameters, and planning it
-    anew cost the server more than running it; docs/benchmarks.md)."""
+    purge sessions: planning a mark anew cost the server more than running it; docs/benchmarks.md), and
+    read the outbox by index. A plan made once must not depend on the table's size when it was made:
+    planned on an empty table, a mark would scan and sort the whole table until autovacuum next
+    analyzed it, however many rows (or dead rows) it had by then. Every statement on these sessions is a
+    lookup by primary key (or a shard's index)."""
     application = f"{APPLICATION_PREFIX}-{purpose}" + (f" {name}" if name else "")
     conn = psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT, application_name=application[:63],
                            **params)
     # The engine's statements are short lookups whose cost estimates can pass jit_above_cost (a shard's gaps,
     # estimated over the whole shard): compiling them would cost more than running them.
-    conn.execute("SET jit = off; SET plan_cache_mode = force_generic_plan" if generic_plans else "SET jit = off")
+    conn.execute("SET jit = off; SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off" if generic_plans
+                 else "SET jit = off")
     return conn
 
 
