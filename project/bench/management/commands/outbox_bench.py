@@ -3,7 +3,7 @@
     manage.py outbox_bench stash   --rows 100000
     manage.py outbox_bench drain   --records 1000000 --keys 10000 --keys 10
     manage.py outbox_bench latency --rate 2000 --duration 30
-    manage.py outbox_bench dbcost  --records 200000 --rate 2000 --duration 30
+    manage.py outbox_bench dbcost  --records 200000 --rate 2000 --duration 30 [--writer stash]
     manage.py outbox_bench soak    --minutes 60 --rate 2000 --hold-transaction 20:10
     manage.py outbox_bench compare --reaper PATH          # goharvest's reaper, drains
     manage.py outbox_bench compare --peer debezium        # Debezium: drain, steady, unrelated writes
@@ -95,6 +95,8 @@ class Command(BaseCommand):
         dbcost.add_argument("--batch", type=int, default=None, help="records per writer transaction (default: "
                                                                     "rate / 100, at least 1)")
         dbcost.add_argument("--partitions", type=int, default=8)
+        dbcost.add_argument("--writer", choices=["sql", "stash"], default="sql",
+                            help="steady writers: one INSERT a row (sql), or stash_many(), one INSERT a transaction")
         dbcost.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
 
         soak_parser = sub.add_parser("soak", help="writers at a steady rate for a long while; a line of figures "
@@ -274,7 +276,7 @@ class Command(BaseCommand):
     # -- what it costs the database --------------------------------------------------------------
 
     def bench_dbcost(self, records: int, keys: int, rate: list[float] | None, duration: float, batch: int | None,
-                     partitions: int, harvest_args: list[str], **_: Any) -> None:
+                     partitions: int, harvest_args: list[str], writer: str = "sql", **_: Any) -> None:
         """The writer's own cost and the harvester's, measured on the server in the same run."""
         self._require_empty_outbox()
         meter = dbcost.ServerMeter(psycopg.connect(conf.harvest_config().dsn, autocommit=True))
@@ -305,17 +307,18 @@ class Command(BaseCommand):
                 harvester.wait_for_leadership()
                 time.sleep(1.0)  # past start-up
                 before, sessions = meter.read(), meter.sessions(APPLICATION_PREFIX)
-                pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer="sql")
+                pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer=writer)
                 self._wait_drained()
                 both = meter.read() - before
                 own = dbcost.session_cpu(sessions, meter.sessions(APPLICATION_PREFIX))
             self._vacuum()
             before = meter.read()
-            pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer="sql")
+            pump(records=count, keys=keys, topic=topic, rate=offered, batch=size, writer=writer)
             alone = meter.read() - before
             with HarvesterProcess(harvest_args):  # clean up, unmeasured
                 self._wait_drained()
-            self._report(f"steady {offered:,.0f} records/s for {duration:.0f}s, {size} a transaction", count, alone,
+            self._report(f"steady {offered:,.0f} records/s for {duration:.0f}s, {size} a transaction, written by "
+                         f"{writer}", count, alone,
                          both - alone, both)
             self.stdout.write(f"    the harvester's own sessions: CPU {sum(own.values()):.2f} s "
                               f"= {sum(own.values()) / max(alone.cpu, 1e-9):.2f}x the writer's "
