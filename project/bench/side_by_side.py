@@ -58,8 +58,9 @@ class SideBySide:
     """Sets the cluster up and runs the rounds; `say` prints a line."""
 
     def __init__(self, say: Any, bootstrap: str, *, pg_port: int, poll_interval_ms: int,
-                 harvest_args: list[str], project_dsn: str) -> None:
+                 harvest_args: list[str], project_dsn: str, insert: str = "row") -> None:
         self.say, self.bootstrap = say, bootstrap
+        self.insert = insert  # the writers: one INSERT a "row", or one a "transaction"
         self.cluster = LogicalCluster(port=pg_port)
         self.jars = DebeziumJars()
         self.project_dsn = project_dsn
@@ -141,7 +142,8 @@ class SideBySide:
         env = self._writer_env(relay)
         writers = [subprocess.Popen([sys.executable, "-m", "project.bench.writer", "outbox",
                                      "--topic", topic, "--records", str(records), "--rate", str(workload.rate),
-                                     "--batch", str(max(1, int(workload.rate / 100))), "--out", str(times)],
+                                     "--batch", str(max(1, int(workload.rate / 100))), "--out", str(times),
+                                     "--insert", self.insert],
                                     cwd=ROOT, env=env)]
         if workload.unrelated:
             writers.append(subprocess.Popen([sys.executable, "-m", "project.bench.writer", "unrelated",

@@ -7,8 +7,9 @@ measuring process's): psycopg only, plain SQL, as an application in any language
 
 The DSN comes from the environment, not the command line, where `ps` would show its password.
 
-`outbox` writes records at a steady rate, one INSERT a row, `batch` rows a transaction, and writes each
-transaction's ids and commit time to F (one `id time` line each); `backlog` writes as fast as it can,
+`outbox` writes records at a steady rate, one INSERT a row (or, with `--insert transaction`, one a
+transaction, as stash_many() writes), `batch` rows a transaction, and writes each transaction's ids and
+commit time to F (one `id time` line each); `backlog` writes as fast as it can,
 1,000 rows a statement (as stash_many() does); `unrelated` inserts rows into the `unrelated` table at a
 steady rate, `batch` rows a statement, for `duration` seconds.
 """
@@ -48,14 +49,21 @@ def paced(rate: float, began: float, done: int) -> None:
         time.sleep(ahead)
 
 
-def write_outbox(dsn: str, topic: str, records: int, rate: float, batch: int, keys: int, out: str) -> None:
+def write_outbox(dsn: str, topic: str, records: int, rate: float, batch: int, keys: int, out: str,
+                 per_transaction: bool = False) -> None:
     with psycopg.connect(dsn) as conn, open(out, "w") as log:
         began, written = time.perf_counter(), 0
         while written < records:
             count = min(batch, records - written)
             with conn.transaction(), conn.cursor() as cursor:
                 ids = []
-                for i in range(written, written + count):
+                if per_transaction:
+                    rows = range(written, written + count)
+                    cursor.execute(BACKLOG_INSERT + "RETURNING id", {
+                        "topic": topic, "keys": [f"key-{i % keys}" for i in rows],
+                        "values": [f"{i}:{PADDING}" for i in rows]})
+                    ids = [row[0] for row in cursor.fetchall()]
+                for i in range(written, written + count) if not per_transaction else ():
                     cursor.execute(PLAIN_INSERT, [topic, f"key-{i % keys}", f"{i}:{PADDING}"])
                     ids.append(cursor.fetchone()[0])
             committed = time.time()
@@ -93,10 +101,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--duration", type=float, default=0.0)
     parser.add_argument("--out", default="/dev/null")
+    parser.add_argument("--insert", choices=["row", "transaction"], default="row",
+                        help="outbox: one INSERT a row (default), or one a transaction")
     args = parser.parse_args(argv)
     args.dsn = os.environ.get("DATABASE_URL") or parser.error("DATABASE_URL: not set (the database to write to)")
     if args.mode == "outbox":
-        write_outbox(args.dsn, args.topic, args.records, args.rate, args.batch, args.keys, args.out)
+        write_outbox(args.dsn, args.topic, args.records, args.rate, args.batch, args.keys, args.out,
+                     per_transaction=args.insert == "transaction")
     elif args.mode == "backlog":
         write_backlog(args.dsn, args.topic, args.records, args.keys)
     else:

@@ -134,6 +134,9 @@ class Command(BaseCommand):
         compare.add_argument("--duration", type=float, default=30.0, help="debezium: seconds of each steady run")
         compare.add_argument("--poll-interval-ms", type=int, default=None,
                              help="debezium: its poll.interval.ms (default Debezium's own, 500)")
+        compare.add_argument("--insert", choices=["row", "transaction"], default="row",
+                             help="debezium: the steady writers' INSERTs, one a row (default) or one a transaction "
+                                  "(as stash_many() writes)")
         compare.add_argument("--pg-port", type=int, default=5433,
                              help="debezium: port of the private Postgres cluster with logical decoding (default "
                                   "5433)")
@@ -411,7 +414,7 @@ class Command(BaseCommand):
 
     def _compare_debezium(self, *, rounds: int, records: int, rate: list[float] | None, unrelated_rate: float,
                           duration: float, poll_interval_ms: int | None, pg_port: int, harvest_args: list[str],
-                          **_: Any) -> None:
+                          insert: str = "row", **_: Any) -> None:
         """project/bench/side_by_side.py: both relays on a private cluster with logical decoding."""
         from project.bench.debezium import DEFAULT_POLL_MS
         from project.bench.side_by_side import SideBySide, Workload
@@ -431,10 +434,11 @@ class Command(BaseCommand):
         bootstrap = conf.harvest_config().base_kafka_config["bootstrap.servers"]
         poll = poll_interval_ms or DEFAULT_POLL_MS
         self.stdout.write(f"side by side with Debezium: {rounds} round(s); drain of {records:,}; "
-                          f"{', '.join(w.name for w in workloads)} for {duration:.0f} s each; Debezium's "
+                          f"{', '.join(w.name for w in workloads)} for {duration:.0f} s each, one INSERT a {insert}; "
+                          f"Debezium's "
                           f"poll.interval.ms {poll}; harvest flags {harvest_args or 'default'}")
         side = SideBySide(self.stdout.write, bootstrap, pg_port=pg_port, poll_interval_ms=poll,
-                          harvest_args=harvest_args, project_dsn=conf.harvest_config().dsn)
+                          harvest_args=harvest_args, project_dsn=conf.harvest_config().dsn, insert=insert)
         unwind_on_sigterm()
         try:
             side.setup()
