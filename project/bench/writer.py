@@ -56,16 +56,17 @@ def write_outbox(dsn: str, topic: str, records: int, rate: float, batch: int, ke
         while written < records:
             count = min(batch, records - written)
             with conn.transaction(), conn.cursor() as cursor:
-                ids = []
+                rows = range(written, written + count)
                 if per_transaction:
-                    rows = range(written, written + count)
                     cursor.execute(BACKLOG_INSERT + "RETURNING id", {
                         "topic": topic, "keys": [f"key-{i % keys}" for i in rows],
                         "values": [f"{i}:{PADDING}" for i in rows]})
                     ids = [row[0] for row in cursor.fetchall()]
-                for i in range(written, written + count) if not per_transaction else ():
-                    cursor.execute(PLAIN_INSERT, [topic, f"key-{i % keys}", f"{i}:{PADDING}"])
-                    ids.append(cursor.fetchone()[0])
+                else:
+                    ids = []
+                    for i in rows:
+                        cursor.execute(PLAIN_INSERT, [topic, f"key-{i % keys}", f"{i}:{PADDING}"])
+                        ids.append(cursor.fetchone()[0])
             committed = time.time()
             log.write("".join(f"{record_id} {committed:.6f}\n" for record_id in ids))
             written += count

@@ -435,8 +435,7 @@ class Command(BaseCommand):
         poll = poll_interval_ms or DEFAULT_POLL_MS
         self.stdout.write(f"side by side with Debezium: {rounds} round(s); drain of {records:,}; "
                           f"{', '.join(w.name for w in workloads)} for {duration:.0f} s each, one INSERT a {insert}; "
-                          f"Debezium's "
-                          f"poll.interval.ms {poll}; harvest flags {harvest_args or 'default'}")
+                          f"Debezium's poll.interval.ms {poll}; harvest flags {harvest_args or 'default'}")
         side = SideBySide(self.stdout.write, bootstrap, pg_port=pg_port, poll_interval_ms=poll,
                           harvest_args=harvest_args, project_dsn=conf.harvest_config().dsn, insert=insert)
         unwind_on_sigterm()
