@@ -229,13 +229,16 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
             if not activity["started"]:
                 activity.update(last=time.monotonic(), started=_first_trigger_done(query.status, run))
             if stop_requested.is_set():
-                run.stopped_because = "signal"
+                reason = "signal"
             elif options.max_batches is not None and len(run.folded) >= options.max_batches:
-                run.stopped_because = f"{options.max_batches} batches folded"
+                reason = f"{options.max_batches} batches folded"
             elif options.idle_timeout is not None and time.monotonic() - activity["last"] >= options.idle_timeout:
-                run.stopped_because = f"idle for {options.idle_timeout:g}s"
+                reason = f"idle for {options.idle_timeout:g}s"
             else:
                 continue
+            if not _committed(query.lastProgress, run):  # a stop now would make the next run replay it
+                continue
+            run.stopped_because = reason
             break
         query.stop()
         if not run.stopped_because and not failure:
@@ -247,6 +250,17 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
         raise error
     newest = store.latest()
     return (newest[1], newest[2], run) if newest else (None, {}, run)
+
+
+def _committed(progress: dict[str, Any] | None, run: FollowRun) -> bool:
+    """Whether Spark has recorded the commit of the newest micro-batch this run folded or skipped.
+
+    foreachBatch returns before Spark writes the batch to its commit log; Spark reports the
+    trigger's progress after it has. Stopping in between is safe (the next run replays the
+    batch and skips it) but not what the run reported.
+    """
+    newest = max(run.folded + run.skipped, default=None)
+    return newest is None or (progress is not None and progress["batchId"] >= newest)
 
 
 def _first_trigger_done(status: dict[str, Any], run: FollowRun) -> bool:

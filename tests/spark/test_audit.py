@@ -160,6 +160,7 @@ def test_follow_resumes_from_its_checkpoint_without_double_counting(spark, boots
     # Spark replays a micro-batch whose commit it did not record (a crash after our state was saved).
     commits = tmp_path / "checkpoint" / "spark" / "commits"
     last = max(int(name.name) for name in commits.iterdir() if name.name.isdigit())
+    assert second["run"]["batches_folded"] == [last]  # it stopped after Spark recorded the commit
     for name in (str(last), f".{last}.crc"):  # as if the process died before writing them
         (commits / name).unlink(missing_ok=True)
     code, replayed, _, stderr = audit(spark, bootstrap_servers, tmp_path, "--topics", topic, "--follow",
