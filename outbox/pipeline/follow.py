@@ -160,17 +160,16 @@ def follow(spark: SparkSession, kafka: sources.Kafka, topics: Sequence[str], opt
         if delta_latest:
             began = time.monotonic()
             assert options.latest is not None and folded.batch_keys is not None
+            detail = ""
             if before is None:  # a checkpoint that starts over: the table starts over too
                 latest_state.write(latest_state.fold(None, None, batch, folded.batch_keys), options.latest,
                                    table_format=delta_table.FORMAT, tombstones=options.tombstones,
                                    commit=commit_of(batch_id))
-                log(f"batch {batch_id}: --latest merged in {time.monotonic() - began:.1f}s")
             else:
                 changed = latest_state.changes(before.keys, batch, folded.batch_keys)
-                found = time.monotonic() - began
+                detail = f" (the changed keys found in {time.monotonic() - began:.1f}s)"
                 latest_state.merge(session, options.latest, changed, commit_of(batch_id), options.tombstones)
-                log(f"batch {batch_id}: --latest merged in {time.monotonic() - began:.1f}s "
-                    f"(the changed keys found in {found:.1f}s)")
+            log(f"batch {batch_id}: --latest merged in {time.monotonic() - began:.1f}s{detail}")
 
     def fold_batch(frame: DataFrame, batch_id: int) -> None:
         activity["busy"] = True
