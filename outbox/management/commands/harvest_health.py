@@ -100,12 +100,21 @@ class Command(BaseCommand):
         best = next((r for r in live if r in found.leaders), live[0])
         age = (facts.now - best.last_seen).total_seconds()
         detail = f"{best.name} is {best.state}"
-        engines = sorted((r for r in found.leaders if matches(r) and r.shard is not None), key=lambda r: r.shard)
-        if engines:  # a sharded replica: what its engines lead, together
-            shards = ", ".join(str(r.shard) for r in engines)
-            detail = (f"{sharding.replica_of(best.name, best.shard)} leads shard(s) {shards} of {best.shards} "
-                      f"({rate_text(sum(r.throughput for r in engines))} records/s, "
-                      f"{sum(r.in_flight for r in engines):,} in flight)")
+        engines = [r for r in found.leaders if matches(r) and r.shard is not None]
+        if engines:  # sharded replicas: what each one's engines lead, named by the replica that leads them
+            detail = "; ".join(
+                f"{replica} leads shard(s) {', '.join(str(r.shard) for r in led)} of {led[0].shards} "
+                f"({rate_text(sum(r.throughput for r in led))} records/s, {sum(r.in_flight for r in led):,} in flight)"
+                for replica, led in _by_replica(engines))
         elif best in found.leaders:
             detail += f" ({rate_text(best.throughput)} records/s, {best.in_flight:,} in flight)"
         return True, f"{detail}, seen {age:.1f}s ago; {len(live)} live replica(s) for {scope}; {counts}"
+
+
+def _by_replica(engines: list[Any]) -> list[tuple[str, list[Any]]]:
+    """Shard engines' rows grouped by the replica each belongs to (its name without the shard's suffix),
+    the replicas in name order and each one's shards in order."""
+    grouped: dict[str, list[Any]] = {}
+    for row in sorted(engines, key=lambda r: (r.leader_group, r.shard)):
+        grouped.setdefault(sharding.replica_of(row.name, row.shard), []).append(row)
+    return sorted(grouped.items())
