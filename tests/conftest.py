@@ -179,6 +179,17 @@ def kafka_cluster(services: Services) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="session")
+def spare_broker(services: Services) -> Iterator[Cluster]:
+    """`bin/services up --spare`: a single broker of its own, for tests that stop and restart it (stopped at the
+    end if started here)."""
+    cluster = Cluster(1, spare=True)
+    cluster.start()
+    yield cluster
+    if cluster.started_here:
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
 def secure_cluster(services: Services) -> Iterator[Cluster]:
     """`bin/services up --brokers 3 --secure`: the same behind SASL_SSL (stopped at the end if started here)."""
     cluster = Cluster(3, secure=True)

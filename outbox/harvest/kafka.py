@@ -16,6 +16,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.harvest.config import HarvestConfig, Problem
 from outbox.harvest.topics import UNLIMITED, batch_size_for
+from outbox.kafka.client_errors import log_client_error
 from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
@@ -297,10 +298,3 @@ def check_leader_partitions(topic: str, found: int, shards: int) -> None:
             f"leader topic {topic!r} has {found} partition(s), one per shard of its group, but this replica runs "
             f"{shards} shard(s): every replica of a group runs the same number (to change it, stop the group and "
             f"run manage.py outbox_reshard --shards {shards})")
-
-
-def log_client_error(error: KafkaError) -> None:
-    """librdkafka's error_cb for every client of ours: fatal errors logged as errors, the rest as warnings."""
-    # librdkafka reports transient broker trouble here and retries by itself; only fatal errors need us.
-    level = logging.ERROR if error.fatal() else logging.WARNING
-    log.log(level, "Kafka client: %s", error.str())

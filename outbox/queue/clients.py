@@ -18,8 +18,9 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE, log_client_error
+from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE
 from outbox.harvest.topics import UNLIMITED, batch_size_for
+from outbox.kafka.client_errors import log_client_error
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.reasons import kafka_reason
 
@@ -69,11 +70,20 @@ def share_consumer_config(config: QueueConfig, queue: str, name: str, limits: Qu
                    "max.poll.records": limits.max_in_progress})
 
 
-def start_producer_config(config: QueueConfig, queue: str, name: str, batch_limit: int | None = None) -> dict[str, Any]:
-    # A transactional id per consumer instance: since KIP-447 the consumer group's generation,
-    # sent with the offsets, fences a zombie; the id needs no stable mapping to partitions.
+def transactional_id(group: str, name: str) -> str:
+    """A consumer's or tracker's transactional id, drawn once per instance and kept by every producer it
+    builds: a producer rebuilt after a fatal error then fences its dead predecessor, and its
+    init_transactions() aborts the transaction that one left open at once, where a new id would leave it
+    to expire after transaction.timeout.ms (and read_committed readers of the markers stalled behind it).
+    Since KIP-447 the consumer group's generation, sent with the offsets, fences a zombie; the id needs
+    no stable mapping to partitions."""
+    return f"{group}-{name}-{uuid.uuid4().hex[:8]}"
+
+
+def start_producer_config(config: QueueConfig, name: str, txn_id: str, batch_limit: int | None = None
+                          ) -> dict[str, Any]:
     return _merge(config, {"client.id": f"{name}-queue-starts", "linger.ms": 0, "transaction.timeout.ms": 60_000},
-                  {"transactional.id": f"{config.consumer_group(queue)}-{name}-{uuid.uuid4().hex[:8]}"}, batch_limit)
+                  {"transactional.id": txn_id}, batch_limit)
 
 
 def marker_producer_config(config: QueueConfig, name: str, batch_limit: int | None = None) -> dict[str, Any]:
@@ -90,12 +100,11 @@ def markers_consumer_config(config: QueueConfig, name: str) -> dict[str, Any]:
                    "isolation.level": "read_committed", "enable.partition.eof": True})
 
 
-def redelivery_producer_config(config: QueueConfig, name: str, batch_limit: int | None = None) -> dict[str, Any]:
+def redelivery_producer_config(config: QueueConfig, name: str, txn_id: str, batch_limit: int | None = None
+                               ) -> dict[str, Any]:
     # Random partitioner for redelivered messages; End markers name their partition explicitly.
     return _merge(config, {"client.id": f"{name}-redeliveries", "partitioner": "random", "linger.ms": 0},
-                  {"transactional.id": f"{config.tracker_group}-{name}-{uuid.uuid4().hex[:8]}"}, batch_limit)
-
-
+                  {"transactional.id": txn_id}, batch_limit)
 
 
 def init_transactions(producer: Any, config: QueueConfig, timeout: float) -> None:

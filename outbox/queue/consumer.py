@@ -19,6 +19,11 @@ never received back with Release markers, so they are redelivered at once.
 The threads run `fetch()` and `keep_alive()`, each one round that never waits except inside a
 Kafka client's poll; the simulator (tests/sim/) calls the same methods on its own clock, after
 `open()`, and closes in the same steps `close()` takes.
+
+A broker restart ends no consumer: a Start transaction that fails is aborted and its batch read
+again; a transactional producer that fails for good is replaced by one with the same transactional
+id (transactional.py), after which the consumer reads on from its group's committed offsets. While
+it waits it says so once, and `waiting_for()` tells its status row, metrics and health probe.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from outbox.harvest.config import default_name
 from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.kafka.outage import Outage, fatal
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
 from outbox.queue.consumer_state import ConsumerState, Delivery, Held, Plan, StartBatch
@@ -44,7 +50,8 @@ from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, Ref
 from outbox.queue.receiving import wait_for_delivery
 from outbox.queue.topics import ensure_topics
-from outbox.reasons import kafka_error, kafka_reason
+from outbox.queue.transactional import Caller, TransactionalWriter, call_with_deadline
+from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +140,9 @@ class QueueConsumer:
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                  clock: Callable[[], float] = time.monotonic,
                  create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics,
-                 tracer: Any = None) -> None:
-        """`tracer`: an outbox.tracing.consume.QueueTracer, to give each delivery a span (docs/tracing.md)."""
+                 tracer: Any = None, caller: Caller = call_with_deadline) -> None:
+        """`tracer`: an outbox.tracing.consume.QueueTracer, to give each delivery a span (docs/tracing.md);
+        `caller`: how a call into librdkafka that may hang is made (transactional.py; the simulator's never do)."""
         try:
             self.queue = check_queue_name(queue)
         except ValueError as error:
@@ -158,8 +166,18 @@ class QueueConsumer:
         self._closed = False
         self._failure: BaseException | None = None
         self._consumer: Any = None
-        self._starts: Any = None
         self._markers: Any = None
+        #: What the consumer waits for while Kafka is away (said once; waiting_for() for status and health).
+        self._kafka = Outage(log, f"Consumer of queue {self.queue}", clock)
+        #: The Start markers' transactions; batches fit the topics' max.message.bytes (None: no limit known).
+        self._batch_limit: int | None = None
+        txn_id = clients.transactional_id(config.consumer_group(self.queue), self.name)
+        self._starts = TransactionalWriter(
+            lambda: self._producer_factory(clients.start_producer_config(config, self.name, txn_id,
+                                                                         self._batch_limit)),
+            self._kafka, caller=caller)
+        #: After a lost producer: read on from the group's committed offsets, once they can be read.
+        self._reposition = False
         self._fetcher: threading.Thread | None = None
         self._keeper: threading.Thread | None = None
 
@@ -184,13 +202,11 @@ class QueueConsumer:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            # Batches fit the topics' max.message.bytes (None: no limit known).
-            limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
-            self._markers = self._producer_factory(clients.marker_producer_config(self.config, self.name, limit))
-            self._starts = self._producer_factory(clients.start_producer_config(self.config, self.queue, self.name,
-                                                                                limit))
-            clients.init_transactions(self._starts, self.config, KAFKA_START_TIMEOUT)
-            self._consumer = self._consumer_factory(clients.queue_consumer_config(self.config, self.queue, self.name))
+            self._batch_limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
+            self._markers = self._new_marker_producer()
+            self._starts.open(lambda producer, timeout: clients.init_transactions(producer, self.config, timeout))
+            self._consumer = self._consumer_factory(self._kafka.watch(clients.queue_consumer_config(
+                self.config, self.queue, self.name)))
             self._consumer.subscribe([self.config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                      on_lost=self._on_revoke)
         except (KafkaUnavailable, clients.TransactionsUnavailable) as error:
@@ -281,7 +297,8 @@ class QueueConsumer:
             remaining = self._markers.flush(10)
             if remaining:
                 log.warning("%d marker(s) of queue %s not delivered at close", remaining, self.queue)
-        self._markers = self._starts = None
+        self._markers = None
+        self._starts.producer = None
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -293,6 +310,16 @@ class QueueConsumer:
     @property
     def failure(self) -> BaseException | None:
         return self._failure
+
+    def waiting_for(self) -> tuple[str, float] | None:
+        """What the consumer has been waiting for while Kafka is away, and for how many seconds; None if nothing."""
+        waited = self._kafka.waited()
+        return (self._kafka.what, waited) if self._kafka.since is not None else None
+
+    @property
+    def producers_replaced(self) -> int:
+        """Start-marker producers lost to a fatal error and replaced since the start."""
+        return self._starts.replaced
 
     def oldest_in_progress(self) -> float | None:
         """Local monotonic time the oldest held message was received (or fetched), None if none."""
@@ -328,16 +355,31 @@ class QueueConsumer:
         else:
             self._instruments.abandoned(self.queue)
 
+    def _new_marker_producer(self) -> Any:
+        return self._producer_factory(clients.marker_producer_config(self.config, self.name, self._batch_limit))
+
     def _send_marker(self, delivery: Delivery, marker: Marker) -> None:
         value, headers = markers.encode(marker)
         where: dict[str, Any] = {} if delivery.marker_partition is None else {"partition": delivery.marker_partition}
+
+        def produce() -> None:
+            self._markers.produce(self.config.markers_topic, key=self._key, value=value, headers=headers,
+                                  on_delivery=self._marker_delivered, **where)
+
         try:
-            self._markers.produce(self.config.markers_topic, key=self._key, value=value, headers=headers,
-                                  on_delivery=self._marker_delivered, **where)
-        except BufferError:
-            self._markers.poll(0.1)
-            self._markers.produce(self.config.markers_topic, key=self._key, value=value, headers=headers,
-                                  on_delivery=self._marker_delivered, **where)
+            try:
+                produce()
+            except BufferError:
+                self._markers.poll(0.1)
+                produce()
+            except KafkaException as error:
+                if not fatal(error):
+                    raise
+                # An idempotent producer that failed for good is replaced; the marker goes out on the new one.
+                log.warning("The marker producer of queue %s failed for good (%s): a new one takes over", self.queue,
+                            kafka_reason(error))
+                self._markers = self._new_marker_producer()
+                produce()
         except KafkaException as error:
             log.warning("Could not send a %s marker for %s/%s: %s", marker.kind.value, self.queue, delivery.id,
                         kafka_reason(error))
@@ -383,8 +425,10 @@ class QueueConsumer:
             self.leave()
 
     def fetch(self) -> Wait:
-        """One round of the fetcher: read, start what is this queue's, or wait for room."""
+        """One round of the fetcher: read, start what is this queue's, or wait for room (or for Kafka)."""
         consumer = self._consumer
+        if (self._starts.lost or self._reposition) and not self._recover(consumer):
+            return Wait(ERROR_BACKOFF)
         with self._lock:
             plan = self._state.fetch_plan(self._clock())
         if plan.plan is Plan.WAIT:
@@ -403,6 +447,8 @@ class QueueConsumer:
         first = consumer.poll(self.config.poll_interval)
         if first is None:
             self._commit_foreign(consumer)
+            self._kafka.probe(lambda timeout: consumer.get_watermark_offsets(TopicPartition(self.config.topic, 0),
+                                                                             timeout=timeout))
             return Wait()
         # At most `room` records, so never more of this queue than there is room for: the rest
         # stays in librdkafka's fetch queue (a seek back would discard it and cost a fetch).
@@ -424,52 +470,47 @@ class QueueConsumer:
                     partitions[ref] = record.partition()
             return report
 
-        producer = self._starts
-        try:
-            producer.begin_transaction()
+        def starts(producer: Any) -> list[TopicPartition]:
             for delivery in batch.deliveries:
                 marker = self.spans.start(delivery, self._state.start_marker(delivery))
                 value, headers = markers.encode(marker)
                 producer.produce(self.config.markers_topic, key=self._key, value=value, headers=headers,
                                  on_delivery=delivered(delivery.ref))
-            producer.send_offsets_to_transaction(
-                [TopicPartition(self.config.topic, p, o) for p, o in batch.offsets.items()],
-                self._consumer.consumer_group_metadata(), KAFKA_START_TIMEOUT)
-            self._commit_transaction()
-        except KafkaException as error:
+            return [TopicPartition(self.config.topic, p, o) for p, o in batch.offsets.items()]
+
+        error = self._starts.run(starts, self._consumer.consumer_group_metadata)
+        if error is not None:
             self.spans.drop(batch.deliveries)  # not started: their spans are dropped unfinished
-            self._abort(error)
+            log.debug("Start markers for queue %s not written (%s); reading the batch again", self.queue,
+                      kafka_reason(error))
             self._seek_back(batch.rewind)  # read the batch again: nothing of it was started
+            # A lost producer's last transaction may have committed after all: once a new producer has settled
+            # it, the group's committed offsets say where to read on.
+            self._reposition = self._starts.lost
             return Wait(ERROR_BACKOFF)
-        producer.poll(0)  # delivery reports: the markers partition of each message
+        self._starts.producer.poll(0)  # delivery reports: the markers partition of each message
         with self._buffered:
             self._state.batch_started(batch, partitions, self._clock())
             self._buffered.notify_all()
         return Wait()
 
-    def _commit_transaction(self) -> None:
-        for attempt in range(3):
+    def _recover(self, consumer: Any) -> bool:
+        """After a lost producer: a new one (its init_transactions() settles what the old one left open), then
+        the group's committed offsets as the place to read on from. False while Kafka cannot give either."""
+        if not self._starts.ready():
+            return False
+        if self._reposition:
             try:
-                self._starts.commit_transaction(KAFKA_START_TIMEOUT)
-                return
+                committed = consumer.committed(consumer.assignment(), timeout=KAFKA_START_TIMEOUT)
             except KafkaException as error:
-                kerror = kafka_error(error)
-                if kerror is None or not kerror.retriable() or attempt == 2:
-                    raise
-
-    def _abort(self, error: KafkaException) -> None:
-        kerror = kafka_error(error)
-        if kerror is not None and kerror.fatal():
-            raise error
-        log.warning("Start markers for queue %s not written (%s); reading the batch again", self.queue,
-                    kafka_reason(error))
-        try:
-            self._starts.abort_transaction(KAFKA_START_TIMEOUT)
-        except KafkaException as abort_error:
-            aerror = kafka_error(abort_error)
-            if aerror is not None and aerror.fatal():
-                raise abort_error from error
-            log.warning("Aborting the transaction: %s", kafka_reason(abort_error))
+                self._kafka.waiting("the group's committed offsets", error)
+                return False
+            for tp in committed:
+                if tp.offset >= 0:
+                    self._seek_back({tp.partition: tp.offset})
+            self._reposition = False
+        self._kafka.resumed()
+        return True
 
     def _seek_back(self, offsets: dict[int, int]) -> None:
         for partition, offset in offsets.items():

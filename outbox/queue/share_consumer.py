@@ -18,6 +18,10 @@ not used by this backend.
 
 With tracing on, each delivery handed out by receive() has a span (delivery_spans.py), as on the
 markers backend.
+
+A broker restart ends no consumer: acknowledgements Kafka refused meanwhile come back as
+redeliveries, a poll that fails is tried again, and a client that failed for good is replaced (its
+records come back when their locks end). While it waits it says so once (`waiting_for()`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from confluent_kafka import AcknowledgeType, IllegalStateException, KafkaError, KafkaException, ShareConsumer
+from confluent_kafka.admin import AdminClient
 
 from outbox.harvest.config import default_name
-from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_config
+from outbox.kafka.outage import Outage, fatal, permanent
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
 from outbox.queue.consumer import Message
@@ -47,6 +53,8 @@ from outbox.queue.tracker import DeadLetter
 from outbox.reasons import kafka_error, kafka_reason
 
 log = logging.getLogger(__name__)
+#: Acknowledgements Kafka refused are said at most this often (seconds), with how many there were.
+REFUSALS_SAID_EVERY = 10.0
 
 DeadLetterSink = Callable[[Sequence[DeadLetter]], None]
 _ACK_TYPES = {Ack.ACCEPT: AcknowledgeType.ACCEPT, Ack.RELEASE: AcknowledgeType.RELEASE,
@@ -93,6 +101,13 @@ class ShareQueueConsumer:
         self._failure: BaseException | None = None
         self._consumer: Any = None
         self._poller: threading.Thread | None = None
+        #: What the consumer waits for while Kafka is away (said once; waiting_for() for status and health).
+        self._kafka = Outage(log, f"Consumer of share queue {self.queue}", clock)
+        #: Acknowledgements Kafka refused since that was last said (they come back as redeliveries), and when.
+        self._refused = 0
+        self._refusals_said = 0.0
+        #: Asks whether Kafka answers again while waiting with nothing polled (made when first needed).
+        self._admin: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -112,15 +127,24 @@ class ShareQueueConsumer:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
             self._prepare(self.config, self.queue, self.limits, KAFKA_START_TIMEOUT)
-            self._consumer = self._consumer_factory(clients.share_consumer_config(self.config, self.queue,
-                                                                                  self.name, self.limits))
-            self._consumer.subscribe([self.topic])
-            self._consumer.set_acknowledgement_commit_callback(self._acknowledgements_committed)
+            self._consumer = self._new_client()
         except KafkaUnavailable as error:
             raise QueueError(str(error)) from None
         except KafkaException as error:
             bootstrap = self.config.base_kafka_config.get("bootstrap.servers", "?")
             raise QueueError(f"Kafka is unreachable at {bootstrap}: {kafka_reason(error)}") from None
+
+    def _new_client(self) -> Any:
+        consumer = self._consumer_factory(self._kafka.watch(clients.share_consumer_config(
+            self.config, self.queue, self.name, self.limits)))
+        consumer.subscribe([self.topic])
+        consumer.set_acknowledgement_commit_callback(self._acknowledgements_committed)
+        return consumer
+
+    def waiting_for(self) -> tuple[str, float] | None:
+        """What the consumer has been waiting for while Kafka is away, and for how many seconds; None if nothing."""
+        waited = self._kafka.waited()
+        return (self._kafka.what, waited) if self._kafka.since is not None else None
 
     def __enter__(self) -> ShareQueueConsumer:
         return self if self._poller is not None else self.start()
@@ -262,19 +286,23 @@ class ShareQueueConsumer:
                 raise QueueError(f"share queue {self.queue!r}: this Kafka has no share groups "
                                  f"({kafka_reason(error)}); the share backend needs Apache Kafka 4.2 or later"
                                  ) from None
-            raise
+            self._failed(error)
+            return
         deliveries = []
         now = self._clock()
         for record in records:
             error = record.error()
             if error is not None:
                 if error.fatal():
-                    raise KafkaException(error)
+                    self._failed(KafkaException(error))
+                    return
                 log.warning("Share queue %s: %s", self.queue, error.str())
                 continue
             deliveries.append(_delivery(record, now))
         if not deliveries:
+            self._kafka.probe(self._ask_kafka)
             return
+        self._kafka.resumed()
         redelivered = sum(d.deliveries > 1 for d in deliveries)
         if redelivered:
             self._instruments.redelivered(self.queue, redelivered)
@@ -314,12 +342,41 @@ class ShareQueueConsumer:
         with self._changed:
             self._changed.notify_all()
 
+    def _ask_kafka(self, timeout: float) -> None:
+        """A question any broker answers (the share client has none of its own to ask)."""
+        if self._admin is None:
+            self._admin = AdminClient(admin_config(self.config.base_kafka_config))
+        self._admin.list_topics(self.topic, timeout=timeout)
+
+    def _failed(self, error: KafkaException) -> None:
+        """A poll that failed: waited through, the client replaced if it failed for good (its records come back
+        when their locks end); only what no wait can fix ends the consumer."""
+        if permanent(error):
+            raise error
+        self._kafka.waiting("Kafka", error)
+        if fatal(error):
+            log.warning("The share consumer of queue %s failed for good (%s): a new one takes over", self.queue,
+                        kafka_reason(error))
+            self._close_client()
+            self._consumer = self._new_client()
+            with self._lock:
+                self._state.client_replaced()
+
     def _acknowledgements_committed(self, offsets: dict[Any, Any], error: KafkaException | None) -> None:
-        """The broker's answer to acknowledgements (on the poller's thread): a refused one is redelivered."""
-        if error is not None:
-            count = sum(len(found) for found in offsets.values())
+        """The broker's answer to acknowledgements (on the poller's thread): a refused one is redelivered. Kafka
+        refuses some now and then (a share session that ended), many while a broker restarts: said at most every
+        REFUSALS_SAID_EVERY seconds, with their count."""
+        if error is None:
+            self._kafka.resumed()
+            return
+        self._refused += sum(len(found) for found in offsets.values())
+        now = self._clock()
+        if now - self._refusals_said >= REFUSALS_SAID_EVERY or permanent(error):
             log.warning("Kafka refused %d acknowledgement(s) of share queue %s (%s): those messages are redelivered",
-                        count, self.queue, kafka_reason(error))
+                        self._refused, self.queue, kafka_reason(error))
+            self._refused, self._refusals_said = 0, now
+        else:
+            log.debug("Kafka refused acknowledgements of share queue %s (%s)", self.queue, kafka_reason(error))
 
     def _close_client(self) -> None:
         consumer, self._consumer = self._consumer, None

@@ -207,6 +207,16 @@ class ShareState:
                 release.append(Settling(settling.delivery, Verdict(Ack.RELEASE)))
         return release
 
+    def client_replaced(self) -> int:
+        """A new client took over from one that failed for good: the buffered deliveries were the old one's
+        (Kafka hands them out again when their locks end), so they are dropped; returns how many."""
+        count = len(self.buffered)
+        for delivery in self.buffered:
+            delivery.state = Held.DONE
+            self.held.pop(delivery.ref, None)
+        self.buffered.clear()
+        return count
+
     def sent(self, settling: Settling, *, dead_lettered: bool = False) -> None:
         """The acknowledgement is with the client (`dead_lettered`: after its dead letter was written)."""
         self.held.pop(settling.delivery.ref, None)

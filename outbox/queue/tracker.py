@@ -18,6 +18,11 @@ the consumer group's generation, which fences a tracker that lost the partition 
 
 A message delivered max_deliveries times is handed to the dead-letter sink instead (the Django
 app stores it in a table), then ended the same way; the sink must be idempotent per message id.
+
+A broker restart ends no tracker: a redelivery that fails is tried again after RETRY_BACKOFF, and a
+transactional producer that fails for good is replaced by one with the same transactional id
+(transactional.py), whose start settles what the old one left open; the End markers in the log then
+say what was redelivered. While it waits it says so once (`waiting_for()`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from outbox.harvest.config import default_name
 from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.kafka.outage import Outage
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig
 from outbox.queue.errors import QueueError
@@ -42,7 +48,8 @@ from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind, Marker, MarkerError
 from outbox.queue.topics import ensure_topics
 from outbox.queue.tracker_state import Due, PartitionTracker, QueueStats
-from outbox.reasons import first_line, kafka_error, kafka_reason
+from outbox.queue.transactional import Caller, TransactionalWriter, call_with_deadline
+from outbox.reasons import first_line, kafka_reason
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +114,9 @@ class RedeliveryTracker:
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                  clock: Callable[[], float] = time.monotonic,
-                 create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics) -> None:
+                 create_topics: Callable[[QueueConfig, float], int | None] = ensure_topics,
+                 caller: Caller = call_with_deadline) -> None:
+        """`caller`: how a call into librdkafka that may hang is made (transactional.py; the simulator's never do)."""
         self.config = config
         self.name = name or default_name()
         self._dead_letters = dead_letters
@@ -118,7 +127,15 @@ class RedeliveryTracker:
         self._trackers: dict[int, PartitionTracker] = {}
         self._committed: dict[int, int] = {}
         self._consumer: Any = None
-        self._producer: Any = None
+        #: What the tracker waits for while Kafka is away (said once; waiting_for() for status and health).
+        self._kafka = Outage(log, f"Tracker {self.name}", clock)
+        #: The redeliveries' transactions; batches fit the topics' max.message.bytes (None: no limit known).
+        self._batch_limit: int | None = None
+        txn_id = clients.transactional_id(config.tracker_group, self.name)
+        self._redeliveries = TransactionalWriter(
+            lambda: self._producer_factory(clients.redelivery_producer_config(config, self.name, txn_id,
+                                                                              self._batch_limit)),
+            self._kafka, caller=caller)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -148,11 +165,11 @@ class RedeliveryTracker:
         if problems:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
-            # Batches fit the topics' max.message.bytes (None: no limit known).
-            limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
-            self._producer = self._producer_factory(clients.redelivery_producer_config(self.config, self.name, limit))
-            clients.init_transactions(self._producer, self.config, KAFKA_START_TIMEOUT)
-            self._consumer = self._consumer_factory(clients.markers_consumer_config(self.config, self.name))
+            self._batch_limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
+            self._redeliveries.open(lambda producer, timeout: clients.init_transactions(producer, self.config,
+                                                                                         timeout))
+            self._consumer = self._consumer_factory(self._kafka.watch(clients.markers_consumer_config(self.config,
+                                                                                                     self.name)))
             self._consumer.subscribe([self.config.markers_topic], on_assign=self._on_assign,
                                      on_revoke=self._on_revoke, on_lost=self._on_lost)
         except (KafkaUnavailable, clients.TransactionsUnavailable) as error:
@@ -196,7 +213,7 @@ class RedeliveryTracker:
             self._consumer.close()
         except (KafkaException, RuntimeError) as error:
             log.warning("Closing the markers consumer: %s", kafka_reason(error))
-        self._producer = None
+        self._redeliveries.producer = None
         self.snapshot = self._take_snapshot()
         self.state = State.STOPPED
         log.info("Tracker stopped (redelivered %d, dead-lettered %d)", sum(self._redelivered.values()),
@@ -225,6 +242,10 @@ class RedeliveryTracker:
         due = [entry for tracker in self._trackers.values() for entry in tracker.due(now)]
         if due:
             self._settle(due, now)
+        elif self._trackers:
+            topic = self.config.markers_topic
+            self._kafka.probe(lambda timeout: self._consumer.get_watermark_offsets(
+                TopicPartition(topic, next(iter(self._trackers))), timeout=timeout))
         self._commit()
         if now >= self._next_snapshot:
             self._next_snapshot = now + SNAPSHOT_INTERVAL
@@ -289,9 +310,12 @@ class RedeliveryTracker:
                 due = [entry for entry in due if not entry.dead]
                 if not due:
                     return
-        producer = self._producer
-        try:
-            producer.begin_transaction()
+        if not self._redeliveries.ready():  # a lost producer not replaced yet: Kafka cannot start transactions
+            self._postpone(due, now)
+            return
+        offsets = self._offsets()
+
+        def redeliveries(producer: Any) -> list[TopicPartition]:
             for entry in due:
                 start = entry.start
                 if not entry.dead:
@@ -302,23 +326,12 @@ class RedeliveryTracker:
                 value, headers = markers.encode(Marker(Kind.END, start.ref))
                 producer.produce(self.config.markers_topic, key=entry.queue.encode(), value=value, headers=headers,
                                  partition=entry.partition)
-            offsets = self._offsets()
-            if offsets:
-                producer.send_offsets_to_transaction(offsets, self._consumer.consumer_group_metadata(),
-                                                     KAFKA_START_TIMEOUT)
-            producer.commit_transaction(KAFKA_START_TIMEOUT)
-        except KafkaException as error:
-            kerror = kafka_error(error)
-            if kerror is not None and kerror.fatal():
-                raise
-            log.warning("Redelivery of %d message(s) failed (%s); trying again in %gs", len(due),
-                        kafka_reason(error), RETRY_BACKOFF)
-            try:
-                producer.abort_transaction(KAFKA_START_TIMEOUT)
-            except KafkaException as abort_error:
-                aerror = kafka_error(abort_error)
-                if aerror is not None and aerror.fatal():
-                    raise
+            return offsets
+
+        error = self._redeliveries.run(redeliveries, self._consumer.consumer_group_metadata)
+        if error is not None:
+            log.debug("Redelivery of %d message(s) failed (%s); trying again in %gs", len(due), kafka_reason(error),
+                      RETRY_BACKOFF)
             self._postpone(due, now)
             return
         for offset in offsets:
@@ -333,6 +346,11 @@ class RedeliveryTracker:
             self._dead[queue] += count
             self._instruments.dead_lettered(queue, count)
             log.warning("Moved %d message(s) of queue %s to the dead letters (max deliveries reached)", count, queue)
+
+    def waiting_for(self) -> tuple[str, float] | None:
+        """What the tracker has been waiting for while Kafka is away, and for how many seconds; None if nothing."""
+        waited = self._kafka.waited()
+        return (self._kafka.what, waited) if self._kafka.since is not None else None
 
     def _dead_letter(self, entry: Due) -> DeadLetter:
         start = entry.start

@@ -20,6 +20,7 @@ from outbox.queue.consumer_state import ConsumerState, FetchPlan, Plan, StartBat
 from outbox.queue.markers import Kind, Marker
 from outbox.queue.tracker import RedeliveryTracker
 from outbox.queue.tracker_state import Due, PartitionTracker
+from outbox.queue.transactional import TransactionalWriter
 from tests.sim.queue_process import ConsumerOptions, TrackerOptions
 from tests.sim.queue_scenario import QueueOptions
 
@@ -118,6 +119,29 @@ class ReadsPastItsRoom(QueueConsumer):
         self._state = NoBackPressure(self.queue, self.limits, self._clock())
 
 
+class EndsOnAFatalError(TransactionalWriter):
+    """Raises a fatal error of its producer (the process ends) instead of replacing the producer."""
+
+    def _give_up(self, error: Any) -> None:
+        raise error
+
+
+def _ending_on_fatal_errors(writer: TransactionalWriter) -> TransactionalWriter:
+    return EndsOnAFatalError(writer._build, writer._outage, timeout=writer._timeout, caller=writer._call)
+
+
+class ConsumerEndsOnAFatalProducerError(QueueConsumer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._starts = _ending_on_fatal_errors(self._starts)
+
+
+class TrackerEndsOnAFatalProducerError(RedeliveryTracker):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._redeliveries = _ending_on_fatal_errors(self._redeliveries)
+
+
 def ack_inside_the_transaction(message: Message, handler: handling.Handler,
                                inbox: handling.Inbox | None = None) -> handling.Outcome:
     """Sends the End marker before the handler's transaction (with its inbox row) has committed."""
@@ -147,4 +171,7 @@ QUEUE_MUTATIONS: dict[str, QueueOptions] = {
     "a consumer that reads on when max_in_progress messages are held": _consumer(ReadsPastItsRoom),
     "a consumer that commits other queues' offsets in partitions taken from it":
         _consumer(CommitsForeignOffsetsOfLostPartitions),
+    "a consumer that ends on a fatal error of its transactional producer": _consumer(ConsumerEndsOnAFatalProducerError),
+    "a tracker that ends on a fatal error of its transactional producer":
+        QueueOptions(tracker=TrackerOptions(TrackerEndsOnAFatalProducerError)),
 }

@@ -14,6 +14,11 @@ A process can crash (SIGKILL) between two steps or at its n-th call into a clien
 sink or the database (inside a Kafka transaction, say: the broker aborts it after the transaction
 timeout), pause (SIGSTOP: nothing runs, Kafka stops hearing from it) and stop gracefully (SIGTERM:
 the workers finish the message in hand, then the steps of QueueConsumer.close()).
+
+A step that raises ends its process, as the real thread's failure ends the command: nothing the
+simulated Kafka does (a producer failing fatally, a coordinator away) may do that, so it is a
+violation. A process that cannot start (its open() refused while the transaction coordinator is
+away) is started again a second later, as its service manager would.
 """
 
 from __future__ import annotations
@@ -30,8 +35,12 @@ from outbox.harvest.memory.world import SimWorld
 from outbox.queue import handling
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.consumer import Message, QueueConsumer
-from outbox.queue.errors import Retry
+from outbox.queue.errors import QueueError, Retry
 from outbox.queue.tracker import DeadLetter, RedeliveryTracker
+from outbox.queue.transactional import call_at_once
+
+#: A process that could not start is started again this much later (its service manager's restart delay).
+RESTART_DELAY = 1.0
 
 
 class ProcessCrashed(BaseException):
@@ -126,6 +135,8 @@ class SimProcess:
         self._crash_in: int | None = None
         self.producers: list[Any] = []
         self.consumers: list[MemoryConsumer] = []
+        #: Reports a broken invariant (the checks').
+        self.fail: Callable[[str], None] = lambda text: None
 
     # -- the process ------------------------------------------------------------------------------
 
@@ -179,6 +190,11 @@ class SimProcess:
                 again = step()
             except ProcessCrashed:
                 return
+            except Exception as error:  # the thread dies, and with it the command (its _fail())
+                self.ended = True
+                self.world.note(f"{self.name} ended: {error!r}")
+                self.fail(f"{self.name} ended on its own: {error!r}")
+                return
             if again is not None:
                 self.world.after(again, run)
         self.world.after(delay, run)
@@ -227,7 +243,7 @@ class SimConsumer(SimProcess):
         self.limits: QueueLimits = config.limits_for(queue)
         self.consumer = options.consumer_class(config, queue, name=name, consumer_factory=self.kafka_consumer,
                                                producer_factory=self.kafka_producer, clock=self.clock,
-                                               create_topics=lambda *_: None)
+                                               create_topics=lambda *_: None, caller=call_at_once)
         self.inbox = SimInbox(self, app)
         self.use_inbox = inbox
         self._busy = 0  # workers with a message in hand
@@ -235,14 +251,18 @@ class SimConsumer(SimProcess):
         self._started = 0
         #: Told of every message a handler is given (the checks).
         self.on_handed: Callable[[str, str, int], None] = lambda consumer, message_id, deliveries: None
-        #: Reports a broken invariant (the checks').
-        self.fail: Callable[[str], None] = lambda text: None
 
     def start(self) -> None:
         self.started = True
+        if self.crashed or self.ended:
+            return
         try:
             self.consumer.open()
         except ProcessCrashed:
+            return
+        except QueueError as error:
+            self.world.note(f"{self.name} could not start ({error}): started again in {RESTART_DELAY:g}s")
+            self.world.after(RESTART_DELAY, self.start)
             return
         self.world.note(f"{self.name} consuming {self.queue}")
         self.thread(self._fetch)
@@ -363,15 +383,21 @@ class SimTracker(SimProcess):
         self.tracker = options.tracker_class(config, dead_letters=self._store_dead_letters, name=name,
                                              consumer_factory=self.kafka_consumer,
                                              producer_factory=self.kafka_producer, clock=self.clock,
-                                             create_topics=lambda *_: None)
+                                             create_topics=lambda *_: None, caller=call_at_once)
         #: Called after each step (the checks look at what the tracker rebuilt).
         self.after_step: Callable[[SimTracker], None] = lambda tracker: None
 
     def start(self) -> None:
         self.started = True
+        if self.crashed or self.ended:
+            return
         try:
             self.tracker.open()
         except ProcessCrashed:
+            return
+        except QueueError as error:
+            self.world.note(f"{self.name} could not start ({error}): started again in {RESTART_DELAY:g}s")
+            self.world.after(RESTART_DELAY, self.start)
             return
         self.world.note(f"{self.name} tracking")
         self.thread(self._step)

@@ -11,12 +11,16 @@ redelivery timeout), and a schedule of faults until FAULTS_END: consumers and tr
 between steps or at any call into Kafka or the database (inside a transaction, say), pausing
 (past the group's session timeout: zombies), stopping gracefully, joining (rebalances);
 transactions failing or timing out, markers' acknowledgements lost, the database failing commits
-and dead letters. Then the run goes on until every message is handled or dead-lettered (or a
-deadline passes). The invariants are tests/sim/queue_checks.py's.
+and dead letters; and, for some seeds, Kafka's transactions failing for good (a producer's fatal
+error, a call that never returns) and the transaction coordinator away for a while (a broker
+restarting). No process may end on its own through any of it. Then the run goes on until every
+message is handled or dead-lettered (or a deadline passes). The invariants are
+tests/sim/queue_checks.py's.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 from dataclasses import dataclass, field
 
@@ -119,6 +123,7 @@ def run(seed: int, options: QueueOptions | None = None, *, trace: bool = False) 
         tracker = SimTracker(world, f"t{next(names)}", broker, txn_faults, config, app, options.tracker)
         tracker.tracker.fetch_batch = fetch_batch
         tracker.after_step = check_tracker
+        tracker.fail = ledger.fail
         trackers.append(tracker)
         world.after(delay, tracker.start)
         return tracker
@@ -196,9 +201,25 @@ def run(seed: int, options: QueueOptions | None = None, *, trace: bool = False) 
     for _ in range(rng.randint(0, 10)):
         world.at(rng.uniform(0.5, FAULTS_END - 1), fault)
 
+    # Kafka's transactions failing for good, and the coordinator away: drawn from a generator of their own,
+    # so that the seeds without them run as they did before these faults were modelled.
+    kafka_rng = random.Random(f"{seed}/transactions")
+    if kafka_rng.random() < 0.4:
+        txn_faults.fatal = kafka_rng.choice((0, 0.02, 0.05))
+        txn_faults.stuck = kafka_rng.choice((0, 0.01, 0.03))
+
+        def coordinator_away(seconds: float) -> None:
+            world.note(f"fault: the transaction coordinator away for {seconds:.2f}s")
+            broker.coordinator_down_until = max(broker.coordinator_down_until, world.now + seconds)
+
+        for _ in range(kafka_rng.randint(0, 3)):
+            when, seconds = kafka_rng.uniform(0.5, FAULTS_END - 1), kafka_rng.uniform(0.5, 8.0)
+            world.at(when, lambda seconds=seconds: coordinator_away(seconds))
+
     def calm() -> None:
         app.faults = AppFaults()
         txn_faults.abortable = txn_faults.timeout = txn_faults.timeout_committed = 0.0
+        txn_faults.fatal = txn_faults.stuck = 0.0
         broker.faults = ProducerFaults()
         for queue in queues:
             if not any(c.queue == queue for c in live_consumers()):

@@ -67,13 +67,16 @@ class Node:
 
 
 class Cluster:
-    """One layout of `bin/services`: `Cluster(3)` is `--brokers 3`, `Cluster(3, secure=True)` adds `--secure`."""
+    """One layout of `bin/services`: `Cluster(3)` is `--brokers 3`, `Cluster(3, secure=True)` adds `--secure`,
+    `Cluster(1, spare=True)` is `--spare` (a single broker of its own, to stop and start again)."""
 
-    def __init__(self, brokers: int, *, secure: bool = False) -> None:
+    def __init__(self, brokers: int, *, secure: bool = False, spare: bool = False) -> None:
         self.brokers = brokers
         self.secure = secure
-        self.flags = [*(["--brokers", str(brokers)] if brokers != 1 else []), *(["--secure"] if secure else [])]
-        self.home = ROOT / ".services" / ("kafka" + ("-3" if brokers == 3 else "") + ("-secure" if secure else ""))
+        self.flags = [*(["--brokers", str(brokers)] if brokers != 1 else []), *(["--secure"] if secure else []),
+                      *(["--spare"] if spare else [])]
+        self.home = ROOT / ".services" / ("kafka" + ("-3" if brokers == 3 else "") + ("-secure" if secure else "")
+                                          + ("-spare" if spare else ""))
         self.nodes = {n: Node(n, self.home / f"node-{n}") for n in range(1, brokers + 1)}
         #: Whether this session started the cluster (then it stops it at the end); None before start().
         self.started_here: bool | None = None
@@ -139,6 +142,14 @@ class Cluster:
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: self.nodes[number].pid() is None, 30, f"node {number} to die")
         return killed_at
+
+    def stop(self, number: int) -> float:
+        """SIGTERM a node, as a routine restart does, and wait until it has shut down; returns when it was asked."""
+        pid = self.pid(number)
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: self.nodes[number].pid() is None, 60, f"node {number} to shut down")
+        return stopped_at
 
     def pause(self, number: int) -> float:
         """SIGSTOP a node: its sockets stay open and nothing answers, as when a host is cut off."""

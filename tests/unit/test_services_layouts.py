@@ -122,12 +122,13 @@ def test_wheel_postgres_runs_on_its_own_port_unless_told(services, monkeypatch):
 @pytest.mark.parametrize(("flags", "stopped"), [
     (["--brokers", "3"], ["kafka-3"]),
     (["--secure"], ["kafka-secure"]),
+    (["--spare"], ["kafka-spare"]),
     (["--brokers", "3", "--kafka-only"], ["kafka-3"]),
     (["--postgres-only"], ["Postgres"]),
     (["--kafka-only"], ["Kafka"]),
     (["--postgres", "18"], ["WheelPostgres"]),
     (["--postgres", "18", "--brokers", "3"], ["kafka-3", "WheelPostgres"]),
-    ([], ["kafka-3", "kafka-secure", "kafka-3-secure", "Kafka", "Postgres", "DockerEngine"]),
+    ([], ["kafka-3", "kafka-secure", "kafka-3-secure", "kafka-spare", "Kafka", "Postgres", "DockerEngine"]),
 ])
 def test_down_stops_just_the_layout_it_names(services, monkeypatch, flags, stopped):
     """`down --brokers 3` (the cluster tests' fixtures run it at the end of a session) stopped the default
@@ -156,7 +157,7 @@ def test_a_broker_on_another_port_has_its_own_state_and_controller(services, mon
 
 
 @pytest.mark.parametrize(("bootstrap", "taken"), [("127.0.0.1:9095", "KAFKA_BOOTSTRAP_SERVERS 9095"),
-                                                  ("127.0.0.1:9191", "the controller port 9192")])
+                                                  ("127.0.0.1:9189", "the controller port 9190")])
 def test_a_broker_on_another_port_keeps_off_the_layouts_ports(services, monkeypatch, bootstrap, taken):
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", bootstrap)
     monkeypatch.setattr(services, "reachable", lambda *args, **kwargs: False)

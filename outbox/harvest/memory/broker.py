@@ -221,6 +221,10 @@ class MemoryBroker:
         self.watchers: list[Any] = []
         #: Transactions left open this long are aborted by the broker (None: each producer's transaction.timeout.ms).
         self.transaction_timeout: float | None = None
+        #: Until then no transaction coordinator answers (a broker restarting): transactions.py.
+        self.coordinator_down_until = 0.0
+        #: transactional.id -> the producer that last started transactions with it (the others are fenced).
+        self.transactional_ids: dict[str, Any] = {}
 
     def log(self, topic: str, partitions: int | None = None) -> list[list[StoredMessage]]:
         """A topic's partitions (created, empty, when first asked for)."""

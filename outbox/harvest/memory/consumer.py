@@ -4,7 +4,7 @@ What the queue's consumers and trackers use is modelled: subscribe() with rebala
 (served inside poll() and consume(), as librdkafka serves them; an assignment the callback did
 not apply itself is applied after it, and a revoked one taken away), incremental assignment,
 pause and resume, seek, synchronous commits (refused for a stale generation or a member the group
-dropped), consumer_group_metadata() for transactions, read_committed isolation (nothing at or
+dropped) and the committed offsets, consumer_group_metadata() for transactions, read_committed isolation (nothing at or
 past the last stable offset, nothing aborted, no control records), get_watermark_offsets() (the
 high watermark, past open transactions), position() (the offset after the last record returned;
 records skipped do not move it), and the end-of-partition event as librdkafka gives it (measured
@@ -230,6 +230,13 @@ class MemoryConsumer:
         self.positions[key] = partition.offset
         self._forget_reads(key)
         self._returned[key] = partition.offset
+
+    def committed(self, partitions: list[TopicPartition], timeout: float | None = None) -> list[TopicPartition]:
+        """The group's committed offsets (OFFSET_INVALID, -1001, where none is)."""
+        self.checkpoint()
+        assert self.group is not None
+        return [TopicPartition(tp.topic, tp.partition, self.group.committed.get((tp.topic, tp.partition), -1001))
+                for tp in partitions]
 
     def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
         """The offset after the last record (or end event) returned; OFFSET_INVALID (-1001) before any."""

@@ -12,7 +12,15 @@ End marker and their offsets) rely on is modelled:
   out with the outcome unknown to the caller, before or after the broker committed. Retrying a
   timed-out commit completes it, as librdkafka's does; aborting one the broker committed fails;
 - a transaction left open (its process died in it) holds the last stable offset of every
-  partition it wrote until the broker aborts it, after the transaction timeout;
+  partition it wrote until the broker aborts it, after the transaction timeout, or until a new
+  producer with the same transactional.id starts transactions: that one fences the old producer
+  (whose calls fail fatally from then on) and aborts its open transaction at once;
+- a producer can fail for good (`TransactionFaults.fatal`, `stuck`): every later call raises a fatal
+  error, and its open transaction stays open on the broker as above;
+- the transaction coordinator can be away (`MemoryBroker.coordinator_down_until`, a broker
+  restarting): init_transactions() times out, sending offsets and committing fail abortably, and
+  an abort fails fatally, as librdkafka's did in a real broker restart ("Producer attempted a
+  transactional operation in an invalid state");
 - delivery reports are served by poll() and flush(), after the commit.
 """
 
@@ -29,6 +37,14 @@ from outbox.harvest.memory.broker import MemoryBroker, StoredMessage
 from outbox.harvest.memory.groups import TP, GroupMetadata
 
 STATE = KafkaError(KafkaError._STATE, "Local: Erroneous state")
+TRANSPORT = KafkaError(KafkaError._TRANSPORT, "Local: Broker transport failure", txn_requires_abort=True)
+INVALID_STATE = KafkaError(KafkaError.INVALID_TXN_STATE, "Broker: Producer attempted a transactional operation in an "
+                           "invalid state", fatal=True)
+FENCED = KafkaError(KafkaError.PRODUCER_FENCED, "Broker: producer fenced", fatal=True)
+#: What outbox.queue.transactional.call_with_deadline raises in place of a send_offsets_to_transaction() that
+#: never returns (librdkafka issue 5456): here the call "returns" it at once.
+STUCK = KafkaError(KafkaError._TIMED_OUT, "send_offsets_to_transaction() did not return (stuck in librdkafka)",
+                   fatal=True)
 
 
 @dataclass
@@ -36,6 +52,8 @@ class TransactionFaults:
     abortable: float = 0.0  # commit fails, nothing committed: abort_transaction() is required
     timeout: float = 0.0  # commit times out before the broker committed (a retry commits)
     timeout_committed: float = 0.0  # the broker committed, the reply was lost (a retry says so)
+    fatal: float = 0.0  # a commit fails fatally before the broker committed: the producer is done for
+    stuck: float = 0.0  # send_offsets_to_transaction() never returns: the producer is abandoned
 
 
 @dataclass(eq=False)
@@ -65,15 +83,30 @@ class TransactionalProducer:
         self._reports: deque[tuple[Callable[..., None], StoredMessage]] = deque()
         self._committing = False  # a commit timed out: the next commit_transaction() completes it
         self._committed_unseen = False  # ... and the broker has committed it already
+        #: Why the producer is done for (a fatal error, or fenced by a new one with its transactional.id).
+        self.dead: KafkaError | None = None
 
     # -- confluent-kafka's interface ---------------------------------------------------------------
 
     def init_transactions(self, timeout: float | None = None) -> None:
         self.checkpoint()
+        self._alive()
+        if self._coordinator_down():
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to initialize Producer ID: Local: Timed out",
+                                            retriable=True))
+        broker = self.broker
+        previous = broker.transactional_ids.get(self.transactional_id)
+        if previous is not None and previous is not self:
+            # A new epoch for the id: the old producer is fenced, and what it left open aborted at once.
+            previous.dead = FENCED
+            if previous.txn is not None and previous.txn.state == "open":
+                previous.broker_end(previous.txn, commit=False)
+        broker.transactional_ids[self.transactional_id] = self
         self._ready = True
 
     def begin_transaction(self) -> None:
         self.checkpoint()
+        self._alive()
         if not self._ready or self.txn is not None or self._committing:
             raise KafkaException(STATE)
         txn = Transaction(self, self.world.now)
@@ -83,6 +116,7 @@ class TransactionalProducer:
     def produce(self, topic: str, value: Any = None, key: Any = None, partition: int = -1,
                 on_delivery: Callable[..., None] | None = None, headers: Any = None, **_: Any) -> None:
         self.checkpoint()
+        self._alive()
         txn = self.txn
         if txn is None or txn.state != "open":
             raise KafkaException(STATE)
@@ -99,9 +133,14 @@ class TransactionalProducer:
     def send_offsets_to_transaction(self, positions: list[Any], group_metadata: GroupMetadata,
                                     timeout: float | None = None) -> None:
         self.checkpoint()
+        self._alive()
         txn = self.txn
         if txn is None or txn.state != "open":
             raise KafkaException(STATE)
+        if self.world.chance(self.faults.stuck):
+            self._die(STUCK)
+        if self._coordinator_down():
+            raise KafkaException(TRANSPORT)
         group = self.broker.consumer_groups[group_metadata.group]
         refusal = group.refusal(group_metadata.member, group_metadata.generation)
         if refusal is not None:
@@ -111,6 +150,7 @@ class TransactionalProducer:
 
     def commit_transaction(self, timeout: float | None = None) -> None:
         self.checkpoint()
+        self._alive()
         txn = self.txn
         if txn is None:
             if self._committed_unseen:  # the commit that timed out had gone through
@@ -121,6 +161,10 @@ class TransactionalProducer:
             raise KafkaException(KafkaError(KafkaError.PRODUCER_FENCED, "Broker: producer fenced", fatal=True))
         if not self._committing:
             world, faults = self.world, self.faults
+            if self._coordinator_down():
+                raise KafkaException(TRANSPORT)
+            if world.chance(faults.fatal):
+                self._die(INVALID_STATE)
             if world.chance(faults.abortable):
                 raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Local: Broker transport failure",
                                                 txn_requires_abort=True))
@@ -136,6 +180,9 @@ class TransactionalProducer:
 
     def abort_transaction(self, timeout: float | None = None) -> None:
         self.checkpoint()
+        self._alive()
+        if self._coordinator_down():
+            self._die(INVALID_STATE)
         if self._committed_unseen:
             self._committing = self._committed_unseen = False
             raise KafkaException(KafkaError(KafkaError._STATE, "Local: Erroneous state: the transaction committed"))
@@ -158,6 +205,21 @@ class TransactionalProducer:
 
     def __len__(self) -> int:
         return len(self._reports)
+
+    # -- failures ---------------------------------------------------------------------------------
+
+    def _coordinator_down(self) -> bool:
+        return self.world.now < self.broker.coordinator_down_until
+
+    def _alive(self) -> None:
+        """A producer done for fails every call fatally."""
+        if self.dead is not None:
+            raise KafkaException(self.dead)
+
+    def _die(self, error: KafkaError) -> None:
+        """The producer is done for; its open transaction stays open on the broker (until fenced or expired)."""
+        self.dead = error
+        raise KafkaException(error)
 
     # -- the broker's side ------------------------------------------------------------------------
 

@@ -1,0 +1,81 @@
+"""Queue processes through a restart of the only broker (`bin/services up --spare`, a broker of the tests' own):
+`outbox_consume` (both backends) and `outbox_redeliver` keep running, say what they wait for and when they
+resumed, and every message sent before and after the restart is handled; none is lost."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+
+import pytest
+
+from outbox.queue import api
+from tests.support.harness import Process, wait_until
+from tests.support.kafka_cluster import Cluster
+from tests.support.queue_harness import events, new_prefix, process_env, queue_settings, share_groups_missing
+
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
+
+MESSAGES = 1000
+#: How long the broker stays down: longer than the consumers' session timeout, so groups rebalance.
+DOWN_FOR = 12.0
+#: The consumers' session timeout (clients.GROUP_TIMEOUTS) plus 15 s: the bound on resuming after the broker's return.
+RESUME_BOUND = 10.0 + 15.0
+
+
+@pytest.fixture
+def broker(spare_broker: Cluster):
+    """The spare broker, running before and after."""
+    spare_broker.up()
+    yield spare_broker
+    spare_broker.up()
+
+
+def _handled(log_path) -> set[str]:
+    return {e.id for e in events(log_path) if e.event == "done"}
+
+
+@pytest.mark.parametrize("backend", ["markers", "share"])
+def test_a_broker_restart_ends_no_queue_process_and_loses_no_message(backend, broker, settings, database_url,
+                                                                     tmp_path):
+    if backend == "share" and (reason := share_groups_missing(broker.bootstrap_servers)) is not None:
+        pytest.skip(f"the spare broker has no share groups: {reason}")
+    prefix = new_prefix()
+    settings.OUTBOX = {**settings.OUTBOX, "base_kafka_config": broker.client_config(),
+                       "queues": queue_settings(prefix, backend=backend)}
+    log_path = tmp_path / "events.log"
+    env = {**process_env(database_url, broker.bootstrap_servers, prefix, log_path, mode="quick"),
+           "OUTBOX_QUEUE_BACKEND": backend}
+    args = ["--queue", "iota", "--handler", "tests.support.queue_handlers.record", "--workers", "2"]
+    processes = [Process("consumer", "outbox_consume", args, env, tmp_path)]
+    if backend == "markers":
+        processes.append(Process("tracker", "outbox_redeliver", [], env, tmp_path))
+    try:
+        before = set(api.send_many("iota", [{"n": n} for n in range(MESSAGES)]))
+        wait_until(lambda: len(_handled(log_path) & before) >= MESSAGES // 3, 90, "a third of the messages handled")
+        broker.stop(1)
+        time.sleep(DOWN_FOR)  # the outage itself: nothing to wait for but time
+        assert all(p.process.poll() is None for p in processes), "a process ended while the broker was down:\n" + \
+            "".join(p.log() for p in processes)
+        broker.up()
+        back_at = time.monotonic()
+        handled_at_return = len(_handled(log_path))
+        after = set(api.send_many("iota", [{"n": n} for n in range(MESSAGES)]))
+        wait_until(lambda: len(_handled(log_path)) > handled_at_return, RESUME_BOUND,
+                   "the first message handled after the broker's return")
+        resumed_after = time.monotonic() - back_at
+        wait_until(lambda: before | after <= _handled(log_path), 120, "every message handled")
+        alive = [p.name for p in processes if p.process.poll() is None]
+    finally:
+        for process in processes:
+            process.signal(signal.SIGTERM)
+        codes = [process.wait(60) for process in processes]
+    logs = "".join(f"--- {p.name}\n{p.log()}" for p in processes)
+    assert alive == [p.name for p in processes], logs
+    assert codes == [0] * len(processes), logs
+    assert "waiting for" in processes[0].log() and "resumed after" in processes[0].log(), logs
+    done = collections.Counter(e.id for e in events(log_path) if e.event == "done")
+    assert before | after <= set(done), "none lost"
+    print(f"\n{backend}: the first message handled {resumed_after:.1f} s after the broker's return; "
+          f"{sum(count > 1 for count in done.values())} of {len(done)} handled more than once")
