@@ -51,8 +51,11 @@ class Outage:
     end of a wait only; any thread may call either (librdkafka's error callbacks among them).
     """
 
-    def __init__(self, logger: logging.Logger, who: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self._log, self.who, self._clock = logger, who, clock
+    def __init__(self, logger: logging.Logger, who: str, clock: Callable[[], float] = time.monotonic, *,
+                 stall_after: float | None = None) -> None:
+        """`stall_after`: a wait longer than this is said once more, as a stall (nothing is handled meanwhile)."""
+        self._log, self.who, self._clock, self.stall_after = logger, who, clock, stall_after
+        self._stall_said = False
         #: When the wait began (the process's clock), None while not waiting.
         self.since: float | None = None
         #: What is waited for, and the reason the last attempt gave.
@@ -67,9 +70,13 @@ class Outage:
         with self._lock:
             self.reason = reason
             if self.since is not None:
-                return
-            self.since, self.what = self._clock(), what
-        self._log.warning("%s: waiting for %s (%s)", self.who, what, reason)
+                waiting = False
+            else:
+                waiting, self.since, self.what, self._stall_said = True, self._clock(), what, False
+        if waiting:
+            self._log.warning("%s: waiting for %s (%s)", self.who, what, reason)
+        else:
+            self.stalled()
 
     def resumed(self) -> None:
         """An attempt succeeded: the wait, if any, is over."""
@@ -77,6 +84,17 @@ class Outage:
             since, self.since = self.since, None
         if since is not None:
             self._log.info("%s: resumed after %.1f s waiting for %s", self.who, self._clock() - since, self.what)
+
+    def stalled(self) -> bool:
+        """Whether the wait has lasted past `stall_after`; said once per wait, the first time it is asked."""
+        waited = self.waited()
+        if self.stall_after is None or waited <= self.stall_after:
+            return False
+        if not self._stall_said:
+            self._stall_said = True
+            self._log.warning("%s: still waiting for %s after %.0f s (%s): nothing is handled meanwhile", self.who,
+                              self.what, waited, self.reason)
+        return True
 
     def client_error(self, error: KafkaError) -> None:
         """librdkafka's error_cb for the process's clients: every broker down is a wait (said once), and each
@@ -87,8 +105,8 @@ class Outage:
 
     def watch(self, config: dict[str, Any]) -> dict[str, Any]:
         """A client's settings with this outage's error callback (unless the application set its own). Only a
-        client polled all the time is watched (a group's consumer): the others' callbacks come when they are
-        polled, which may be long after."""
+        client polled all the time is watched (a group's consumer, a producer polled by a thread of its own): the
+        others' callbacks come when they are next polled, which may be long after the wait ended."""
         if config.get("error_cb") in (None, log_client_error):
             return {**config, "error_cb": self.client_error}
         return config
@@ -103,6 +121,7 @@ class Outage:
             ask(PROBE_INTERVAL)
         except KafkaException as error:
             self._log.debug("%s: Kafka does not answer yet: %s", self.who, kafka_reason(error))
+            self.stalled()
             return
         self.resumed()
 

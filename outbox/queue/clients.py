@@ -28,6 +28,9 @@ log = logging.getLogger("outbox.queue")
 #: A crashed consumer's or tracker's partitions wait this long for a new owner (librdkafka's default
 #: is 45 s; Kafka's group.min.session.timeout.ms, 6 s by default, is the floor).
 GROUP_TIMEOUTS = {"session.timeout.ms": 10_000, "heartbeat.interval.ms": 2_000}
+#: A queue process that has waited for Kafka longer than this (the group's session timeout and 15 s, the time
+#: a queue takes to resume after a broker comes back) is stalled: it says so, and outbox_queue_health fails.
+STALL_AFTER = GROUP_TIMEOUTS["session.timeout.ms"] / 1000 + 15.0
 #: librdkafka's own log lines go through Python logging instead of straight to stderr.
 client_log = logging.getLogger("outbox.queue.librdkafka")
 

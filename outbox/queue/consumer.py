@@ -168,7 +168,7 @@ class QueueConsumer:
         self._consumer: Any = None
         self._markers: Any = None
         #: What the consumer waits for while Kafka is away (said once; waiting_for() for status and health).
-        self._kafka = Outage(log, f"Consumer of queue {self.queue}", clock)
+        self._kafka = Outage(log, f"Consumer of queue {self.queue}", clock, stall_after=clients.STALL_AFTER)
         #: The Start markers' transactions; batches fit the topics' max.message.bytes (None: no limit known).
         self._batch_limit: int | None = None
         txn_id = clients.transactional_id(config.consumer_group(self.queue), self.name)
@@ -356,7 +356,9 @@ class QueueConsumer:
             self._instruments.abandoned(self.queue)
 
     def _new_marker_producer(self) -> Any:
-        return self._producer_factory(clients.marker_producer_config(self.config, self.name, self._batch_limit))
+        # Watched as the consumer is: the keep-alive thread polls it all the time, so its errors come when they happen.
+        return self._producer_factory(self._kafka.watch(clients.marker_producer_config(self.config, self.name,
+                                                                                       self._batch_limit)))
 
     def _send_marker(self, delivery: Delivery, marker: Marker) -> None:
         value, headers = markers.encode(marker)
@@ -427,6 +429,7 @@ class QueueConsumer:
     def fetch(self) -> Wait:
         """One round of the fetcher: read, start what is this queue's, or wait for room (or for Kafka)."""
         consumer = self._consumer
+        self._kafka.stalled()
         if (self._starts.lost or self._reposition) and not self._recover(consumer):
             return Wait(ERROR_BACKOFF)
         with self._lock:

@@ -82,8 +82,21 @@ class PrometheusQueueInstruments(QueueInstruments):
         self._dead_lettered.labels(queue).inc(count)
 
 
-def consumer_gauges(queue: str, name: str, in_progress: Callable[[], int]) -> Any:
-    """A collector of a consumer's messages in progress, read at scrape time."""
+def waiting_gauge(queue: str, name: str, waiting: Callable[[], tuple[str, float] | None]) -> Any:
+    """How long the process has waited for Kafka (0 while it is not waiting)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    gauge = GaugeMetricFamily("outbox_queue_waiting_seconds",
+                              "How long a queue process has been waiting for Kafka (0: not waiting); past the "
+                              "group's session timeout and 15 s it is stalled", labels=["queue", "name"])
+    found = waiting()
+    gauge.add_metric([queue, name], 0.0 if found is None else found[1])
+    return gauge
+
+
+def consumer_gauges(queue: str, name: str, in_progress: Callable[[], int],
+                    waiting: Callable[[], tuple[str, float] | None] = lambda: None) -> Any:
+    """A collector of a consumer's messages in progress and its wait for Kafka, read at scrape time."""
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import Collector
 
@@ -94,12 +107,15 @@ def consumer_gauges(queue: str, name: str, in_progress: Callable[[], int]) -> An
                                       labels=["queue", "name"])
             gauge.add_metric([queue, name], in_progress())
             yield gauge
+            yield waiting_gauge(queue, name, waiting)
 
     return ConsumerCollector()
 
 
-def tracker_gauges(snapshot: Callable[[], Any]) -> Any:
-    """A collector of a tracker's view: messages in progress and the oldest one's age, per queue."""
+def tracker_gauges(snapshot: Callable[[], Any], name: str = "",
+                   waiting: Callable[[], tuple[str, float] | None] = lambda: None) -> Any:
+    """A collector of a tracker's view: messages in progress and the oldest one's age, per queue; its wait for
+    Kafka (queue label empty)."""
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import Collector
 
@@ -118,6 +134,7 @@ def tracker_gauges(snapshot: Callable[[], Any]) -> Any:
                     oldest.add_metric([queue], max(0.0, now - stats.oldest_started))
             yield tracked
             yield oldest
+            yield waiting_gauge("", name, waiting)
 
     return TrackerCollector()
 

@@ -102,7 +102,7 @@ class ShareQueueConsumer:
         self._consumer: Any = None
         self._poller: threading.Thread | None = None
         #: What the consumer waits for while Kafka is away (said once; waiting_for() for status and health).
-        self._kafka = Outage(log, f"Consumer of share queue {self.queue}", clock)
+        self._kafka = Outage(log, f"Consumer of share queue {self.queue}", clock, stall_after=clients.STALL_AFTER)
         #: Acknowledgements Kafka refused since that was last said (they come back as redeliveries), and when.
         self._refused = 0
         self._refusals_said = 0.0
@@ -261,6 +261,7 @@ class ShareQueueConsumer:
 
     def round(self) -> None:
         """Send what is due; then poll the next batch if the last one is settled, else wait for a verdict."""
+        self._kafka.stalled()
         with self._lock:
             due = self._state.take_due(self._clock())
         if due:

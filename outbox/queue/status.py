@@ -125,7 +125,8 @@ def tracker_status(tracker: RedeliveryTracker) -> tuple[int, dict[str, Any]]:
                for queue in sorted(set(view.starts) | set(view.ends))}
     return sum(s.in_progress for s in view.queues.values()), {
         "partitions": view.partitions, "replaying": view.replaying, "queues": queues, "markers": markers,
-        "redelivered": view.redelivered, "dead_lettered": view.dead_lettered}
+        "redelivered": view.redelivered, "dead_lettered": view.dead_lettered,
+        "waiting": waiting_status(tracker.waiting_for())}
 
 
 def consumer_status(consumer: QueueConsumer, runner: HandlerRunner | None = None,
@@ -137,5 +138,11 @@ def consumer_status(consumer: QueueConsumer, runner: HandlerRunner | None = None
         "received": consumer.received, "acked": consumer.acked, "retried": consumer.retried,
         "abandoned": consumer.abandoned, "skipped": runner.skipped if runner else 0,
         "limits": dataclasses.asdict(consumer.limits),
-        "oldest_in_progress_seconds": None if oldest is None else round(time.monotonic() - oldest, 3)}
+        "oldest_in_progress_seconds": None if oldest is None else round(time.monotonic() - oldest, 3),
+        "waiting": waiting_status(consumer.waiting_for())}
+
+
+def waiting_status(waiting: tuple[str, float] | None) -> dict[str, Any] | None:
+    """What a process waits for while Kafka is away, for its row (outbox_queue_health reads it)."""
+    return None if waiting is None else {"for": waiting[0], "seconds": round(waiting[1], 1)}
 

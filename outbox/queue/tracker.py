@@ -128,7 +128,7 @@ class RedeliveryTracker:
         self._committed: dict[int, int] = {}
         self._consumer: Any = None
         #: What the tracker waits for while Kafka is away (said once; waiting_for() for status and health).
-        self._kafka = Outage(log, f"Tracker {self.name}", clock)
+        self._kafka = Outage(log, f"Tracker {self.name}", clock, stall_after=clients.STALL_AFTER)
         #: The redeliveries' transactions; batches fit the topics' max.message.bytes (None: no limit known).
         self._batch_limit: int | None = None
         txn_id = clients.transactional_id(config.tracker_group, self.name)
@@ -224,6 +224,7 @@ class RedeliveryTracker:
         """One round: read markers, redeliver or dead-letter what is due, commit now and then."""
         # poll() wakes at the first record (or the interval, to check deadlines); consume(timeout=0)
         # adds whatever else is already fetched.
+        self._kafka.stalled()
         first = self._consumer.poll(self.config.poll_interval)
         records = [] if first is None else [first, *self._consumer.consume(self.fetch_batch - 1, timeout=0)]
         now = self._clock()

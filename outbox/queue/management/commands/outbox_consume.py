@@ -97,7 +97,8 @@ class Command(BaseCommand):
                                        snapshot=lambda: consumer_status(consumer, runner, options["handler"]))
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
-                              lambda: metrics.consumer_gauges(queue, name, lambda: consumer.in_progress))
+                              lambda: metrics.consumer_gauges(queue, name, lambda: consumer.in_progress,
+                                                              consumer.waiting_for))
             runner.start()
             reporter.start()
             with on_stop_signals(runner.stop):

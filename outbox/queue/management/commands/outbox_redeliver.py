@@ -64,7 +64,7 @@ class Command(BaseCommand):
         reporter.start()
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
-                              lambda: metrics.tracker_gauges(lambda: tracker.snapshot))
+                              lambda: metrics.tracker_gauges(lambda: tracker.snapshot, name, tracker.waiting_for))
             with on_stop_signals(tracker.stop):
                 while not tracker.wait(timeout=0.5):
                     pass
