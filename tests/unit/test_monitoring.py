@@ -72,7 +72,7 @@ def alert_rules() -> list[dict]:
 def test_the_alert_rules_query_only_exported_metrics():
     exported = exported_names() | PROMETHEUS_OWN
     rules = alert_rules()
-    assert len(rules) == 13
+    assert len(rules) == 14
     for rule in rules:
         assert queried_names(rule["expr"]) <= exported, rule["alert"]
         assert queried_names(rule["expr"]) - PROMETHEUS_OWN, f"{rule['alert']} queries no outbox metric"
