@@ -1,6 +1,7 @@
-"""Queue processes through a restart of the only broker (`bin/services up --spare`, a broker of the tests' own):
-`outbox_consume` (both backends) and `outbox_redeliver` keep running, say what they wait for and when they
-resumed, and every message sent before and after the restart is handled; none is lost."""
+"""Queue processes through a restart of the only broker (`bin/services up --spare`, a broker of the tests' own)
+and through a database outage: `outbox_consume` (both backends, and with `--inbox`) and `outbox_redeliver` keep
+running, say what they wait for and when they resumed, and every message is handled; none is lost, and an
+inbox consumer's effects are written once."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from tests.support.commands import manage
 from tests.support.harness import Process, wait_until
 from tests.support.kafka_cluster import Cluster
 from tests.support.metrics import scrape
-from tests.support.queue_harness import events, new_prefix, process_env, queue_settings, share_groups_missing
+from tests.support.proxy import proxied_url
+from tests.support.queue_harness import (
+    consumer_args,
+    events,
+    new_prefix,
+    process_env,
+    queue_settings,
+    share_groups_missing,
+)
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
@@ -93,3 +102,42 @@ def test_a_broker_restart_ends_no_queue_process_and_loses_no_message(backend, br
     assert before | after <= set(done), "none lost"
     print(f"\n{backend}: the first message handled {resumed_after:.1f} s after the broker's return; "
           f"{sum(count > 1 for count in done.values())} of {len(done)} handled more than once")
+
+
+def test_a_database_outage_under_an_inbox_consumer_keeps_its_effects_exactly_once(broker, settings, database_url,
+                                                                                  tmp_path):
+    """The consumer's handler writes an order per message in the inbox's transaction; Postgres goes away (every
+    connection dropped, new ones refused) and comes back: the consumer keeps running, every message's order is
+    written once, however often its handler ran."""
+    from project.shop.models import Order
+
+    prefix = new_prefix()
+    settings.OUTBOX = {**settings.OUTBOX, "base_kafka_config": broker.client_config(),
+                       "queues": queue_settings(prefix)}
+    proxy, proxied = proxied_url(database_url)
+    log_path = tmp_path / "events.log"
+    env = process_env(proxied, broker.bootstrap_servers, prefix, log_path)
+    processes = [Process("consumer", "outbox_consume", consumer_args("kappa", "--inbox", "--workers", "2",
+                                                                     handler="tests.support.queue_handlers.order"),
+                         env, tmp_path),
+                 Process("tracker", "outbox_redeliver", [], env, tmp_path)]
+    try:
+        ids = set(api.send_many("kappa", [{"n": n} for n in range(300)]))
+        wait_until(lambda: len(_handled(log_path)) >= 50, 90, "50 messages handled")
+        proxy.cut()
+        time.sleep(5)  # the outage itself
+        proxy.restore()
+        wait_until(lambda: Order.objects.filter(item__in=[i[:100] for i in ids]).count() >= len(ids), 120,
+                   "an order for every message")
+        alive = [p.name for p in processes if p.process.poll() is None]
+    finally:
+        for process in processes:
+            process.signal(signal.SIGTERM)
+        codes = [process.wait(60) for process in processes]
+        proxy.close()
+    logs = "".join(f"--- {p.name}\n{p.log()}" for p in processes)
+    assert alive == ["consumer", "tracker"] and codes == [0, 0], logs
+    orders = collections.Counter(Order.objects.filter(item__in=[i[:100] for i in ids]).values_list("item", flat=True))
+    assert len(orders) == len(ids) and set(orders.values()) == {1}, "each message's effects once"
+    runs = collections.Counter(e.id for e in events(log_path) if e.event == "done")
+    print(f"\n{len(ids)} messages: {sum(runs.values())} handler runs committed, every order written once")

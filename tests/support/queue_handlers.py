@@ -44,3 +44,9 @@ def order_then_crash(message: Message) -> None:
     _log("ran", message)
     if message.deliveries == 1:
         transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def order(message: Message) -> None:
+    """Creates an order named by the message (with --inbox: in the inbox's transaction, so exactly once)."""
+    Order.objects.create(item=message.id[:100])
+    _log("done", message)
