@@ -175,7 +175,7 @@ class QueueConsumer:
         self._starts = TransactionalWriter(
             lambda: self._producer_factory(clients.start_producer_config(config, self.name, txn_id,
                                                                          self._batch_limit)),
-            self._kafka, caller=caller)
+            self._kafka, caller=caller, transactional_id=txn_id)
         #: After a lost producer: read on from the group's committed offsets, once they can be read.
         self._reposition = False
         self._fetcher: threading.Thread | None = None
@@ -191,9 +191,9 @@ class QueueConsumer:
                                         daemon=True)
         self._fetcher.start()
         self._keeper.start()
-        log.info("Consuming queue %s as %s (group %s, max %d in progress, redelivery after %gs)", self.queue,
-                 self.name, self.config.consumer_group(self.queue), self.limits.max_in_progress,
-                 self.limits.redelivery_timeout)
+        log.info("Consuming queue %s as %s (group %s, transactional id %s, max %d in progress, redelivery after %gs)",
+                 self.queue, self.name, self.config.consumer_group(self.queue), self._starts.transactional_id,
+                 self.limits.max_in_progress, self.limits.redelivery_timeout)
         return self
 
     def open(self) -> None:

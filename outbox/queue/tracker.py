@@ -135,7 +135,7 @@ class RedeliveryTracker:
         self._redeliveries = TransactionalWriter(
             lambda: self._producer_factory(clients.redelivery_producer_config(config, self.name, txn_id,
                                                                               self._batch_limit)),
-            self._kafka, caller=caller)
+            self._kafka, caller=caller, transactional_id=txn_id)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -154,8 +154,8 @@ class RedeliveryTracker:
         self.open()
         self._thread = threading.Thread(target=self._run, name="queue-tracker", daemon=True)
         self._thread.start()
-        log.info("Tracking redeliveries as %s (markers topic %s, group %s)", self.name, self.config.markers_topic,
-                 self.config.tracker_group)
+        log.info("Tracking redeliveries as %s (markers topic %s, group %s, transactional id %s)", self.name,
+                 self.config.markers_topic, self.config.tracker_group, self._redeliveries.transactional_id)
 
     def open(self) -> None:
         """Create the clients and join the group, starting no thread (start() and the simulator)."""

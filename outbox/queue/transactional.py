@@ -76,8 +76,10 @@ class TransactionalWriter:
     """One transactional id's producer: transactions in, a new producer after one is lost."""
 
     def __init__(self, build: Callable[[], Any], outage: Outage, *, timeout: float = KAFKA_START_TIMEOUT,
-                 caller: Caller = call_with_deadline) -> None:
+                 caller: Caller = call_with_deadline, transactional_id: str = "") -> None:
+        """`build()`: a new producer, configured with `transactional_id` (said in the process's start line)."""
         self._build, self._outage, self._timeout, self._call = build, outage, timeout, caller
+        self.transactional_id = transactional_id
         self.producer: Any = None
         self._ready = False
         #: Producers lost to a fatal error (or a stuck call) and replaced since the start.

@@ -6,6 +6,7 @@ inbox consumer's effects are written once."""
 from __future__ import annotations
 
 import collections
+import re
 import signal
 import time
 
@@ -141,3 +142,55 @@ def test_a_database_outage_under_an_inbox_consumer_keeps_its_effects_exactly_onc
     assert len(orders) == len(ids) and set(orders.values()) == {1}, "each message's effects once"
     runs = collections.Counter(e.id for e in events(log_path) if e.event == "done")
     print(f"\n{len(ids)} messages: {sum(runs.values())} handler runs committed, every order written once")
+
+
+def transaction_coordinator(cluster: Cluster, transactional_id: str) -> int:
+    """The node coordinating a transactional id: the leader of its __transaction_state partition (Kafka hashes the
+    id as Java's String.hashCode onto transaction.state.log.num.partitions, 50 by default)."""
+    code = 0
+    for char in transactional_id.encode("utf-16-be").decode("utf-16-be"):
+        code = (31 * code + ord(char)) & 0xFFFFFFFF
+    signed = code - (1 << 32) if code >= 1 << 31 else code
+    partition = (0 if signed == -(1 << 31) else abs(signed)) % 50
+    return wait_until(lambda: cluster.leaders("__transaction_state").get(partition, -1) > 0 and
+                      cluster.leaders("__transaction_state")[partition], 30, "the transaction coordinator")
+
+
+@pytest.fixture
+def cluster(kafka_cluster: Cluster):
+    kafka_cluster.heal()
+    yield kafka_cluster
+    kafka_cluster.heal()
+
+
+@pytest.mark.slow
+def test_the_consumers_transaction_coordinator_killed_on_three_brokers(cluster, settings, database_url, tmp_path):
+    """SIGKILL the node coordinating the consumer's transactions (the Start markers and its offsets), mid-load on
+    the three-node cluster: the consumer and the tracker keep running and every message is handled."""
+    prefix = new_prefix()
+    settings.OUTBOX = {**settings.OUTBOX, "base_kafka_config": cluster.client_config(),
+                       "queues": queue_settings(prefix)}
+    log_path = tmp_path / "events.log"
+    env = {**process_env(database_url, cluster.bootstrap_servers, prefix, log_path), **cluster.environment()}
+    consumer = Process("consumer", "outbox_consume", ["--queue", "lambda", "--handler",
+                                                      "tests.support.queue_handlers.record", "--workers", "2"],
+                       env, tmp_path)
+    processes = [consumer, Process("tracker", "outbox_redeliver", [], env, tmp_path)]
+    try:
+        ids = set(api.send_many("lambda", [{"n": n} for n in range(1000)]))
+        wait_until(lambda: len(_handled(log_path)) >= 200, 120, "200 messages handled")
+        found = re.search(r"transactional id (\S+),", consumer.log())
+        assert found, consumer.log()
+        victim = transaction_coordinator(cluster, found[1])
+        cluster.kill(victim)
+        handled_at_kill = len(_handled(log_path))
+        wait_until(lambda: ids <= _handled(log_path), 180, f"every message handled with node {victim} dead")
+        alive = [p.name for p in processes if p.process.poll() is None]
+    finally:
+        for process in processes:
+            process.signal(signal.SIGTERM)
+        codes = [process.wait(60) for process in processes]
+    logs = "".join(f"--- {p.name}\n{p.log()}" for p in processes)
+    assert alive == ["consumer", "tracker"] and codes == [0, 0], logs
+    print(f"\nnode {victim} (the consumer's transaction coordinator) killed after {handled_at_kill} of {len(ids)} "
+          f"messages; all handled, {len(events(log_path))} handler events")

@@ -127,7 +127,8 @@ class EndsOnAFatalError(TransactionalWriter):
 
 
 def _ending_on_fatal_errors(writer: TransactionalWriter) -> TransactionalWriter:
-    return EndsOnAFatalError(writer._build, writer._outage, timeout=writer._timeout, caller=writer._call)
+    return EndsOnAFatalError(writer._build, writer._outage, timeout=writer._timeout, caller=writer._call,
+                             transactional_id=writer.transactional_id)
 
 
 class ConsumerEndsOnAFatalProducerError(QueueConsumer):

@@ -450,3 +450,40 @@ def test_batch_and_follow_reports_have_one_shape_and_agree(spark, bootstrap_serv
     figures = ("messages", "distinct_ids", "duplicates", "reversals", "missing", "without_headers", "examples")
     assert {k: batch[k] for k in figures} == {k: follow[k] for k in figures}
     assert (code_batch, code_follow, batch["reversals"], batch["duplicates"]) == (1, 1, 1, 1)
+
+
+@pytest.mark.serial
+def test_follow_rides_through_a_restart_of_the_only_broker(spark, spare_broker, tmp_path):
+    """`--follow` against a broker that is stopped for a while and started again: the run goes on, and counts
+    what was produced before and after the restart once each."""
+    spare_broker.up()
+    bootstrap = spare_broker.bootstrap_servers
+    topic = spare_broker.create_topic("audit-restart", partitions=2)
+    produce(bootstrap, topic, in_order(0, "k", 1, 2, 3) + in_order(1, "j", 10, 11))
+    outcome: dict[str, object] = {}
+
+    def follow() -> None:
+        outcome["result"] = audit(spark, bootstrap, tmp_path, "--topics", topic, "--follow", "--idle-timeout", "40",
+                                  "--trigger-interval", "1 second")
+
+    runner = threading.Thread(target=follow, daemon=True)
+    runner.start()
+    try:
+        wait_until_file = tmp_path / "checkpoint" / "spark" / "commits" / "0"
+        deadline = time.monotonic() + 180
+        while not wait_until_file.exists():
+            assert time.monotonic() < deadline and runner.is_alive(), outcome
+            time.sleep(0.2)
+        spare_broker.stop(1)
+        time.sleep(16)  # the outage itself
+        assert runner.is_alive(), f"the follow run ended while the broker was down: {outcome}"
+        spare_broker.up()
+        produce(bootstrap, topic, in_order(0, "k", 4) + in_order(1, "j", 12, 13))
+    finally:
+        spare_broker.up()
+        runner.join(timeout=300)
+    assert not runner.is_alive(), "the run stops on its idle timeout"
+    code, report, _, stderr = outcome["result"]
+    assert code == 0, stderr
+    assert (report["messages"], report["distinct_ids"], report["duplicates"], report["missing"]) == (8, 8, 0, 0), \
+        stderr
