@@ -20,7 +20,7 @@ from tests.support.harness import (
 )
 from tests.support.kafka_cluster import Cluster
 
-pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 #: How long the broker stays down: past the harvester's heartbeat timeout and the producer's delivery timeout.
 DOWN_FOR = 16.0

@@ -9,8 +9,8 @@ import pytest
 
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
+from project.bench.proxy import proxied_url
 from tests.support.harness import Generator, assert_complete_and_ordered, outbox_count, read_topic, wait_until
-from tests.support.proxy import proxied_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -13,11 +13,11 @@ import time
 import pytest
 
 from outbox.queue import api
+from project.bench.proxy import proxied_url
 from tests.support.commands import manage
 from tests.support.harness import Process, wait_until
 from tests.support.kafka_cluster import Cluster
 from tests.support.metrics import scrape
-from tests.support.proxy import proxied_url
 from tests.support.queue_harness import (
     consumer_args,
     events,
@@ -28,7 +28,7 @@ from tests.support.queue_harness import (
 )
 from tests.support.services import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 MESSAGES = 1000
 #: How long the broker stays down: longer than the consumers' session timeout, so groups rebalance, and than a
@@ -105,19 +105,18 @@ def test_a_broker_restart_ends_no_queue_process_and_loses_no_message(backend, br
           f"{sum(count > 1 for count in done.values())} of {len(done)} handled more than once")
 
 
-def test_a_database_outage_under_an_inbox_consumer_keeps_its_effects_exactly_once(broker, settings, database_url,
-                                                                                  tmp_path):
+def test_a_database_outage_under_an_inbox_consumer_keeps_its_effects_exactly_once(bootstrap_servers, settings,
+                                                                                  database_url, tmp_path):
     """The consumer's handler writes an order per message in the inbox's transaction; Postgres goes away (every
     connection dropped, new ones refused) and comes back: the consumer keeps running, every message's order is
     written once, however often its handler ran."""
     from project.shop.models import Order
 
     prefix = new_prefix()
-    settings.OUTBOX = {**settings.OUTBOX, "base_kafka_config": broker.client_config(),
-                       "queues": queue_settings(prefix)}
+    settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(prefix)}
     proxy, proxied = proxied_url(database_url)
     log_path = tmp_path / "events.log"
-    env = process_env(proxied, broker.bootstrap_servers, prefix, log_path)
+    env = process_env(proxied, bootstrap_servers, prefix, log_path)
     processes = [Process("consumer", "outbox_consume", consumer_args("kappa", "--inbox", "--workers", "2",
                                                                      handler="tests.support.queue_handlers.order"),
                          env, tmp_path),

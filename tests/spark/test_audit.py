@@ -452,7 +452,6 @@ def test_batch_and_follow_reports_have_one_shape_and_agree(spark, bootstrap_serv
     assert (code_batch, code_follow, batch["reversals"], batch["duplicates"]) == (1, 1, 1, 1)
 
 
-@pytest.mark.serial
 def test_follow_rides_through_a_restart_of_the_only_broker(spark, spare_broker, tmp_path):
     """`--follow` against a broker that is stopped for a while and started again: the run goes on, and counts
     what was produced before and after the restart once each."""
