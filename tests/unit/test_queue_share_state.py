@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 import pytest
-from confluent_kafka import AcknowledgeType, IllegalStateException
+from confluent_kafka import AcknowledgeType, IllegalStateException, KafkaError, KafkaException
 
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.consumer_state import Delivery
@@ -252,3 +253,41 @@ def test_a_batch_polled_while_closing_is_handed_back_at_once():
     consumer.round()
     consumer.round()
     assert fake.acks == [(1, AcknowledgeType.RELEASE), (2, AcknowledgeType.RELEASE)] and consumer.in_progress == 0
+
+
+class FailingPolls(FakeShareConsumer):
+    """A client whose next polls raise the errors it is given, then hands out its batches."""
+
+    def __init__(self, batches: list[list[Any]], failures: list[KafkaError]) -> None:
+        super().__init__(batches)
+        self.failures = failures
+
+    def poll(self, timeout: float) -> list[Any]:
+        if self.failures:
+            raise KafkaException(self.failures.pop(0))
+        return super().poll(timeout)
+
+
+def test_a_poll_that_fails_is_waited_through_and_a_client_failed_for_good_is_replaced():
+    """A broker restart ends no share consumer: a poll's transient error is a wait; a fatal one replaces the client
+    (the buffered records were the old one's: Kafka hands them out again when their locks end)."""
+    transport = KafkaError(KafkaError._TRANSPORT, "Broker transport failure")
+    fatal = KafkaError(KafkaError._FATAL, "the client failed for good", fatal=True)
+    old = FailingPolls([[FakeRecord(1, 1), FakeRecord(2, 1)]], [])
+    new = FailingPolls([[FakeRecord(1, 2)]], [])
+    built = iter([new])
+    consumer = ShareQueueConsumer(QueueConfig(limits=LIMITS), "q", dead_letters=lambda letters: None,
+                                  consumer_factory=lambda config: next(built))
+    consumer._consumer = old  # as open() leaves it, without Kafka
+    consumer.round()
+    assert consumer.receive(timeout=0) is not None, "the first record is handed out"
+    old.failures = [transport]
+    consumer._poll()
+    assert consumer.waiting_for() is not None and consumer._consumer is old, "a transient error is waited through"
+    old.failures = [fatal]
+    consumer._poll()
+    assert consumer._consumer is new and old.closed, "a client failed for good is replaced"
+    assert consumer._state.buffered == deque() and list(consumer._state.held) == [(0, 1)], \
+        "the old client's buffered record is dropped; the received one is still the application's"
+    with pytest.raises(KafkaException, match="not allowed"):
+        consumer._failed(KafkaException(KafkaError(KafkaError.GROUP_AUTHORIZATION_FAILED, "not allowed")))
