@@ -12,11 +12,11 @@ the status writer of each status table (status_board.py: every engine's row in o
 idle outbox costs no session of its own for either and, with the safety-net poll made rarer
 (`idle_poll_interval`, outbox/many.py), next to no queries.
 
-The supervisor (one thread) asks `discover` for the outboxes at start and every `rescan_interval`:
-an outbox that appears gets an engine (a tenant schema created while running is picked up), one
-that disappears has its engine stopped (it settles first). An engine that fails is logged and
-started again after a backoff that doubles up to MAX_BACKOFF: one broken outbox never stops the
-others, and the process stops only when asked to.
+The manager thread asks `discover` for the outboxes at start and every `rescan_interval`, and
+reconciles them with its engines (supervisor.py): an outbox that appears gets an engine (a tenant
+schema created while running is picked up), one that disappears or changes has its engine stopped
+(it settles first). An engine that fails is logged and started again after a backoff that doubles:
+one broken outbox never stops the others, and the process stops only when asked to.
 """
 
 from __future__ import annotations
@@ -38,17 +38,14 @@ from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.status import StatusSnapshot
 from outbox.harvest.status_board import BoardReporter, StatusBoards
 from outbox.harvest.store import PostgresStore
+from outbox.harvest.supervisor import Supervisor
 from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.outboxes")
 
-#: How often the supervisor looks at its engines.
+#: How often the manager looks at its engines.
 MANAGE_INTERVAL = 0.1
-#: An engine that failed is started again after RESTART_BACKOFF, doubling at each failure in a row up to
-#: MAX_BACKOFF; one that ran for MAX_BACKOFF before failing starts the count again.
-RESTART_BACKOFF = 2.0
-MAX_BACKOFF = 60.0
 #: How often the outboxes are discovered again (new tenant schemas, dropped ones), by default.
 RESCAN_INTERVAL = 30.0
 
@@ -112,18 +109,6 @@ class ManyConnector(LiveConnector):
         return BoardReporter(board, config, snapshot, on_backlog) if board is not None else None
 
 
-class _Slot:
-    """One outbox's engine, if it has one, and when to start it again after a failure."""
-
-    def __init__(self) -> None:
-        self.engine: Engine | None = None
-        self.started_at = 0.0
-        self.failures = 0
-        self.retry_at = 0.0
-        #: Every failure to start or run since the process started (failures is reset after a good run).
-        self.failed_total = 0
-
-
 class ManyHarvester(Lifecycle):
     """Harvests every outbox `discover` names, an engine each, in this process (module docstring)."""
 
@@ -145,7 +130,8 @@ class ManyHarvester(Lifecycle):
         self.boards = StatusBoards(name=name)
         self._factory = engine_factory or self._live_engine
         self._lock = threading.Lock()
-        self._slots: dict[str, _Slot] = {}
+        self._supervisor: Supervisor[str, Engine] = Supervisor(self._start_engine,
+                                                               describe=lambda label: f"Outbox {label}'s engine")
         self._wanted: dict[str, HarvestConfig] = {}
         self._next_scan = 0.0
         self._scan_failing = False
@@ -166,16 +152,13 @@ class ManyHarvester(Lifecycle):
     @property
     def engines(self) -> dict[str, Engine]:
         """The engines running (or stopping) now, by outbox label."""
-        with self._lock:
-            return {label: slot.engine for label, slot in self._slots.items() if slot.engine is not None}
+        return self._supervisor.engines()
 
     @property
     def engine_health(self) -> dict[str, tuple[bool, int]]:
         """Every outbox wanted or still stopping, by label: whether its engine runs now, and how often it failed
         (an outbox whose engine fails in a loop has no engine most of the time: the metrics say so)."""
-        with self._lock:
-            return {label: (slot.engine is not None and slot.engine.state is State.RUNNING, slot.failed_total)
-                    for label, slot in self._slots.items()}
+        return self._supervisor.health()
 
     @property
     def leading(self) -> list[str]:
@@ -234,14 +217,7 @@ class ManyHarvester(Lifecycle):
             log.error("Harvester stopping after a failure: %s", first_line(error), exc_info=error)
         finally:
             self._state = State.STOPPING
-            engines = list(self.engines.items())
-            for _label, engine in engines:
-                engine.stop()
-            for label, engine in engines:
-                try:
-                    engine.wait()
-                except HarvestError as error:
-                    log.warning("Outbox %s: %s", label, error)
+            self._supervisor.stop_all()
             self.hubs.close()
             self.boards.close()
             self._state = State.STOPPED
@@ -276,64 +252,19 @@ class ManyHarvester(Lifecycle):
             log.info("Outbox %s gone: its engine stops", label)
 
     def _reconcile(self, now: float) -> None:
+        """One step (supervisor.py): an engine for each outbox found; one whose outbox is gone or changed stops,
+        and a fresh one starts once it settled."""
         with self._lock:
             wanted = dict(self._wanted)
-        for label, slot in list(self._slots.items()):
-            engine = slot.engine
-            if engine is not None and engine.state is State.STOPPED:
-                self._reap(label, slot, engine, now)
-            elif engine is not None and engine.state is State.RUNNING and (
-                    label not in wanted or wanted[label] != engine.config):
-                engine.stop()  # gone, or changed: a fresh engine starts once this one settled
-            if slot.engine is None and label not in wanted:
-                with self._lock:
-                    del self._slots[label]
-        for label, config in sorted(wanted.items()):
-            if self._stopping.is_set():
-                return  # starting fifty engines takes a while: a stop need not wait for the rest
-            slot = self._slots.get(label)
-            if slot is None:
-                slot = _Slot()
-                with self._lock:
-                    self._slots[label] = slot
-            if slot.engine is None and now >= slot.retry_at:
-                self._start(label, config, slot, now)
+        self._supervisor.reconcile(wanted, now, lambda label, engine: wanted.get(label) != engine.config,
+                                   stopping=self._stopping.is_set)
 
-    def _reap(self, label: str, slot: _Slot, engine: Engine, now: float) -> None:
-        """An engine stopped: forget it; if it failed, wait before starting the outbox's engine again."""
-        try:
-            engine.wait(0)
-            failure = None
-        except HarvestError as error:
-            failure = error
+    def _start_engine(self, label: str) -> Engine:
         with self._lock:
-            slot.engine = None
-        if failure is not None:
-            if now - slot.started_at >= MAX_BACKOFF:
-                slot.failures = 0  # it ran a good while: a new failure, not one of a loop
-            self._failed(label, slot, now, f"failed: {failure}")
-
-    def _start(self, label: str, config: HarvestConfig, slot: _Slot, now: float) -> None:
-        try:
-            engine = self._factory(label, config)
-            engine.start()
-        except HarvestError as error:
-            self._failed(label, slot, now, f"cannot start: {error}")
-            return
-        except Exception as error:  # one outbox's surprise must not stop the others: said in full, tried again
-            log.exception("Outbox %s's engine cannot start", label)
-            self._failed(label, slot, now, f"cannot start: {first_line(error)}")
-            return
-        with self._lock:
-            slot.engine = engine
-        slot.started_at = now
-
-    def _failed(self, label: str, slot: _Slot, now: float, why: str) -> None:
-        backoff = min(MAX_BACKOFF, RESTART_BACKOFF * 2 ** slot.failures)
-        slot.failures += 1
-        slot.failed_total += 1
-        slot.retry_at = now + backoff
-        log.error("Outbox %s's engine %s (started again in %gs)", label, why, backoff)
+            config = self._wanted[label]
+        engine = self._factory(label, config)
+        engine.start()
+        return engine
 
     def _live_engine(self, label: str, config: HarvestConfig) -> Engine:
         """A Harvester whose LISTEN goes through the hub and whose status row is on the board (or a

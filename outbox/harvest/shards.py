@@ -20,7 +20,8 @@ Hand-off. The group consumer cannot wait in a revoke callback for one shard to s
 stop every other shard's heartbeats. Kafka therefore hands a revoked partition on at once, and the
 database fence orders the hand-off (leadership.py): the old engine lets its shard's fence go only once
 nothing it sent is in flight, and the new one waits for it. The manager thread (`ShardedHarvester`)
-starts an engine when a shard is assigned, and stops it once its shard was revoked and it settled.
+reconciles the shards assigned with its engines (supervisor.py, with `retires` below): an engine is
+started when a shard is assigned, and stopped once its shard was revoked and it settled.
 """
 
 from __future__ import annotations
@@ -66,15 +67,14 @@ from outbox.harvest.store import (
     table_identifier,
     table_name,
 )
+from outbox.harvest.supervisor import Supervisor
 from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.shards")
 
-#: How often the manager looks at what the group assigned, and how long it waits before it starts again
-#: an engine that failed.
+#: How often the manager looks at what the group assigned.
 MANAGE_INTERVAL = 0.05
-RESTART_BACKOFF = 2.0
 
 
 def _session(dsn: str) -> psycopg.Connection:
@@ -329,6 +329,15 @@ class ShardGroup(threading.Thread):
             self._producer.flush(1.0)
 
 
+def retires(shard: int, owned: set[int], election: ShardElection | None) -> bool:
+    """Whether a running shard's engine must stop (supervisor.py settles it first): its revoke or loss was taken in
+    (the shard moved, or was revoked and assigned again: a fresh engine takes the new assignment), or its shard is
+    no longer this replica's and it never took the assignment in. The simulator's sharded replicas use it too."""
+    if election is None:
+        return shard not in owned
+    return election.gone or (shard not in owned and not election.was_assigned)
+
+
 class ShardConnector(LiveConnector):
     """The live connector of one shard's engine: its leader election is the replica's group (ShardGroup)."""
 
@@ -360,9 +369,9 @@ class ShardedHarvester(Lifecycle):
         self._instruments = instruments
         self._tracer = tracer
         self._consumer_factory, self._producer_factory = consumer_factory, producer_factory
-        self._lock = threading.Lock()
-        self._engines: dict[int, tuple[Harvester, ShardConnector]] = {}
-        self._retry_at: dict[int, float] = {}
+        self._supervisor: Supervisor[int, Harvester] = Supervisor(self._start_engine,
+                                                                   describe=lambda shard: f"Shard {shard}'s engine")
+        self._connectors: dict[int, ShardConnector] = {}
         self._group: ShardGroup | None = None
         self._manager: threading.Thread | None = None
         self._status: StatusReporter | None = None
@@ -377,8 +386,7 @@ class ShardedHarvester(Lifecycle):
     @property
     def engines(self) -> dict[int, Harvester]:
         """This replica's engines by shard (running, or settling a shard that moved)."""
-        with self._lock:
-            return {shard: engine for shard, (engine, _) in self._engines.items()}
+        return self._supervisor.engines()
 
     @property
     def leading_shards(self) -> list[int]:
@@ -451,20 +459,14 @@ class ShardedHarvester(Lifecycle):
             while not self._stopping.is_set():
                 if group.failure is not None:
                     raise group.failure
-                self._reconcile(group.owned())
+                self._reconcile(group.owned(), time.monotonic())
                 self._stopping.wait(MANAGE_INTERVAL)
         except BaseException as error:
             self._failure = error
             log.error("Sharded harvester stopping after a failure: %s", first_line(error))
         finally:
             self._state = State.STOPPING
-            for engine in self.engines.values():
-                engine.stop()
-            for engine in self.engines.values():
-                try:
-                    engine.wait()
-                except HarvestError as error:
-                    log.warning("Shard engine %s: %s", engine.config.name, error)
+            self._supervisor.stop_all()
             group.stop()
             group.join(timeout=10)
             if self._status is not None:
@@ -474,43 +476,21 @@ class ShardedHarvester(Lifecycle):
             log.info("Stopped")
             self._stopped.set()
 
-    def _reconcile(self, owned: set[int]) -> None:
-        """Stop the engines of shards that moved (once they took the revoke in), forget stopped ones, start
-        engines for shards assigned and without one."""
-        for shard, (engine, connector) in list(self._engines.items()):
-            election = connector.election
-            if engine.state is State.STOPPED:
-                try:
-                    engine.wait(0)
-                except HarvestError as error:
-                    log.error("Shard %d's engine failed (started again in %gs if still assigned): %s", shard,
-                              RESTART_BACKOFF, error)
-                    self._retry_at[shard] = time.monotonic() + RESTART_BACKOFF
-                with self._lock:
-                    del self._engines[shard]
-            elif engine.state is State.RUNNING and shard not in owned and (
-                    election is None or election.gone or not election.was_assigned):
-                engine.stop()
-            elif engine.state is State.RUNNING and election is not None and election.gone:
-                engine.stop()  # revoked and assigned again: a fresh engine takes the new assignment
-        now = time.monotonic()
-        for shard in sorted(owned - set(self._engines)):
-            if now < self._retry_at.get(shard, 0.0):
-                continue
-            self._start_engine(shard)
+    def _reconcile(self, owned: set[int], now: float) -> None:
+        """One step (supervisor.py): engines for the shards assigned, stopped once they let their shard go."""
+        def retire(shard: int, engine: Harvester) -> bool:
+            connector = self._connectors.get(shard)
+            return retires(shard, owned, connector.election if connector is not None else None)
 
-    def _start_engine(self, shard: int) -> None:
+        self._supervisor.reconcile(owned, now, retire)
+
+    def _start_engine(self, shard: int) -> Harvester:
         assert self._group is not None
         config = dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
         connector = ShardConnector(config, self._group)
         engine = Harvester.sending_events_to(
             self._on_event, config, connector=connector, tracer=self._tracer,
             instruments=self._instruments(shard) if self._instruments is not None else None)
-        try:
-            engine.start()
-        except HarvestError as error:
-            log.error("Shard %d's engine cannot start (tried again in %gs): %s", shard, RESTART_BACKOFF, error)
-            self._retry_at[shard] = time.monotonic() + RESTART_BACKOFF
-            return
-        with self._lock:
-            self._engines[shard] = (engine, connector)
+        engine.start()
+        self._connectors[shard] = connector
+        return engine

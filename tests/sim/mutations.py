@@ -290,7 +290,14 @@ MUTATIONS: dict[str, Options] = {
         core_factory=with_part(lanes=PurgesNeverDurable), per_key=1, db_restarts=True),
 }
 
+def moved_shard_kept(shard: int, owned: set[int], election: Any) -> bool:
+    """The manager stops an engine only when its shard is revoked and assigned back at once: one whose shard
+    moved to another replica keeps running."""
+    return election is not None and election.gone and shard in owned
+
+
 SHARD_MUTATIONS: dict[str, ShardOptions] = {
+    "an engine whose shard moved keeps running": ShardOptions(retires=moved_shard_kept),
     "a shard's fence let go at once when its term ends": ShardOptions(
         core_factory=with_part(leadership=ShardFenceLetGoAtOnce)),
     "a shard's mark reads every shard's rows": ShardOptions(table_factory=UnfilteredShardMark),
@@ -321,6 +328,7 @@ CAUGHT_BY: dict[str, list[int]] = {
     "purges committed asynchronously with one record per key in flight": [11, 12, 16],
     # Shards (SHARD_MUTATIONS, tests/sim/shard_scenario.py).
     "a shard's fence let go at once when its term ends": [13, 34, 68],
+    "an engine whose shard moved keeps running": [1, 2, 3],
     "a shard's mark reads every shard's rows": [1, 2, 3],
     "a shard taken from a leader that did not settle, at once": [103, 403, 556],
     # The queue (tests/sim/queue_mutations.py).

@@ -9,8 +9,9 @@ every min_poll_interval through the memory consumer (groups.py: cooperative-stic
 partition is revoked, the callback returns at once, as ShardGroup's does, and then assigned to its new
 owner); each engine's election thread polls its ShardElection, blocking in a revoke until the core
 answers ReleasePartition (runtime.ElectionThread); the manager thread reconciles every MANAGE_INTERVAL
-what the group assigned with the engines it has (a model of ShardedHarvester._reconcile: an engine
-started on assignment, stopped once its revoke settled or its shard was lost).
+what the group assigned with the engines it has, as ShardedHarvester._reconcile does (an engine
+started on assignment, stopped once its revoke settled or its shard was lost: the real
+supervisor.Supervisor with the real shards.retires).
 
 The process can crash, pause (SIGSTOP), stop gracefully (every engine settles, then the consumer
 leaves the group) and lose its links to the leader topic, the record brokers or Postgres.
@@ -26,11 +27,13 @@ from typing import Any
 from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
+from outbox.harvest.harvester import State
 from outbox.harvest.memory.broker import MemoryBroker, MemoryProducer
 from outbox.harvest.memory.consumer import MemoryConsumer
 from outbox.harvest.memory.table import MemoryStore, MemoryTable
 from outbox.harvest.memory.world import SimWorld, Violation
-from outbox.harvest.shards import MANAGE_INTERVAL, ShardElection, ShardGroup
+from outbox.harvest.shards import MANAGE_INTERVAL, ShardElection, ShardGroup, retires
+from outbox.harvest.supervisor import Supervisor
 from tests.sim.replica import Links, Log, SimIO
 
 #: The engine whose turn runs now (a trace's log lines name it).
@@ -89,7 +92,7 @@ class ShardEngine:
         self.election = ShardElection(replica.group, shard, self.name)
         #: Publish heartbeats (the driver says so after each turn).
         self.heartbeat = False
-        self.state = "running"  # running, stopping, stopped
+        self.state = State.RUNNING  # RUNNING, STOPPING, STOPPED: Harvester's lifecycle, as the supervisor reads it
         self._revoking = False  # the election thread is inside the revoke callback
         self._election_stopped = False
         self._wake_at: float | None = None
@@ -100,7 +103,7 @@ class ShardEngine:
 
     @property
     def crashed(self) -> bool:
-        return self.replica.crashed or self.state == "stopped"
+        return self.replica.crashed or self.state is State.STOPPED
 
     @property
     def slow_until(self) -> float:
@@ -147,10 +150,14 @@ class ShardEngine:
 
     def stop(self) -> None:
         """Harvester.stop: the core stops (settling what is in flight, bounded), then everything closes."""
-        if self.state == "running":
-            self.state = "stopping"
+        if self.state is State.RUNNING:
+            self.state = State.STOPPING
             self.driver.post(methodcaller("stop"))
             self._wake(0.0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Harvester.wait: a simulated engine never fails, so a stopped one has nothing to re-raise."""
+        return self.state is State.STOPPED
 
     def crash(self) -> None:
         self.store.close()
@@ -164,7 +171,7 @@ class ShardEngine:
         self.io.producer.purge()  # a stopped core has nothing in flight, or gave it up: nothing is left
         self.io.producer.close()
         self.store.close()
-        self.state = "stopped"
+        self.state = State.STOPPED
         self.world.note(f"{self.name} stopped")
 
     def _stop_election(self) -> None:
@@ -239,7 +246,8 @@ class ShardedReplica:
 
     def __init__(self, world: SimWorld, name: str, group: str, shards: int, limits: Limits, kafka: MemoryBroker,
                  table: MemoryTable, log: Log, *, park_after: int | None = None,
-                 core_factory: Callable[..., Core] = Core, driver_factory: Callable[..., Driver] = Driver) -> None:
+                 core_factory: Callable[..., Core] = Core, driver_factory: Callable[..., Driver] = Driver,
+                 retires: Callable[..., bool] = retires) -> None:
         self.world = world
         self.name = name
         self.group_name = group
@@ -249,7 +257,7 @@ class ShardedReplica:
         self.table = table
         self.log = log
         self.park_after = park_after
-        self.core_factory, self.driver_factory = core_factory, driver_factory
+        self.core_factory, self.driver_factory, self.retires = core_factory, driver_factory, retires
         self.links = Links()
         self.running = False
         self.crashed = False
@@ -265,8 +273,13 @@ class ShardedReplica:
         config = SimpleNamespace(leader_topic=self.leader_topic, limits=limits)
         self.group = ShardGroup(config, self.consumer, HeartbeatProducer(self),  # type: ignore[arg-type]
                                 clock=lambda: self.world.now)
-        self.engines: dict[int, ShardEngine] = {}
+        self.supervisor: Supervisor[int, ShardEngine] = Supervisor(
+            self._start_engine, describe=lambda shard: f"{name}: shard {shard}'s engine")
         self._numbers = 0
+
+    @property
+    def engines(self) -> dict[int, ShardEngine]:
+        return self.supervisor.engines()
 
     def process_running(self) -> bool:
         return self.running and not self.crashed and self.world.now >= self.paused_until
@@ -344,25 +357,21 @@ class ShardedReplica:
             self.world.after(MANAGE_INTERVAL, self._manage)
 
     def _reconcile(self, owned: set[int]) -> None:
-        for shard, engine in list(self.engines.items()):
-            election = engine.election
-            if engine.state == "stopped":
-                del self.engines[shard]
-            elif engine.state == "running" and shard not in owned and (election.gone or not election.was_assigned):
-                engine.stop()
-            elif engine.state == "running" and election.gone:
-                engine.stop()  # revoked and assigned again: a fresh engine takes the new assignment
-        for shard in sorted(owned - set(self.engines)):
-            self._numbers += 1
-            engine = ShardEngine(self, shard, self._numbers)
-            self.engines[shard] = engine
-            engine.start()
+        """ShardedHarvester._reconcile: the production step over this replica's engines."""
+        self.supervisor.reconcile(owned, self.world.now,
+                                  lambda shard, engine: self.retires(shard, owned, engine.election))
+
+    def _start_engine(self, shard: int) -> ShardEngine:
+        self._numbers += 1
+        engine = ShardEngine(self, shard, self._numbers)
+        engine.start()
+        return engine
 
     def _shut_down(self) -> None:
         """The manager's `finally`: stop every engine, wait for each, then the group thread closes the consumer."""
         for engine in self.engines.values():
             engine.stop()
-        if all(engine.state == "stopped" for engine in self.engines.values()):
+        if all(engine.state is State.STOPPED for engine in self.engines.values()):
             self.consumer.close()  # leave the group: the shards move at once
             self.finished = True
             self.running = False

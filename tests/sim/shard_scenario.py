@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
+from outbox.harvest.harvester import State
 from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults, StoredMessage
 from outbox.harvest.memory.table import HUGE, POISON, MemoryTable, TableFaults, key_shard
 from outbox.harvest.memory.world import SimWorld, Violation
+from outbox.harvest.shards import retires as engine_retires
 from tests.sim import checks, replay, shard_replica
 from tests.sim.replica import Log
 from tests.sim.scenario import Result, finished_when_drained, limits_for, operate_on_poison
@@ -48,6 +50,10 @@ REGRESSIONS: dict[int, str] = {
 FAULTS_END = 25.0
 DEADLINE = FAULTS_END + 60.0
 SHARD_COUNTS = (2, 3, 4, 6)
+#: A replica's manager stops the engine of a shard it let go within this much running time (it looks every
+#: shards.MANAGE_INTERVAL); the watch looks every CHECK_EVERY.
+RETIRE_WITHIN = 1.0
+CHECK_EVERY = 0.25
 
 
 @dataclass
@@ -58,6 +64,8 @@ class ShardOptions:
     driver_factory: Callable[..., Driver] = Driver
     table_factory: Callable[..., MemoryTable] = MemoryTable
     per_key: int | None = None
+    #: The manager's rule for an engine to retire (shards.retires).
+    retires: Callable[..., bool] = engine_retires
 
 
 class TraceLog(logging.Handler):
@@ -132,7 +140,7 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
     def spawn(delay: float = 0.0) -> ShardedReplica:
         replica = ShardedReplica(world, f"r{next(counter)}", "g1", shards, limits, kafka, table, log,
                                  park_after=park_after, core_factory=options.core_factory,
-                                 driver_factory=options.driver_factory)
+                                 driver_factory=options.driver_factory, retires=options.retires)
         replicas.append(replica)
         world.after(delay, replica.start)
         return replica
@@ -258,6 +266,26 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
     world.at(FAULTS_END, calm)
 
     operator = operate_on_poison(world, rng, table, poison_ids, poison_count, FAULTS_END)
+
+    # -- the process's own duty: an engine whose shard was taken away stops ---------------------------
+    gone_since: dict[object, float] = {}
+
+    def watch_engines() -> None:
+        """A replica stops the engine of a shard it let go (its revoke or loss taken in) within RETIRE_WITHIN of
+        running time; a paused replica's clock does not count."""
+        for replica in replicas:
+            running = replica.live and replica.process_running()
+            for engine in replica.engines.values():
+                if not running or engine.state is not State.RUNNING or not engine.election.gone:
+                    gone_since.pop(engine, None)
+                    continue
+                since = gone_since.setdefault(engine, world.now)
+                if world.now - since > RETIRE_WITHIN:
+                    raise Violation(f"{engine.name} still runs {world.now - since:.2f}s after it let shard "
+                                    f"{engine.shard} go (owned now: {sorted(replica.group.owned())})")
+        world.after(CHECK_EVERY, watch_engines)
+
+    world.after(CHECK_EVERY, watch_engines)
 
     # -- run ----------------------------------------------------------------------------------------
     done = finished_when_drained(world, table, written, total, FAULTS_END)

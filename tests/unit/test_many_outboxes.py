@@ -24,7 +24,8 @@ from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester, HarvestError, State
 from outbox.harvest.notify_hub import NotifyHub
-from outbox.harvest.outboxes import MAX_BACKOFF, RESTART_BACKOFF, ManyHarvester
+from outbox.harvest.outboxes import ManyHarvester
+from outbox.harvest.supervisor import MAX_BACKOFF, RESTART_BACKOFF
 from outbox.harvest.tenants import find_tenant_tables
 
 # ---------------------------------------------------------------------------------------------- the supervisor

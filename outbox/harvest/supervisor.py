@@ -1,0 +1,152 @@
+"""One reconcile step for a process's set of engines: what should run, what runs; start what is missing,
+stop (after it settled) what should not run, forget what stopped, start again after a backoff that doubles.
+
+A process runs a set of engines. A sharded replica (shards.py) runs one per shard the group assigned it; a
+process harvesting many outboxes (outboxes.py) one per outbox, each a Harvester or a sharded replica. Both
+call `Supervisor.reconcile` from their manager thread with what should run now and their rule for an engine
+to retire; the shard simulator (tests/sim/shard_replica.py) calls the very same step on its clock.
+
+An engine is stopped, never dropped: stop() lets what it has in flight settle, and only once it has stopped is
+its slot free for a new engine (a shard's hand-off waits on that: shards.py). An engine that failed, or could
+not start, is started again after RESTART_BACKOFF, doubling at each failure in a row up to MAX_BACKOFF; one
+that ran for MAX_BACKOFF before failing starts the count again, so one broken engine never stops the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from outbox.harvest.harvester import HarvestError, State
+from outbox.reasons import first_line
+
+log = logging.getLogger("outbox.harvest.supervisor")
+
+#: An engine that failed is started again after RESTART_BACKOFF, doubling at each failure in a row up to
+#: MAX_BACKOFF; one that ran for MAX_BACKOFF before failing starts the count again.
+RESTART_BACKOFF = 2.0
+MAX_BACKOFF = 60.0
+
+
+class EngineLike(Protocol):
+    """What the supervisor needs of an engine (a Harvester, a ShardedHarvester, a simulated shard's engine)."""
+
+    @property
+    def state(self) -> State: ...
+    def stop(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+K = TypeVar("K")
+E = TypeVar("E", bound=EngineLike)
+
+
+@dataclass
+class Slot(Generic[E]):
+    """One key's engine, if it has one, and when to start it again after a failure."""
+
+    engine: E | None = None
+    started_at: float = 0.0
+    failures: int = 0
+    retry_at: float = 0.0
+    #: Every failure to start or run since the process started (`failures` is reset after a good run).
+    failed_total: int = 0
+
+
+class Supervisor(Generic[K, E]):
+    """The engines of one process by key (a shard number, an outbox label), and the step that reconciles them."""
+
+    def __init__(self, start: Callable[[K], E], *, describe: Callable[[K], str]) -> None:
+        """`start(key)`: a new engine for `key`, started (HarvestError if it cannot be); `describe(key)`: how the
+        log names it ("Shard 3's engine", "Outbox acme's engine")."""
+        self._start_engine, self._describe = start, describe
+        self._lock = threading.Lock()
+        self._slots: dict[K, Slot[E]] = {}
+
+    # -- the view (any thread) --------------------------------------------------------------------
+
+    def engines(self) -> dict[K, E]:
+        """The engines running or settling now, by key."""
+        with self._lock:
+            return {key: slot.engine for key, slot in self._slots.items() if slot.engine is not None}
+
+    def health(self) -> dict[K, tuple[bool, int]]:
+        """Every key wanted or still settling: whether its engine runs now, and how often it failed."""
+        with self._lock:
+            return {key: (slot.engine is not None and slot.engine.state is State.RUNNING, slot.failed_total)
+                    for key, slot in self._slots.items()}
+
+    # -- the step (the manager thread) ------------------------------------------------------------
+
+    def reconcile(self, wanted: Collection[K], now: float, retire: Callable[[K, E], bool],
+                  stopping: Callable[[], bool] = lambda: False) -> None:
+        """Forget engines that stopped (a failure delays the next start), stop running ones `retire` says must go
+        (they settle first), and start an engine for each key wanted that has none and whose backoff passed."""
+        for key, slot in list(self._slots.items()):
+            engine = slot.engine
+            if engine is not None and engine.state is State.STOPPED:
+                self._reap(key, slot, engine, now)
+            elif engine is not None and engine.state is State.RUNNING and retire(key, engine):
+                engine.stop()
+            if slot.engine is None and key not in wanted:
+                with self._lock:
+                    del self._slots[key]
+        for key in sorted(wanted):  # type: ignore[type-var]  # shard numbers and labels both sort
+            if stopping():
+                return  # starting fifty engines takes a while: a stop need not wait for the rest
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = Slot()
+                with self._lock:
+                    self._slots[key] = slot
+            if slot.engine is None and now >= slot.retry_at:
+                self._start(key, slot, now)
+
+    def stop_all(self) -> None:
+        """Stop every engine and wait for each (the manager's end)."""
+        engines = list(self.engines().items())
+        for _key, engine in engines:
+            engine.stop()
+        for key, engine in engines:
+            try:
+                engine.wait()
+            except HarvestError as error:
+                log.warning("%s: %s", self._describe(key), error)
+
+    def _reap(self, key: K, slot: Slot[E], engine: E, now: float) -> None:
+        """An engine stopped: forget it; if it failed, wait before starting the key's engine again."""
+        try:
+            engine.wait(0)
+            failure = None
+        except HarvestError as error:
+            failure = error
+        with self._lock:
+            slot.engine = None
+        if failure is not None:
+            if now - slot.started_at >= MAX_BACKOFF:
+                slot.failures = 0  # it ran a good while: a new failure, not one of a loop
+            self._failed(key, slot, now, f"failed: {failure}")
+
+    def _start(self, key: K, slot: Slot[E], now: float) -> None:
+        try:
+            engine = self._start_engine(key)
+        except HarvestError as error:
+            self._failed(key, slot, now, f"cannot start: {error}")
+            return
+        except Exception as error:  # one engine's surprise must not stop the others: said in full, tried again
+            log.exception("%s cannot start", self._describe(key))
+            self._failed(key, slot, now, f"cannot start: {first_line(error)}")
+            return
+        with self._lock:
+            slot.engine = engine
+        slot.started_at = now
+
+    def _failed(self, key: K, slot: Slot[E], now: float, why: str) -> None:
+        backoff = min(MAX_BACKOFF, RESTART_BACKOFF * 2 ** slot.failures)
+        slot.failures += 1
+        slot.failed_total += 1
+        slot.retry_at = now + backoff
+        log.error("%s %s (started again in %gs)", self._describe(key), why, backoff)
