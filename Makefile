@@ -32,16 +32,26 @@ consume: setup
 	$(PY) manage.py outbox_redeliver & tracker=$$!; trap 'kill $$tracker 2>/dev/null; wait $$tracker' EXIT INT TERM; \
 	  $(PY) manage.py outbox_consume --queue order-confirmations --handler project.shop.handlers.confirm_order --inbox
 
-test: setup
+# Fail fast: lint and the unit tests (no services) first, then the services, then the rest on WORKERS processes
+# (pytest-xdist; the Spark tests on one of them), then the tests marked `serial` alone (they restart a broker
+# of their own, or kill brokers of the three-node cluster, or load the machine). Exit code 5 (nothing
+# collected) fails each step.
+WORKERS   ?= 2
+test: $(STAMP)
 	$(PY) -m ruff check . bin/services
-	$(PY) -m pytest
+	$(PY) -m pytest tests/unit
+	bin/services up
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" --ignore=tests/unit
+	$(PY) -m pytest -m serial --ignore=tests/unit
 
 # The admin on the oldest Django this package supports (5.2: its own admin markup and styles), in a
 # virtualenv of its own; the services are those `make test` set up.
 VENV52    ?= .venv-django52
+# and outbox.testing, whose OutsideTransaction under the test framework's own atomic blocks reads Django's private
+# marking of them.
 ADMIN_TESTS := tests/integration/test_admin.py tests/integration/test_queue_admin.py \
                tests/integration/test_dashboard_charts.py tests/integration/test_console_permissions.py \
-               tests/browser/test_console_browser.py
+               tests/browser/test_console_browser.py tests/integration/test_testing_kit.py
 
 $(VENV52)/.installed: pyproject.toml
 	test -x $(VENV52)/bin/python || $(PYTHON) -m venv $(VENV52)

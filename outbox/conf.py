@@ -54,6 +54,9 @@ DJANGO_DEFAULTS: dict[str, Any] = {
     "outboxes": None,
     # How often those outboxes are looked for again (a tenant schema created meanwhile gets harvested).
     "discover_interval": 30.0,
+    # In tests (Django's TestCase, pytest-django's `db`), stash() outside an atomic() of the code's own raises
+    # OutsideTransaction, as in production; False lets the test framework's own atomic blocks count.
+    "tests_require_atomic": True,
 }
 #: Settings that did something once and do nothing now: accepted, with a warning saying so.
 RETIRED_KEYS: dict[str, str] = {
@@ -131,6 +134,9 @@ def settings_problems() -> list[Problem]:
     tracing = raw.get("tracing", True)
     if not isinstance(tracing, bool):
         found.append(Problem("E015", "tracing", f"must be True or False, got {tracing!r}"))
+    strict = raw.get("tests_require_atomic", True)
+    if not isinstance(strict, bool):
+        found.append(Problem("E003", "tests_require_atomic", f"must be True or False, got {strict!r}"))
     from outbox.cloudevents import settings_problems as cloudevent_problems
 
     found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))

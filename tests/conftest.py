@@ -35,11 +35,25 @@ FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "sp
                   "browser": "browser", "docker": "docker"}
 
 
+#: Tests that stop, kill or restart brokers (a layout of bin/services of their own) run alone (`-m serial`): two
+#: at once would stop each other's broker, and their timings would suffer from a loaded machine.
+SERIAL_FIXTURES = {"kafka_cluster", "spare_broker"}
+#: Tests sharing a layout they only use (the secure cluster) run on one pytest-xdist worker: it is started once.
+GROUPED_FIXTURES = {"secure_cluster": "secure"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         folder = item.path.parent.name
         if folder in FOLDER_MARKERS and item.get_closest_marker(FOLDER_MARKERS[folder]) is None:
             item.add_marker(FOLDER_MARKERS[folder])
+        if SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("serial") is None:
+            item.add_marker(pytest.mark.serial)
+        if item.get_closest_marker("spark") is not None:
+            item.add_marker(pytest.mark.xdist_group("spark"))  # one SparkSession (a JVM) for all of them
+        for fixture, group in GROUPED_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +118,27 @@ def _seeds(request: pytest.FixtureRequest, run: Any, count: int) -> list[int]:
     return [seed]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist the controller resolves the services once, before its workers start, and hands them on
+    through DATABASE_URL and KAFKA_BOOTSTRAP_SERVERS (the environment wins in every worker): two workers would
+    otherwise each start their own containers, or race to start bin/services. Each worker then makes its own
+    test database (pytest-django's `_gw0`, `_gw1` suffixes)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        stack = contextlib.ExitStack()
+        found = resolve(stack)
+        os.environ["DATABASE_URL"], os.environ["KAFKA_BOOTSTRAP_SERVERS"] = found.database_url, found.bootstrap_servers
+        config.stash[_CONTROLLER_SERVICES] = stack
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stack = config.stash.get(_CONTROLLER_SERVICES, None)
+    if stack is not None:
+        stack.close()
+
+
+_CONTROLLER_SERVICES = pytest.StashKey[contextlib.ExitStack]()
+
+
 @pytest.fixture(scope="session")
 def services(request: pytest.FixtureRequest) -> Iterator[Services]:
     capture = request.config.pluginmanager.getplugin("capturemanager")
@@ -120,8 +155,9 @@ def services(request: pytest.FixtureRequest) -> Iterator[Services]:
 
 
 @pytest.fixture(scope="session")
-def django_db_modify_db_settings(services: Services) -> None:
-    """Point Django (and OUTBOX) at the resolved services before the test database is created."""
+def django_db_modify_db_settings(services: Services, django_db_modify_db_settings_parallel_suffix: None) -> None:
+    """Point Django (and OUTBOX) at the resolved services before the test database is created; under
+    pytest-xdist each worker's test database has its own suffix (pytest-django's `_gw0`, `_gw1`)."""
     from django.conf import settings
 
     parsed = environ.Env.db_url_config(services.database_url)

@@ -91,3 +91,88 @@ def test_a_new_project_with_the_wheel_harvests_as_the_readme_says(wheel_venv, fr
     answers = [line for line in pages.splitlines() if line.startswith(("/", "static"))]
     assert answers == ["/admin/ 200", "/admin/outbox/outboxrecord/ 200", "/admin/outbox/deadletter/ 200",
                        "static True"], pages
+
+
+def test_a_new_projects_own_tests_use_the_test_kit_without_kafka(wheel_venv, fresh_database, tmp_path):
+    """docs/testing.md, as a new user follows it: their pytest suite (pytest-django) tests a view that stashes, its
+    harvest and a queue handler with outbox.testing, no Kafka anywhere; the test of a view that forgot
+    transaction.atomic() fails with OutsideTransaction, as the view would fail in production."""
+    python, env = wheel_venv, user_env()
+    run(python, "-m", "django", "startproject", "mysite", cwd=tmp_path, env=env)
+    site = tmp_path / "mysite"
+    name, url = fresh_database
+    parts = psycopg.conninfo.conninfo_to_dict(url)
+    with (site / "mysite" / "settings.py").open("a") as settings:
+        settings.write(textwrap.dedent(f"""
+            INSTALLED_APPS += ["django.contrib.postgres", "outbox", "outbox.queue"]
+            DATABASES = {{"default": {{"ENGINE": "django.db.backends.postgresql", "NAME": {name!r},
+                                      "USER": {parts.get('user')!r}, "PASSWORD": {parts.get('password')!r},
+                                      "HOST": {parts.get('host')!r}, "PORT": {str(parts.get('port', 5432))!r},
+                                      "TEST": {{"NAME": {name + "_test"!r}}}}}}}
+            OUTBOX = {{"base_kafka_config": {{"bootstrap.servers": "127.0.0.1:1"}}}}  # never reached
+        """))
+    (site / "shop.py").write_text(textwrap.dedent("""
+        from django.db import transaction
+        from django.http import HttpResponse
+
+        from outbox import queue, stash
+
+
+        def pay(request, order):
+            with transaction.atomic():
+                stash("orders", key=str(order), value={"order": order, "status": "paid"})
+                queue.stash("receipts", {"order": order})
+            return HttpResponse("paid")
+
+
+        def refund(request, order):  # forgot transaction.atomic()
+            stash("orders", key=str(order), value={"order": order, "status": "refunded"})
+            return HttpResponse("refunded")
+
+
+        HANDLED = []
+
+
+        def send_receipt(message):
+            HANDLED.append(message.json()["order"])
+    """))
+    (site / "mysite" / "urls.py").write_text(textwrap.dedent("""
+        from django.urls import path
+
+        import shop
+
+        urlpatterns = [path("pay/<int:order>", shop.pay), path("refund/<int:order>", shop.refund)]
+    """))
+    (site / "pytest.ini").write_text("[pytest]\nDJANGO_SETTINGS_MODULE = mysite.settings\npythonpath = .\n")
+    (site / "test_shop.py").write_text(textwrap.dedent("""
+        from outbox.testing import assert_stashed, handle_message
+
+        import shop
+
+
+        def test_paying_stashes_the_payment(client, outbox_stashed):
+            with outbox_stashed() as records:
+                assert client.get("/pay/42").status_code == 200
+            assert_stashed("orders", key="42", value={"order": 42, "status": "paid"}, records=records)
+
+
+        def test_the_payment_is_published_and_the_receipt_handled(client, outbox_harvest):
+            client.get("/pay/7")
+            published = outbox_harvest()
+            [payment] = [m for m in published if m.topic == "orders"]
+            [receipt] = [m for m in published if m.topic != "orders"]
+            assert payment.json() == {"order": 7, "status": "paid"}
+            handled = handle_message(shop.send_receipt, receipt.json(), queue="receipts")
+            assert (handled.outcome, handled.settled, shop.HANDLED) == ("handled", "acked", [7])
+
+
+        def test_refunding_stashes_the_refund(client, db):
+            assert client.get("/refund/42").status_code == 200
+    """))
+    done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_shop.py"], cwd=site,
+                          env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "2 passed" in output and "1 failed" in output, output
+    assert "FAILED test_shop.py::test_refunding_stashes_the_refund" in output, output
+    assert "OutsideTransaction: stash() must run inside transaction.atomic()" in output, output

@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# An old transaction held on purpose (the server's horizon, which other tests read) and a steady load: alone.
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,8 @@ import pytest
 from tests.support.harness import Replica, read_topic, wait_until
 from tests.support.oldest_postgres import Cluster, oldest_postgres, services
 
-pytestmark = pytest.mark.integration
+# The oldest major's own cluster (tests/support/oldest_postgres.py) serves one test at a time: one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("oldest-postgres")]
 
 KEYS = 20
 BACKLOG = 100_000

@@ -24,7 +24,8 @@ from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
 from tests.support.harness import Generator, assert_complete_and_ordered, outbox_count, read_topic, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# The horizon is the server's, not a database's: another test holding a transaction open would be named instead.
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,8 @@ from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
 from tests.support.harness import assert_complete_and_ordered, read_topic, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# It holds the server's horizon back on purpose, which other tests would see (test_old_transaction.py): alone.
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
 
 INSERT = ("INSERT INTO {table} (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
           "kafka_header_values) SELECT now(), %s, 'k' || (g %% 10), g::text, '{{}}', '{{}}' "

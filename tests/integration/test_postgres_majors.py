@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 
 import psycopg
+import pytest
 
 from tests.support.harness import Replica, read_topic, wait_until
 from tests.support.oldest_postgres import OLDEST, ROOT, oldest_postgres
@@ -19,6 +20,7 @@ def test_the_readme_names_the_oldest_supported_major_and_the_tested_ones():
     assert "tested with 15 and 18" in readme
 
 
+@pytest.mark.xdist_group("oldest-postgres")  # the oldest major's own cluster serves one test at a time: one worker
 def test_the_oldest_supported_major_migrates_and_harvests(bootstrap_servers, new_topic, tmp_path):
     topic = new_topic("oldest-postgres")
     with oldest_postgres(bootstrap_servers) as cluster:
