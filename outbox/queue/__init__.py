@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from outbox.queue.api import consumer, send, send_many, stash, stash_many
-    from outbox.queue.consumer import Message, QueueConsumer
     from outbox.queue.errors import QueueError, Retry
+    from outbox.queue.markers_consumer import Message, QueueConsumer
 
 __all__ = ["Message", "QueueConsumer", "QueueError", "Retry", "consumer", "send", "send_many", "stash",
            "stash_many"]
@@ -35,8 +35,8 @@ _LAZY = {
     "stash": "outbox.queue.api",
     "stash_many": "outbox.queue.api",
     "consumer": "outbox.queue.api",
-    "Message": "outbox.queue.consumer",
-    "QueueConsumer": "outbox.queue.consumer",
+    "Message": "outbox.queue.markers_consumer",
+    "QueueConsumer": "outbox.queue.markers_consumer",
     "QueueError": "outbox.queue.errors",
     "Retry": "outbox.queue.errors",
 }

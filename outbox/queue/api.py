@@ -21,9 +21,9 @@ from outbox.errors import InvalidRecord
 from outbox.harvest.kafka import KafkaUnavailable
 from outbox.queue import app_settings, markers, metrics
 from outbox.queue.config import QUEUE_NAME_PATTERN, QueueConfig, QueueLimits, queue_name_problem
-from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
+from outbox.queue.markers_consumer import QueueConsumer
 from outbox.queue.producer import MessageTooLarge, QueueProducer
 from outbox.queue.share_consumer import ShareQueueConsumer
 from outbox.queue.share_group import ensure_share_topic

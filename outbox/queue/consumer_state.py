@@ -1,6 +1,6 @@
 """What a queue consumer knows and decides, with no I/O: the consumer's state machine.
 
-QueueConsumer (consumer.py) owns the Kafka clients and the threads and asks this object what to
+QueueConsumer (markers_consumer.py) owns the Kafka clients and the threads and asks this object what to
 do; the simulator (tests/sim/) runs the same object on its own clock. Times are the consumer's
 local monotonic seconds, passed in.
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from outbox.queue.consumer import Message
 from outbox.queue.errors import Retry
+from outbox.queue.markers_consumer import Message
 
 log = logging.getLogger(__name__)
 

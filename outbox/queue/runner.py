@@ -16,9 +16,9 @@ from typing import Any
 from django.db import close_old_connections, connections, transaction
 
 from outbox.queue import handling, store
-from outbox.queue.consumer import Message, QueueConsumer
 from outbox.queue.errors import QueueError
 from outbox.queue.handling import Handler
+from outbox.queue.markers_consumer import Message, QueueConsumer
 
 log = logging.getLogger(__name__)
 

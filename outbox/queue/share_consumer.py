@@ -40,12 +40,12 @@ from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_co
 from outbox.kafka.outage import Outage, fatal, permanent
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
-from outbox.queue.consumer import Message
 from outbox.queue.consumer_state import Delivery, Held
 from outbox.queue.delivery_spans import DeliverySpans, NoSpans
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
 from outbox.queue.markers import Kind
+from outbox.queue.markers_consumer import Message
 from outbox.queue.receiving import wait_for_delivery
 from outbox.queue.share_group import configure_group, ensure_share_topic
 from outbox.queue.share_state import Ack, Outcome, Settling, ShareState

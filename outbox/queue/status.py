@@ -13,7 +13,7 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connections
 
 from outbox.queue import store
-from outbox.queue.consumer import QueueConsumer
+from outbox.queue.markers_consumer import QueueConsumer
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.tracker import RedeliveryTracker
 from outbox.reasons import first_line

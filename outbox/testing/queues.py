@@ -113,8 +113,8 @@ def handle_message(handler: Callable[[Any], Any], payload: Any, *, queue: str,
     list), as `manage.py outbox_consume` would: with `inbox`, in a transaction with the message's inbox row on
     database `using` (a message whose row is there is acked without running the handler)."""
     from outbox.queue import api, app_settings, handling, markers
-    from outbox.queue.consumer import Message
     from outbox.queue.consumer_state import Delivery
+    from outbox.queue.markers_consumer import Message
     from outbox.queue.runner import DatabaseInbox
 
     row = api._clean(app_settings.queue_config(), payload, headers, "payload")

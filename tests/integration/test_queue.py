@@ -18,8 +18,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from django.db import transaction
 
 from outbox.queue import api, app_settings
-from outbox.queue.consumer import QueueConsumer
 from outbox.queue.errors import QueueError, Retry
+from outbox.queue.markers_consumer import QueueConsumer
 from outbox.queue.models import DeadLetter, InboxEntry, QueueCounter
 from outbox.queue.runner import HandlerRunner
 from outbox.queue.topics import ensure_topics

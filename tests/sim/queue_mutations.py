@@ -15,9 +15,9 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from outbox.queue import handling
-from outbox.queue.consumer import Message, QueueConsumer, Wait
 from outbox.queue.consumer_state import ConsumerState, FetchPlan, Plan, StartBatch
 from outbox.queue.markers import Kind, Marker
+from outbox.queue.markers_consumer import Message, QueueConsumer, Wait
 from outbox.queue.tracker import RedeliveryTracker
 from outbox.queue.tracker_state import Due, PartitionTracker
 from outbox.queue.transactional import TransactionalWriter

@@ -34,8 +34,8 @@ from outbox.harvest.memory.transactions import TransactionalProducer, Transactio
 from outbox.harvest.memory.world import SimWorld
 from outbox.queue import handling
 from outbox.queue.config import QueueConfig, QueueLimits
-from outbox.queue.consumer import Message, QueueConsumer
 from outbox.queue.errors import QueueError, Retry
+from outbox.queue.markers_consumer import Message, QueueConsumer
 from outbox.queue.tracker import DeadLetter, RedeliveryTracker
 from outbox.queue.transactional import call_at_once
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from outbox.harvest.memory.world import Violation, World
 from outbox.queue import handling, markers
-from outbox.queue.consumer import Message
+from outbox.queue.markers_consumer import Message
 from outbox.queue.share_state import LETTER_RETRY, LOCK_MARGIN
 from outbox.queue.tracker import DeadLetter
 

@@ -25,8 +25,8 @@ from outbox.harvest.memory.share_groups import share_group
 from outbox.harvest.memory.world import SimWorld
 from outbox.queue import handling
 from outbox.queue.config import QueueConfig, QueueLimits
-from outbox.queue.consumer import Message
 from outbox.queue.errors import QueueError, Retry
+from outbox.queue.markers_consumer import Message
 from outbox.queue.share_consumer import ShareQueueConsumer
 from outbox.queue.share_session import failure_detection
 from outbox.queue.share_state import group_settings

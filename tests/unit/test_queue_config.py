@@ -159,7 +159,7 @@ def test_retry_delay_is_checked():
 
 
 def test_the_queue_engine_imports_no_django():
-    code = ("import sys, outbox.queue.consumer, outbox.queue.tracker, outbox.queue.producer, "
+    code = ("import sys, outbox.queue.markers_consumer, outbox.queue.tracker, outbox.queue.producer, "
             "outbox.queue.tracker_state; "
             "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
