@@ -42,6 +42,7 @@ SERIAL_FIXTURES = {"kafka_cluster", "spare_broker"}
 GROUPED_FIXTURES = {"secure_cluster": "secure"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         folder = item.path.parent.name

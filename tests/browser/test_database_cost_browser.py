@@ -20,7 +20,9 @@ from outbox.models import HarvesterSample, OutboxRecord
 from tests.browser.conftest import SCREENSHOTS
 from tests.support.harness import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+# What statements cost is the server's (pg_stat_statements, the server's CPU): other workers' harvesters would count.
+pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.serial,
+              pytest.mark.django_db(transaction=True)]
 
 #: The dashboard's default span reads 20-second buckets: the run's samples are spread this far apart
 #: (their order and figures kept) so that its charts have lines to draw.

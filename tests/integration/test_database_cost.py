@@ -30,7 +30,8 @@ from outbox.models import HarvesterSample, OutboxRecord
 from tests.support.harness import wait_until
 from tests.support.history_rows import samples
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# What statements cost is the server's (pg_stat_statements, the server's CPU): other workers' harvesters would count.
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db(transaction=True)]
 
 def config(database_url: str, bootstrap: str = "unused:9092", **limits: float) -> HarvestConfig:
     leader = f"test-leader-{uuid.uuid4().hex[:8]}"
