@@ -8,7 +8,7 @@ class OutboxConfig(AppConfig):
 
     def ready(self) -> None:
         from outbox import checks, conf  # noqa: F401  registers the system checks
-        from outbox.harvest.redaction import remember_secrets
+        from outbox.kafka.redaction import remember_secrets
 
-        # Log lines and one-line errors mask these wherever they turn up (outbox.harvest.redaction).
+        # Log lines and one-line errors mask these wherever they turn up (outbox.kafka.redaction).
         remember_secrets(conf.secret_values())

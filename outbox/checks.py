@@ -6,23 +6,25 @@ from typing import Any
 
 from django.core import checks
 
-from outbox import conf
-from outbox.harvest.config import Problem
-from outbox.harvest.redaction import scrub
+from outbox import conf, settings_problems
+from outbox.kafka.problems import Problem
+from outbox.kafka.redaction import scrub
 
 
 @checks.register("outbox")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     hint = "See the configuration reference in README.md."
-    errors = [checks.Error(describe(p), hint=hint, id=f"outbox.{p.code}") for p in conf.problems()]
-    return errors + [checks.Warning(describe(p), hint=hint, id=f"outbox.{p.code}") for p in conf.warnings()]
+    errors = [checks.Error(describe(p), hint=hint, id=f"outbox.{p.code}") for p in settings_problems.problems()]
+    if errors:  # each problem once: what a setting in error also weakens waits until it is fixed
+        return errors
+    return [checks.Warning(describe(p), hint=hint, id=f"outbox.{p.code}") for p in settings_problems.warnings()]
 
 
 @checks.register(checks.Tags.database)
 def check_shared_group(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """With `check --database`: warn when the status rows show another table harvested in our leader group."""
     alias = conf.database_alias()
-    if not databases or alias not in databases or conf.problems():
+    if not databases or alias not in databases or settings_problems.problems():
         return []
     from django.db import DatabaseError
     from django.utils import timezone

@@ -12,7 +12,6 @@ use the model's table (`outbox`), and a check warns when the two differ.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import os
 import re
@@ -24,8 +23,9 @@ from django.conf import settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
-from outbox.harvest import redaction
-from outbox.harvest.config import HarvestConfig, Limits, Problem, default_name
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.kafka import redaction
+from outbox.kafka.names import default_name
 
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(Limits))
 #: HarvestConfig fields a user sets through OUTBOX (dsn, name and limits come other ways).
@@ -86,7 +86,7 @@ def setting(name: str) -> Any:
     raw = raw_settings()
     raw = raw if isinstance(raw, dict) else {}
     if name in raw:
-        return _seconds(raw[name])
+        return seconds(raw[name])
     if name in DJANGO_DEFAULTS:
         return DJANGO_DEFAULTS[name]
     if name in LIMIT_NAMES:
@@ -95,59 +95,32 @@ def setting(name: str) -> Any:
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
+def bootstrap_source() -> str | None:
+    """Where bootstrap.servers comes from: OUTBOX["base_kafka_config"], else KAFKA_BOOTSTRAP_SERVERS; None when
+    neither sets it (every client then tries localhost:9092)."""
+    base = _given_kafka_config()
+    if base.get("bootstrap.servers"):
+        return 'OUTBOX["base_kafka_config"]'
+    return "KAFKA_BOOTSTRAP_SERVERS" if os.environ.get("KAFKA_BOOTSTRAP_SERVERS") else None
+
+
 def kafka_config() -> dict[str, Any]:
     """librdkafka settings every client shares: OUTBOX["base_kafka_config"], with bootstrap.servers
     from KAFKA_BOOTSTRAP_SERVERS (else localhost:9092) when it does not set them."""
-    base = setting("base_kafka_config")
-    merged = dict(base) if isinstance(base, Mapping) else {}
+    merged = _given_kafka_config()
     merged.setdefault("bootstrap.servers", os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or DEFAULT_BOOTSTRAP_SERVERS)
     return merged
 
 
+def _given_kafka_config() -> dict[str, Any]:
+    """OUTBOX["base_kafka_config"] as the user wrote it (not HarvestConfig's default, which names localhost)."""
+    raw = raw_settings()
+    base = raw.get("base_kafka_config", {}) if isinstance(raw, dict) else {}
+    return dict(base) if isinstance(base, Mapping) else {}
+
+
 def database_alias() -> str:
     return setting("database")
-
-
-def settings_problems() -> list[Problem]:
-    """Problems with OUTBOX itself and its Django-side keys (the engine's are HarvestConfig's)."""
-    raw = raw_settings()
-    if not isinstance(raw, dict):
-        return [Problem("E001", "OUTBOX", f"must be a dict, got {type(raw).__name__}")]
-    found = []
-    known = known_keys()
-    for key in sorted(set(raw) - known, key=str):
-        close = difflib.get_close_matches(str(key), sorted(known), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        found.append(Problem("E002", str(key), f"is not a known setting{hint}"))
-    for key in ("max_value_bytes", "max_header_bytes", "stuck_reset_count"):
-        value = raw.get(key, DJANGO_DEFAULTS[key])
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            found.append(Problem("E003", key, f"must be a positive integer, got {value!r}"))
-    for key in ("status_gone_after", "stuck_after", "horizon_warn_after", "discover_interval"):
-        value = _seconds(raw.get(key, DJANGO_DEFAULTS[key]))
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))
-    spark_jars = raw.get("spark_jars")
-    if spark_jars is not None and not (isinstance(spark_jars, str) or (
-            isinstance(spark_jars, list | tuple) and all(isinstance(item, str) for item in spark_jars))):
-        found.append(Problem("E003", "spark_jars", f"must be a path or a list of paths, got {spark_jars!r}"))
-    tracing = raw.get("tracing", True)
-    if not isinstance(tracing, bool):
-        found.append(Problem("E015", "tracing", f"must be True or False, got {tracing!r}"))
-    strict = raw.get("tests_require_atomic", True)
-    if not isinstance(strict, bool):
-        found.append(Problem("E003", "tests_require_atomic", f"must be True or False, got {strict!r}"))
-    from outbox.cloudevents import settings_problems as cloudevent_problems
-
-    found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))
-    from outbox.many import problems as outboxes_problems
-
-    found.extend(outboxes_problems(raw.get("outboxes")))
-    database = raw.get("database", DJANGO_DEFAULTS["database"])
-    problem = alias_problem(database)
-    if problem is not None:
-        found.append(Problem("E011" if database not in settings.DATABASES else "E012", "database", problem))
-    return found
 
 
 def alias_problem(alias: Any) -> str | None:
@@ -163,48 +136,6 @@ def alias_problem(alias: Any) -> str | None:
 def secret_values() -> set[str]:
     """The secret values in OUTBOX and DATABASES, to mask wherever a message might quote them."""
     return redaction.secret_values(raw_settings(), getattr(settings, "DATABASES", {}))
-
-
-def problems(**overrides: Any) -> list[Problem]:
-    """Everything wrong with the outbox settings (with command-line overrides), for `manage.py check`."""
-    found = settings_problems()
-    if any(p.code in {"E001", "E011", "E012"} for p in found):
-        return found
-    alias = overrides.get("database")
-    if alias is not None and (problem := alias_problem(alias)) is not None:
-        return [*found, Problem("E011", "database", problem)]
-    config, given = _build(**overrides)
-    engine = config.validate(given_limits=given)
-    if not engine:
-        from outbox.harvest.kafka import client_config_problems
-
-        engine = client_config_problems(config)
-    return found + engine
-
-
-def warnings() -> list[Problem]:
-    """Settings that work but weaken a guarantee, for `manage.py check`."""
-    if settings_problems():
-        return []
-    config, given = _build()
-    if config.validate(given_limits=given):
-        return []
-    found = config.warnings()
-    from outbox.models import OutboxRecord
-
-    raw = raw_settings()
-    for key, why in RETIRED_KEYS.items():
-        if key in raw:
-            found.append(Problem("W004", key, f"no longer does anything ({why}); remove it"))
-    from outbox.tracing.switch import otel_installed
-
-    if raw.get("tracing") is True and not otel_installed():
-        found.append(Problem("W005", "tracing", "is True but opentelemetry-api is not installed, so nothing is "
-                                                "traced: install django-outbox-harvest[otel]"))
-    if config.table != OutboxRecord._meta.db_table:
-        found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
-                                              f"use the model's table {OutboxRecord._meta.db_table!r}"))
-    return found
 
 
 def dsn_for(alias: str) -> str:
@@ -232,20 +163,20 @@ def default_leader_name(alias: str, table: str) -> str:
     return f"outbox-leader.{readable}.{hashlib.sha1(where.encode()).hexdigest()[:8]}"
 
 
-def _seconds(value: Any) -> Any:
+def seconds(value: Any) -> Any:
     return value.total_seconds() if isinstance(value, timedelta) else value
 
 
-def _build(**overrides: Any) -> tuple[HarvestConfig, set[str]]:
+def build(**overrides: Any) -> tuple[HarvestConfig, set[str]]:
     raw = raw_settings()
     raw = raw if isinstance(raw, dict) else {}
     values = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
     given = {name for name in LIMIT_NAMES if name in values}
-    limits = Limits(**{name: _seconds(values[name]) for name in given})
-    engine = {key: _seconds(values[key]) for key in ENGINE_KEYS if key in values}
+    limits = Limits(**{name: seconds(values[name]) for name in given})
+    engine = {key: seconds(values[key]) for key in ENGINE_KEYS if key in values}
     alias = values.get("database", DJANGO_DEFAULTS["database"])
     base = engine.get("base_kafka_config", {})
-    if isinstance(base, Mapping):
+    if isinstance(base, Mapping):  # bootstrap.servers: OUTBOX's, else KAFKA_BOOTSTRAP_SERVERS, else localhost:9092
         engine["base_kafka_config"] = {**kafka_config(), **base}
     table = engine.get("table", _ENGINE_DEFAULTS["table"].default)
     derived = default_leader_name(alias, table) if isinstance(table, str) and alias in settings.DATABASES else None
@@ -260,7 +191,7 @@ def _build(**overrides: Any) -> tuple[HarvestConfig, set[str]]:
 
 def given_limits(**overrides: Any) -> set[str]:
     """The limits set explicitly, in OUTBOX or by an override whose value is not None."""
-    return _build(**overrides)[1]
+    return build(**overrides)[1]
 
 
 def harvest_config(**overrides: Any) -> HarvestConfig:
@@ -268,4 +199,4 @@ def harvest_config(**overrides: Any) -> HarvestConfig:
 
     Overrides whose value is None are ignored, so argparse defaults can be passed straight through.
     """
-    return _build(**overrides)[0]
+    return build(**overrides)[0]

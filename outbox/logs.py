@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from outbox.harvest.redaction import RedactingFilter
+from outbox.kafka.redaction import RedactingFilter
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

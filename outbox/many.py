@@ -33,10 +33,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from outbox import conf
-from outbox.harvest.config import TABLE_PATTERN, HarvestConfig, Problem, name_problem
+from outbox.harvest.config import TABLE_PATTERN, HarvestConfig
 from outbox.harvest.sharding import shards_problem
 from outbox.harvest.store import close_quietly, connect
 from outbox.harvest.tenants import find_tenant_tables
+from outbox.kafka.names import name_problem
+from outbox.kafka.problems import Problem
 
 log = logging.getLogger("outbox.harvest.outboxes")
 

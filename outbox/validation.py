@@ -9,8 +9,9 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from outbox.errors import InvalidRecord
-from outbox.harvest.config import MAX_TOPIC_LENGTH, TOPIC_PATTERN
-from outbox.harvest.contract import RESERVED_HEADERS, Record
+from outbox.harvest.contract import Record
+from outbox.kafka.headers import RESERVED_HEADERS
+from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN
 from outbox.models import MAX_KEY_LENGTH
 
 

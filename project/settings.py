@@ -130,7 +130,7 @@ LOGGING = {
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     # Masks the secret values of OUTBOX and DATABASES should any line quote one (docs/operations.md).
-    "filters": {"outbox_redact": {"()": "outbox.harvest.redaction.RedactingFilter"}},
+    "filters": {"outbox_redact": {"()": "outbox.kafka.redaction.RedactingFilter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["outbox_redact"]}},
     "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {"outbox": {"level": env("LOG_LEVEL"), "propagate": True}},

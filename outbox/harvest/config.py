@@ -7,40 +7,19 @@ goharvest's limits in snake_case. Nothing here imports Django.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import socket
-import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.harvest.redaction import redact_dsn, redact_mapping
 from outbox.harvest.sharding import shards_problem
+from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN, default_name, name_problem
+from outbox.kafka.problems import Problem
+from outbox.kafka.redaction import redact_dsn, redact_mapping
 
-# Kafka's own rule for topic names: 1..249 of [a-zA-Z0-9._-], and not "." or "..".
-TOPIC_PATTERN = re.compile(r"[a-zA-Z0-9._-]{1,249}")
-MAX_TOPIC_LENGTH = 249
 # An unquoted SQL identifier, optionally schema-qualified: [schema.]table.
 TABLE_PATTERN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_$]{0,62}\.)?[A-Za-z_][A-Za-z0-9_$]{0,62}")
-# Control characters (C0, DEL, C1) and the Unicode line and paragraph separators: a name carrying
-# one could forge a line in every log that quotes it.
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
-
-def default_name() -> str:
-    """A replica name that is unique enough: host, pid and start second (as goharvest)."""
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname() or "localhost")
-    return f"{host}_{os.getpid()}_{int(time.time())}"
-
-
-def name_problem(value: object) -> str | None:
-    """Why `value` cannot name a replica or a group (it shows up in every log line and status row), or None."""
-    if not isinstance(value, str) or not value.strip():
-        return f"must be a non-empty string, got {value!r}"
-    if CONTROL_CHARACTERS.search(value):
-        return f"must not contain control characters (a line break would forge a log line), got {value!r}"
-    return None
 
 
 def limit(default: float | int | None, minimum: float | str, doc: str, maximum: float | None = None) -> Any:
@@ -147,20 +126,6 @@ class Limits:
                 found.append(Problem("E004", spec.name, f"must be at most {spec.metadata['maximum']:g}, got "
                                                         f"{value!r}"))
         return found
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One configuration problem: a stable code, the setting it concerns, and why."""
-
-    code: str
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        # A setting's name comes from the user's mapping: one with a newline must not make two lines.
-        field = self.field if self.field.isprintable() else repr(self.field)
-        return f"{field}: {self.message}"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from confluent_kafka import Consumer, Producer
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import Record
 from outbox.harvest.kafka import (
-    KAFKA_START_TIMEOUT,
     ProducerLike,
     check_leader_partitions,
     dead_letter_producer_config,
@@ -29,7 +28,8 @@ from outbox.harvest.kafka import (
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.status import StatusReporter, StatusSnapshot, status_table_exists
 from outbox.harvest.store import FenceHolder, Listener, PostgresStore, close_quietly, connect
-from outbox.harvest.topics import TopicLimits, admin_describe
+from outbox.harvest.topics import TopicLimits
+from outbox.kafka.clients import KAFKA_START_TIMEOUT, admin_describe
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from outbox.harvest import sharding
+from outbox.kafka.headers import HEADER_CREATE_TIME, HEADER_DEAD_LETTER_REASON, HEADER_ID, HEADER_TOPIC
 
 #: goharvest's columns: any application can INSERT into a table that has them.
 COLUMNS = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafka_header_keys",
@@ -20,13 +21,6 @@ COLUMNS = ("id", "create_time", "kafka_topic", "kafka_key", "kafka_value", "kafk
 #: Columns beyond goharvest's that this app's migrations add; the engine uses them when present.
 FAILURE_COLUMNS = ("reset_count", "last_error")
 
-#: Headers the harvester adds to every message, beside the record's own.
-HEADER_ID = "outbox-id"
-HEADER_CREATE_TIME = "outbox-create-time"
-#: Added to a record published to the dead-letter topic: why it was parked, and its own topic.
-HEADER_DEAD_LETTER_REASON = "outbox-dead-letter-reason"
-HEADER_TOPIC = "outbox-topic"
-RESERVED_HEADERS = frozenset({HEADER_ID, HEADER_CREATE_TIME})
 #: CloudEvents' Kafka binary mode. A record with ce_specversion is published with ce_id (its outbox id)
 #: and ce_time (its create time) unless it has them already (outbox/cloudevents.py writes the others).
 CE_SPECVERSION = "ce_specversion"

@@ -33,8 +33,8 @@ from outbox.harvest.dbtime import RoundTrips
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import ProducerLike
 from outbox.harvest.store import StoreError
-from outbox.harvest.topics import UNLIMITED, fits, record_size, too_large
 from outbox.harvest.tracing import PublishTracer
+from outbox.kafka.sizes import UNLIMITED, fits, record_size, too_large
 from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
     kafka, store = FakeKafka(), FakeStore()
     harvester = Harvester(config, connector=FakeConnector(kafka, store))
 
-They are the in-memory world the deterministic simulator runs (outbox/harvest/memory/), on the
+They are the in-memory world the deterministic simulator runs (outbox/kafka/memory/), on the
 wall clock and with its faults off: a log per topic, a consumer group whose owner of partition 0
 leads (rebalance callbacks included), idempotent producers whose delivery reports are served by
 poll(), either at once (auto_deliver) or when a test says so (deliver()), and the outbox table
@@ -24,12 +24,13 @@ import psycopg
 from confluent_kafka import KafkaError, KafkaException
 
 from outbox.harvest.contract import Record
-from outbox.harvest.memory.broker import Member, MemoryBroker, MemoryProducer, StoredMessage
-from outbox.harvest.memory.table import MemoryStore, MemoryTable, Row
-from outbox.harvest.memory.world import LiveWorld
+from outbox.harvest.memory_table import MemoryStore, MemoryTable, Row
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.store import FenceHolder
-from outbox.harvest.topics import UNLIMITED, TopicLimits, batch_size_for
+from outbox.harvest.topics import TopicLimits
+from outbox.kafka.memory.broker import Member, MemoryBroker, MemoryProducer, StoredMessage
+from outbox.kafka.memory.world import LiveWorld
+from outbox.kafka.sizes import UNLIMITED, batch_size_for
 
 __all__ = ["FakeConnector", "FakeConsumer", "FakeKafka", "FakeMessage", "FakeProducer", "FakeStore", "Row"]
 

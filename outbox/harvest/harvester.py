@@ -32,12 +32,12 @@ from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.kafka import KafkaUnavailable
-from outbox.harvest.redaction import remember_secrets, scrub
 from outbox.harvest.runtime import ThreadedIO
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import StoreError
 from outbox.harvest.tracing import PublishTracer
+from outbox.kafka.clients import KafkaUnavailable
+from outbox.kafka.redaction import remember_secrets, scrub
 from outbox.reasons import first_line, kafka_reason
 
 log = logging.getLogger(__name__)

@@ -14,27 +14,14 @@ from typing import Any, Protocol
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox.harvest.config import HarvestConfig, Problem
-from outbox.harvest.topics import UNLIMITED, batch_size_for
+from outbox.harvest.config import HarvestConfig
 from outbox.kafka.client_errors import log_client_error
+from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE, KafkaUnavailable, admin_config, check_log, client_log
+from outbox.kafka.problems import Problem
+from outbox.kafka.sizes import UNLIMITED, batch_size_for
 from outbox.reasons import kafka_reason
 
 log = logging.getLogger(__name__)
-#: librdkafka's own log lines go through Python logging instead of straight to stderr.
-client_log = logging.getLogger("outbox.harvest.librdkafka")
-class _KnownWarnings(logging.Filter):
-    """librdkafka warns at every start that enable.gapless.guarantee is experimental: it is on purpose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not ("CONFWARN" in record.getMessage() and "enable.gapless.guarantee" in record.getMessage())
-
-
-client_log.addFilter(_KnownWarnings())
-#: The clients built only to have librdkafka check the settings say nothing.
-_check_log = logging.getLogger("outbox.harvest.librdkafka.check")
-_check_log.addHandler(logging.NullHandler())
-_check_log.propagate = False
-
 ProducerFactory = Callable[[dict[str, Any]], "ProducerLike"]
 ConsumerFactory = Callable[[dict[str, Any]], "ConsumerLike"]
 TopicEnsurer = Callable[[dict[str, Any], str, float], None]
@@ -55,21 +42,12 @@ class ConsumerLike(Protocol):
     def close(self) -> None: ...
 
 
-class KafkaUnavailable(Exception):
-    """Kafka cannot be reached or used; the message is one line for the operator."""
-
-
 #: librdkafka's own delivery timeout when several records of a key may be in flight: the engine
 #: enforces `delivery_timeout` itself (by purging the producer), so librdkafka never times out a
 #: queued record on its own, which could let a later record of its key through (a gap).
 PIPELINED_LIBRDKAFKA_TIMEOUT_MS = 2_147_483_647
 #: librdkafka's largest socket.timeout.ms.
 MAX_SOCKET_TIMEOUT_MS = 300_000
-#: librdkafka's default batch.size.
-LIBRDKAFKA_BATCH_SIZE = 1_000_000
-#: How long a client's start (metadata, topic creation, init_transactions) waits for Kafka before it is
-#: reported unreachable: the harvester's, the queue consumer's and the tracker's.
-KAFKA_START_TIMEOUT = 10.0
 
 
 def record_producer_config(config: HarvestConfig, batch_limit: int | None = None) -> dict[str, Any]:
@@ -186,7 +164,7 @@ def client_config_problems(config: HarvestConfig) -> list[Problem]:
     """librdkafka's own verdict on the settings (unknown property, bad value), found by building the
     clients without letting them connect: E013, naming the setting that holds the property."""
     found = []
-    quiet = {"logger": _check_log, "error_cb": lambda _error: None}
+    quiet = {"logger": check_log, "error_cb": lambda _error: None}
     for build, settings in ((Producer, record_producer_config(config)),
                             (Consumer, leader_consumer_config(config))):
         try:
@@ -205,10 +183,6 @@ def client_config_problems(config: HarvestConfig) -> list[Problem]:
             client.flush(0)
         del client
     return found
-
-
-def admin_config(base: Mapping[str, Any]) -> dict[str, Any]:
-    return {**{k: v for k, v in base.items() if not callable(v)}, "logger": client_log}
 
 
 #: Errors no retry can fix: the client's credentials or its trust in the brokers' certificates are wrong.

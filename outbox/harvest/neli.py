@@ -18,7 +18,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox.harvest.kafka import ConsumerLike, KafkaUnavailable, ProducerLike
+from outbox.harvest.kafka import ConsumerLike, ProducerLike
+from outbox.kafka.clients import KafkaUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,12 @@ from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import Connector, ListenerLike, Store
 from outbox.harvest.contract import Record
 from outbox.harvest.driver import FENCE_SESSION, PURGE_SESSION, Driver, delivery_error
-from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE, ProducerLike, record_producer_config
+from outbox.harvest.kafka import ProducerLike, record_producer_config
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.store import close_quietly, connect
-from outbox.harvest.topics import TopicLimits, TopicLimitsThread, batch_size_for, limit_fitted_by
+from outbox.harvest.topics import TopicLimits, TopicLimitsThread
+from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE
+from outbox.kafka.sizes import batch_size_for, limit_fitted_by
 from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger("outbox.harvest.harvester")

@@ -46,9 +46,7 @@ from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester, HarvestError, Lifecycle, State
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import (
-    KAFKA_START_TIMEOUT,
     ConsumerLike,
-    KafkaUnavailable,
     ProducerLike,
     check_leader_partitions,
     ensure_topic,
@@ -56,7 +54,6 @@ from outbox.harvest.kafka import (
     leader_consumer_config,
 )
 from outbox.harvest.neli import publish_heartbeat
-from outbox.harvest.redaction import remember_secrets
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import (
     StoreError,
@@ -69,6 +66,8 @@ from outbox.harvest.store import (
 )
 from outbox.harvest.supervisor import Supervisor
 from outbox.harvest.tracing import PublishTracer
+from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.kafka.redaction import remember_secrets
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.shards")

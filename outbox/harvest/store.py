@@ -25,7 +25,7 @@ from psycopg import sql
 
 from outbox.harvest import contract, sharding
 from outbox.harvest.contract import Record
-from outbox.harvest.redaction import dsn_problem
+from outbox.kafka.redaction import dsn_problem
 from outbox.reasons import first_line
 
 log = logging.getLogger(__name__)

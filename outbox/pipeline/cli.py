@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from outbox.harvest.config import TOPIC_PATTERN
+from outbox.kafka.names import TOPIC_PATTERN
 from outbox.pipeline import jars as jar_lookup
 from outbox.pipeline import preflight, sources
 from outbox.pipeline import report as reports

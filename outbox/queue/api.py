@@ -18,7 +18,7 @@ from typing import Any
 
 from outbox import conf as outbox_conf
 from outbox.errors import InvalidRecord
-from outbox.harvest.kafka import KafkaUnavailable
+from outbox.kafka.clients import KafkaUnavailable
 from outbox.queue import app_settings, markers, metrics
 from outbox.queue.config import QUEUE_NAME_PATTERN, QueueConfig, QueueLimits, queue_name_problem
 from outbox.queue.errors import QueueError

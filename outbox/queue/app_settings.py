@@ -22,7 +22,7 @@ from typing import Any
 
 from django.conf import settings
 
-from outbox.harvest.config import Problem
+from outbox.kafka.problems import Problem
 from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
 
 #: Defaults of every OUTBOX["queues"] key that is not a per-queue limit (those default in QueueLimits).

@@ -7,8 +7,8 @@ from typing import Any
 from django.core import checks
 
 from outbox import conf as outbox_conf
-from outbox.harvest.config import Problem
-from outbox.harvest.redaction import scrub
+from outbox.kafka.problems import Problem
+from outbox.kafka.redaction import scrub
 from outbox.queue import app_settings
 
 HINT = "See docs/queues.md for OUTBOX['queues']."

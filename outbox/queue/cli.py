@@ -10,8 +10,8 @@ from django.core.management.base import CommandError, CommandParser
 
 from outbox import conf as outbox_conf
 from outbox import logs
-from outbox.harvest.config import default_name, name_problem
-from outbox.harvest.redaction import scrub
+from outbox.kafka.names import default_name, name_problem
+from outbox.kafka.redaction import scrub
 
 log = logging.getLogger("outbox.queue")
 

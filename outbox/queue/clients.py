@@ -18,9 +18,9 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from outbox.harvest.kafka import LIBRDKAFKA_BATCH_SIZE
-from outbox.harvest.topics import UNLIMITED, batch_size_for
 from outbox.kafka.client_errors import log_client_error
+from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE
+from outbox.kafka.sizes import UNLIMITED, batch_size_for
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.reasons import kafka_reason
 

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.harvest.config import MAX_TOPIC_LENGTH, TOPIC_PATTERN, Problem
-from outbox.harvest.redaction import redact_mapping
+from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN
+from outbox.kafka.problems import Problem
+from outbox.kafka.redaction import redact_mapping
 
 #: Logical queue names: Kafka's topic-name characters, so a name never contains the "/" that
 #: separates it from a message id in the keys of stashed messages.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox.harvest.redaction import scrub
+from outbox.kafka.redaction import scrub
 
 
 class QueueError(Exception):

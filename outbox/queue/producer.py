@@ -11,9 +11,9 @@ from typing import Any
 
 from confluent_kafka import KafkaError, Producer
 
-from outbox.harvest.config import default_name
-from outbox.harvest.topics import UNLIMITED, record_size
 from outbox.invalid import InvalidRecord
+from outbox.kafka.names import default_name
+from outbox.kafka.sizes import UNLIMITED, record_size
 from outbox.queue.clients import sender_config
 from outbox.queue.config import QueueConfig
 from outbox.queue.errors import QueueError

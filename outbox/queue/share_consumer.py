@@ -35,8 +35,8 @@ from typing import Any
 from confluent_kafka import AcknowledgeType, IllegalStateException, KafkaError, KafkaException, ShareConsumer
 from confluent_kafka.admin import AdminClient
 
-from outbox.harvest.config import default_name
-from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_config
+from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_config
+from outbox.kafka.names import default_name
 from outbox.kafka.outage import Outage, fatal, permanent
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name

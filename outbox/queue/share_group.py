@@ -15,7 +15,7 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
-from outbox.harvest.kafka import KafkaUnavailable, admin_config
+from outbox.kafka.clients import KafkaUnavailable, admin_config
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.share_session import RANGE_CONFIGS, UNBOUNDED, BrokerRanges, failure_detection
 from outbox.queue.share_state import group_settings

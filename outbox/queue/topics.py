@@ -1,7 +1,7 @@
 """Creates the queue topic and the markers topic when they are missing, and reads what they accept.
 
 The smaller `max.message.bytes` of the two bounds every queue producer's batches (a message and its
-Start marker, which carries its payload, go to one each), as outbox/harvest/topics.py explains.
+Start marker, which carries its payload, go to one each), as outbox/kafka/sizes.py explains.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import logging
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox.harvest.kafka import KafkaUnavailable, admin_config
-from outbox.harvest.topics import UNLIMITED, admin_describe
+from outbox.kafka.clients import KafkaUnavailable, admin_config, admin_describe
+from outbox.kafka.sizes import UNLIMITED
 from outbox.queue.config import QueueConfig
 from outbox.reasons import kafka_reason
 

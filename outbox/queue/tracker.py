@@ -38,8 +38,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from outbox.harvest.config import default_name
-from outbox.harvest.kafka import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.kafka.names import default_name
 from outbox.kafka.outage import Outage
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig

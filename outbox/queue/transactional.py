@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox.harvest.kafka import KAFKA_START_TIMEOUT
+from outbox.kafka.clients import KAFKA_START_TIMEOUT
 from outbox.kafka.outage import Outage, fatal, permanent
 from outbox.reasons import kafka_error, kafka_reason
 

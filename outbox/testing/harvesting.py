@@ -14,7 +14,7 @@ same connection reads committed rows. Purged rows are gone from the outbox after
 harvest. What stands in for the rest of the world: time is the engine's own clock, advanced from one of
 its deadlines to the next (a harvest of a thousand records takes milliseconds); this process leads at once
 (the leader election, with no other replica, has nothing to decide); and the in-memory Kafka
-(outbox/harvest/memory/) acknowledges every record, a moment later.
+(outbox/kafka/memory/) acknowledges every record, a moment later.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
-from outbox.harvest.memory.broker import MemoryBroker, MemoryProducer
-from outbox.harvest.memory.world import SimWorld
 from outbox.harvest.store import PostgresStore
-from outbox.harvest.topics import UNLIMITED
+from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
+from outbox.kafka.memory.world import SimWorld
+from outbox.kafka.sizes import UNLIMITED
 
 #: The engine's clock runs at most this far (seconds of its own time) before the harvest gives up.
 GIVE_UP_AFTER = 600.0

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.test import override_settings
 
 from outbox import stash
-from outbox.harvest.redaction import LIBRDKAFKA_SENSITIVE
+from outbox.kafka.redaction import LIBRDKAFKA_SENSITIVE
 from tests.support.commands import manage
 from tests.support.harness import Process, Replica, outbox_count, replica_env, wait_until
 from tests.support.metrics import scrape

@@ -20,7 +20,7 @@ from django.db import transaction
 from outbox import InvalidRecord, stash_many
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
-from outbox.harvest.topics import record_size
+from outbox.kafka.sizes import record_size
 from outbox.queue import api
 from outbox.queue.topics import MARKERS_TOPIC_CONFIG
 from tests.support.harness import assert_complete_and_ordered, outbox_count, read_topic, wait_until

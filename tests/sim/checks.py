@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from outbox.harvest.memory.broker import MemoryBroker
-from outbox.harvest.memory.table import MemoryTable
-from outbox.harvest.memory.world import Violation
+from outbox.harvest.memory_table import MemoryTable
+from outbox.kafka.memory.broker import MemoryBroker
+from outbox.kafka.memory.world import Violation
 from tests.sim.replica import Log
 
 #: The topic every simulated record goes to.

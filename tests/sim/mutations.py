@@ -27,8 +27,8 @@ from outbox.harvest.driver import Driver
 from outbox.harvest.lanes import EntryState, Lane, Lanes
 from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
-from outbox.harvest.memory.table import MemoryTable, Row, Session
-from outbox.harvest.topics import UNLIMITED
+from outbox.harvest.memory_table import MemoryTable, Row, Session
+from outbox.kafka.sizes import UNLIMITED
 from tests.sim import queue_scenario, shard_scenario, share_scenario
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
 from tests.sim.replay import quiet

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.harvest.memory.broker import BROKER_EPOCH, StoredMessage
-from outbox.harvest.memory.groups import TP
-from outbox.harvest.memory.world import Violation, World
+from outbox.kafka.memory.broker import BROKER_EPOCH, StoredMessage
+from outbox.kafka.memory.groups import TP
+from outbox.kafka.memory.world import Violation, World
 from outbox.queue import markers
 from outbox.queue.config import QueueConfig
 from outbox.queue.markers import Kind, Marker, MarkerError, Ref

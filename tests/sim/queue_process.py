@@ -1,7 +1,7 @@
 """Simulated queue processes: `manage.py outbox_consume` and `manage.py outbox_redeliver`, running the
 real QueueConsumer (with its ConsumerState), the real handling of a handler's outcome
 (outbox/queue/handling.py) and the real RedeliveryTracker (with its tracker_state), over the
-in-memory Kafka (outbox/harvest/memory/) on the world's clock.
+in-memory Kafka (outbox/kafka/memory/) on the world's clock.
 
 Each thread of the real process is a chain of world events calling the same method its thread
 calls in a loop: the fetcher `QueueConsumer.fetch()`, the keep-alive thread `keep_alive()`, each
@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.harvest.memory.broker import MemoryBroker, MemoryProducer
-from outbox.harvest.memory.consumer import MemoryConsumer
-from outbox.harvest.memory.transactions import TransactionalProducer, TransactionFaults
-from outbox.harvest.memory.world import SimWorld
+from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
+from outbox.kafka.memory.consumer import MemoryConsumer
+from outbox.kafka.memory.transactions import TransactionalProducer, TransactionFaults
+from outbox.kafka.memory.world import SimWorld
 from outbox.queue import handling
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.errors import QueueError, Retry

@@ -24,9 +24,9 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults
-from outbox.harvest.memory.transactions import TransactionFaults
-from outbox.harvest.memory.world import SimWorld
+from outbox.kafka.memory.broker import MemoryBroker, ProducerFaults
+from outbox.kafka.memory.transactions import TransactionFaults
+from outbox.kafka.memory.world import SimWorld
 from outbox.queue import markers
 from outbox.queue.config import QueueConfig, QueueLimits
 from tests.sim import replay

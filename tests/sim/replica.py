@@ -23,10 +23,10 @@ from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
-from outbox.harvest.memory.broker import Group, Member, MemoryBroker, MemoryProducer
-from outbox.harvest.memory.table import MemoryStore, MemoryTable
-from outbox.harvest.memory.world import SimWorld, Violation
-from outbox.harvest.topics import UNLIMITED, batch_size_for
+from outbox.harvest.memory_table import MemoryStore, MemoryTable
+from outbox.kafka.memory.broker import Group, Member, MemoryBroker, MemoryProducer
+from outbox.kafka.memory.world import SimWorld, Violation
+from outbox.kafka.sizes import UNLIMITED, batch_size_for
 
 
 @dataclass

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
-from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults
-from outbox.harvest.memory.table import ASYNC_FLUSH_BOUND, HUGE, POISON, MemoryTable, TableFaults
-from outbox.harvest.memory.world import SimWorld, Violation
-from outbox.harvest.topics import record_size
+from outbox.harvest.memory_table import ASYNC_FLUSH_BOUND, MemoryTable, TableFaults
+from outbox.kafka.memory.broker import HUGE, POISON, MemoryBroker, ProducerFaults
+from outbox.kafka.memory.world import SimWorld, Violation
+from outbox.kafka.sizes import record_size
 from tests.sim import checks, replay
 from tests.sim.replica import Log, SimReplica
 

@@ -28,12 +28,12 @@ from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.harvester import State
-from outbox.harvest.memory.broker import MemoryBroker, MemoryProducer
-from outbox.harvest.memory.consumer import MemoryConsumer
-from outbox.harvest.memory.table import MemoryStore, MemoryTable
-from outbox.harvest.memory.world import SimWorld, Violation
+from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.shards import MANAGE_INTERVAL, ShardElection, ShardGroup, retires
 from outbox.harvest.supervisor import Supervisor
+from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
+from outbox.kafka.memory.consumer import MemoryConsumer
+from outbox.kafka.memory.world import SimWorld, Violation
 from tests.sim.replica import Links, Log, SimIO
 
 #: The engine whose turn runs now (a trace's log lines name it).

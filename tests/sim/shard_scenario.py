@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.harvester import State
-from outbox.harvest.memory.broker import MemoryBroker, ProducerFaults, StoredMessage
-from outbox.harvest.memory.table import HUGE, POISON, MemoryTable, TableFaults, key_shard
-from outbox.harvest.memory.world import SimWorld, Violation
+from outbox.harvest.memory_table import MemoryTable, TableFaults, key_shard
 from outbox.harvest.shards import retires as engine_retires
+from outbox.kafka.memory.broker import HUGE, POISON, MemoryBroker, ProducerFaults, StoredMessage
+from outbox.kafka.memory.world import SimWorld, Violation
 from tests.sim import checks, replay, shard_replica
 from tests.sim.replica import Log
 from tests.sim.scenario import Result, finished_when_drained, limits_for, operate_on_poison

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from outbox.harvest.memory.world import Violation, World
+from outbox.kafka.memory.world import Violation, World
 from outbox.queue import handling, markers
 from outbox.queue.markers_consumer import Message
 from outbox.queue.share_state import LETTER_RETRY, LOCK_MARGIN

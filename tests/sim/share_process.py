@@ -1,6 +1,6 @@
 """A simulated `manage.py outbox_consume` on a share queue: the real ShareQueueConsumer (its poller's
 round(), with share_state.py's decisions), the real handling of a handler's outcome (handling.py,
-the inbox's transaction) over the memory share group (outbox/harvest/memory/share_groups.py), on the
+the inbox's transaction) over the memory share group (outbox/kafka/memory/share_groups.py), on the
 world's clock.
 
 The poller thread is a chain of world events calling ShareQueueConsumer.round(), as _poll_loop does,
@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.harvest.memory.broker import MemoryBroker
-from outbox.harvest.memory.share_consumer import MemoryShareConsumer
-from outbox.harvest.memory.share_groups import share_group
-from outbox.harvest.memory.world import SimWorld
+from outbox.kafka.memory.broker import MemoryBroker
+from outbox.kafka.memory.share_consumer import MemoryShareConsumer
+from outbox.kafka.memory.share_groups import share_group
+from outbox.kafka.memory.world import SimWorld
 from outbox.queue import handling
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.queue.errors import QueueError, Retry

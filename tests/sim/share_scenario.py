@@ -19,9 +19,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from outbox.harvest.memory.broker import MemoryBroker
-from outbox.harvest.memory.share_groups import share_group
-from outbox.harvest.memory.world import SimWorld
+from outbox.kafka.memory.broker import MemoryBroker
+from outbox.kafka.memory.share_groups import share_group
+from outbox.kafka.memory.world import SimWorld
 from outbox.queue import markers
 from outbox.queue.config import QueueConfig, QueueLimits
 from tests.sim import replay

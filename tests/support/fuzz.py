@@ -11,7 +11,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 from hypothesis import strategies as st
 
-from outbox.harvest.config import TOPIC_PATTERN
+from outbox.kafka.names import TOPIC_PATTERN
 from tests.support.harness import wait_until
 
 #: Any code point, lone surrogates and NUL included (st.text() leaves surrogates out by default).

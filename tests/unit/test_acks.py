@@ -13,7 +13,7 @@ from outbox.harvest import commands as cmd
 from outbox.harvest.acks import AckOffsets
 from outbox.harvest.contract import Record
 from outbox.harvest.driver import Driver
-from outbox.harvest.memory.broker import StoredMessage
+from outbox.kafka.memory.broker import StoredMessage
 
 
 def acked(offset: int, topic: str = "orders", partition: int = 0) -> StoredMessage:

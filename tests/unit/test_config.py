@@ -14,7 +14,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox import conf
 from outbox.harvest.config import HarvestConfig, Limits
-from outbox.harvest.redaction import redact_dsn
+from outbox.kafka.redaction import redact_dsn
 
 
 def test_derived_limits_follow_goharvest():
@@ -214,3 +214,21 @@ def test_a_long_heartbeat_timeout_keeps_the_derived_socket_timeout_within_librdk
     # most is 300,000), refused as a setting nobody had set, in a message of two lines.
     assert outbox_errors(heartbeat_timeout=151) == []
     assert outbox_errors(heartbeat_timeout=1200) == []
+
+
+def test_bootstrap_servers_come_from_outbox_else_the_environment_else_localhost_with_a_warning(monkeypatch):
+    """One behaviour, everywhere: the harvester once ignored KAFKA_BOOTSTRAP_SERVERS when OUTBOX set no
+    base_kafka_config, and tried localhost:9092 without a word."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "from-env:9092")
+    with override_settings(OUTBOX={}):
+        assert conf.harvest_config().base_kafka_config["bootstrap.servers"] == "from-env:9092"
+        assert conf.kafka_config()["bootstrap.servers"] == "from-env:9092"
+        assert not [m for m in checks.run_checks(tags=["outbox"]) if m.id == "outbox.W006"]
+    with override_settings(OUTBOX={"base_kafka_config": {"bootstrap.servers": "from-outbox:9092"}}):
+        assert conf.harvest_config().base_kafka_config["bootstrap.servers"] == "from-outbox:9092"
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS")
+    with override_settings(OUTBOX={"base_kafka_config": {"sasl.password": "secret"}}):
+        assert conf.harvest_config().base_kafka_config["bootstrap.servers"] == "localhost:9092"
+        [warning] = [m for m in checks.run_checks(tags=["outbox"]) if m.id == "outbox.W006"]
+    assert warning.msg == ("OUTBOX['base_kafka_config'] sets no bootstrap.servers and KAFKA_BOOTSTRAP_SERVERS is not "
+                           "set either, so Kafka is looked for at localhost:9092: set one of them")

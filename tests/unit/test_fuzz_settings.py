@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from outbox import conf
-from outbox.harvest.redaction import REDACTED
+from outbox.kafka.redaction import REDACTED
 from outbox.queue import app_settings as queue_settings
 
 SCALARS = (st.none() | st.booleans() | st.integers(-10, 10**7) | st.floats(allow_nan=True) | st.text(max_size=20)

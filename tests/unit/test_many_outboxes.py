@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
-from outbox import conf, many
+from outbox import conf, many, settings_problems
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester, HarvestError, State
@@ -623,7 +623,7 @@ def test_the_tenant_table_must_be_unqualified():
 ])
 def test_a_bad_outboxes_entry_is_one_line_naming_it(outboxes, field, message):
     with override_settings(OUTBOX={"outboxes": outboxes}):
-        found = [p for p in conf.settings_problems() if p.code == "E018"]
+        found = [p for p in settings_problems.settings_problems() if p.code == "E018"]
     assert [p.field for p in found] == [field]
     assert message in found[0].message
 
@@ -632,7 +632,7 @@ def test_the_check_names_the_entry_and_key():
     from outbox.checks import describe
 
     with override_settings(OUTBOX={"outboxes": {"shop": {"tabel": "x"}}}):
-        problem = next(p for p in conf.settings_problems() if p.code == "E018")
+        problem = next(p for p in settings_problems.settings_problems() if p.code == "E018")
         assert describe(problem).startswith("OUTBOX['outboxes']['shop']['tabel'] is not a key of an outbox")
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError, KafkaException, TopicPartition
 
-from outbox.harvest.memory.broker import BROKER_EPOCH, MemoryBroker
-from outbox.harvest.memory.consumer import MemoryConsumer
-from outbox.harvest.memory.transactions import TransactionalProducer
-from outbox.harvest.memory.world import SimWorld
+from outbox.kafka.memory.broker import BROKER_EPOCH, MemoryBroker
+from outbox.kafka.memory.consumer import MemoryConsumer
+from outbox.kafka.memory.transactions import TransactionalProducer
+from outbox.kafka.memory.world import SimWorld
 
 GROUP = {"group.id": "g", "isolation.level": "read_committed", "enable.partition.eof": True,
          "session.timeout.ms": 3000}

@@ -102,10 +102,11 @@ def test_a_keep_alive_leaving_little_margin_is_a_warning():
 
 def test_queues_is_an_outbox_setting_the_queue_app_registers():
     from outbox import conf as outbox_conf
+    from outbox import settings_problems as outbox_settings_problems
 
     assert "queues" in outbox_conf.known_keys()
     with override_settings(OUTBOX={"queues": {}}):
-        assert outbox_conf.problems() == []
+        assert outbox_settings_problems.problems() == []
 
 
 def test_every_marker_survives_its_wire_format():

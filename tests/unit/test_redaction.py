@@ -1,4 +1,4 @@
-"""One decision of what is secret (outbox.harvest.redaction), and the masking that follows from it."""
+"""One decision of what is secret (outbox.kafka.redaction), and the masking that follows from it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import Producer
 
 from outbox.harvest.config import HarvestConfig
-from outbox.harvest.redaction import (
+from outbox.kafka.redaction import (
     LIBRDKAFKA_SENSITIVE,
     REDACTED,
     RedactingFilter,

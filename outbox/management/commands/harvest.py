@@ -13,12 +13,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from outbox import conf, logs, many
+from outbox import conf, logs, many, settings_problems
 from outbox.embedded import create_harvester, create_many_harvester
 from outbox.gc_tuning import tune_gc
-from outbox.harvest.config import Limits, name_problem
+from outbox.harvest.config import Limits
 from outbox.harvest.harvester import HarvestError
-from outbox.harvest.redaction import scrub
+from outbox.kafka.names import name_problem
+from outbox.kafka.redaction import scrub
 from outbox.stopping import on_stop_signals
 
 
@@ -77,12 +78,12 @@ class Command(BaseCommand):
         if options["print_config"]:
             # Printed even when invalid (that is when it is wanted), then the problems, and a failure.
             self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
-            problems = conf.problems(**overrides)
+            problems = settings_problems.problems(**overrides)
             if problems:
                 raise CommandError(scrub("invalid configuration: " + "; ".join(map(str, problems)),
                                          conf.secret_values()))
             return
-        problems = conf.settings_problems()
+        problems = settings_problems.settings_problems()
         if problems:
             raise CommandError(scrub("invalid OUTBOX setting: " + "; ".join(map(str, problems)), conf.secret_values()))
         logs.configure_logging(options["verbosity"])
@@ -104,7 +105,7 @@ class Command(BaseCommand):
             if options[flag] is not None:
                 raise CommandError(f"--{flag.replace('_', '-')}: cannot be given with several outboxes; each derives "
                                    f"its own (or set it in its OUTBOX['outboxes'] entry)")
-        problems = conf.settings_problems()
+        problems = settings_problems.settings_problems()
         if problems:
             raise CommandError(scrub("invalid OUTBOX setting: " + "; ".join(map(str, problems)), conf.secret_values()))
         for flag in ("table", "database"):

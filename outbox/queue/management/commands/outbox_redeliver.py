@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from outbox.harvest.redaction import redact_mapping
+from outbox.kafka.redaction import redact_mapping
 from outbox.queue import app_settings, cli, metrics, store
 from outbox.queue.errors import QueueError
 from outbox.queue.models import DeadLetter, QueueCounter, QueueProcess

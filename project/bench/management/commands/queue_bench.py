@@ -342,7 +342,7 @@ class Command(BaseCommand):
         """Until the consumer group has `members` members with partitions (a warm-up message goes round)."""
         from confluent_kafka.admin import AdminClient
 
-        from outbox.harvest.kafka import admin_config
+        from outbox.kafka.clients import admin_config
 
         admin = AdminClient(admin_config(config.base_kafka_config))
         group = config.consumer_group(QUEUE)

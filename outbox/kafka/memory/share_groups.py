@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.harvest.memory.world import World
+from outbox.kafka.memory.world import World
 
 #: The broker's defaults (a group's configuration overrides the first two).
 DEFAULT_LOCK_MS = 30_000

@@ -27,7 +27,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError
 
-from outbox.harvest.memory.world import World
+from outbox.kafka.memory.world import World
 
 TP = tuple[str, int]
 #: How often the coordinator checks its members' sessions.

@@ -18,8 +18,8 @@ from typing import Any
 
 from confluent_kafka import AcknowledgeType, IllegalStateException, KafkaError, KafkaException, TopicPartition
 
-from outbox.harvest.memory.broker import MemoryBroker
-from outbox.harvest.memory.share_groups import Acquired, ShareGroup, ShareMember, Standing, share_group
+from outbox.kafka.memory.broker import MemoryBroker
+from outbox.kafka.memory.share_groups import Acquired, ShareGroup, ShareMember, Standing, share_group
 
 _ACKS = {AcknowledgeType.ACCEPT: "accept", AcknowledgeType.RELEASE: "release", AcknowledgeType.REJECT: "reject"}
 

@@ -33,8 +33,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox.harvest.memory.broker import MemoryBroker, StoredMessage
-from outbox.harvest.memory.groups import TP, GroupMetadata
+from outbox.kafka.memory.broker import MemoryBroker, StoredMessage
+from outbox.kafka.memory.groups import TP, GroupMetadata
 
 STATE = KafkaError(KafkaError._STATE, "Local: Erroneous state")
 TRANSPORT = KafkaError(KafkaError._TRANSPORT, "Local: Broker transport failure", txn_requires_abort=True)

@@ -24,8 +24,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from outbox.harvest.memory.broker import MemoryBroker, StoredMessage
-from outbox.harvest.memory.groups import TP, ConsumerGroup, GroupMember, GroupMetadata, Standing
+from outbox.kafka.memory.broker import MemoryBroker, StoredMessage
+from outbox.kafka.memory.groups import TP, ConsumerGroup, GroupMember, GroupMetadata, Standing
 
 Callback = Callable[[Any, list[TopicPartition]], None]
 

@@ -22,16 +22,12 @@ from datetime import UTC, datetime
 import psycopg
 
 from outbox.harvest.contract import Record
-from outbox.harvest.memory.world import Violation, World
 from outbox.harvest.sharding import shard_of
 from outbox.harvest.store import FenceHolder
+from outbox.kafka.memory.broker import POISONS
+from outbox.kafka.memory.world import Violation, World
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
-#: A value the broker refuses (as it would a record over its topic's size limit)...
-POISON = "POISON"
-#: ...and one the producer refuses before it leaves the process (over the producer's own limit).
-HUGE = "HUGE"
-POISONS = frozenset({POISON, HUGE})
 #: Postgres' WAL writer flushes an asynchronous commit within three wal_writer_delay (200 ms by default).
 ASYNC_FLUSH_BOUND = 0.6
 

@@ -44,10 +44,9 @@ from typing import Any
 
 from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, KafkaError, KafkaException
 
-from outbox.harvest import contract
-from outbox.harvest.memory.table import HUGE, POISON
-from outbox.harvest.memory.world import World
-from outbox.harvest.topics import RECORD_BATCH_OVERHEAD, record_size
+from outbox.kafka.headers import HEADER_ID
+from outbox.kafka.memory.world import World
+from outbox.kafka.sizes import RECORD_BATCH_OVERHEAD, record_size
 
 PERMANENT = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large")
 TIMED_OUT = KafkaError(KafkaError._MSG_TIMED_OUT, "Local: Message timed out", retriable=True)
@@ -56,6 +55,12 @@ FATAL = KafkaError(KafkaError._FATAL, "Local: Fatal error", fatal=True)
 FENCED = KafkaError(KafkaError.PRODUCER_FENCED, "Broker: producer fenced", fatal=True)
 #: The brokers' wall clock at the world's time 0 (2026-01-01 UTC), for message timestamps.
 BROKER_EPOCH = 1_767_225_600.0
+
+#: A value the broker refuses (as it would a record over its topic's size limit)...
+POISON = "POISON"
+#: ...and one the producer refuses before it leaves the process (over the producer's own limit).
+HUGE = "HUGE"
+POISONS = frozenset({POISON, HUGE})
 
 
 def batch_size(messages: list[Pending]) -> int:
@@ -87,7 +92,7 @@ class StoredMessage:
         #: A transaction's commit or abort marker: takes an offset, never returned to a consumer.
         self.control = control
         self._timestamp_type = TIMESTAMP_LOG_APPEND_TIME if log_append_time else TIMESTAMP_CREATE_TIME
-        found = self.header(contract.HEADER_ID)
+        found = self.header(HEADER_ID)
         #: The outbox id the harvester put in its header (None for messages that have none).
         self.record_id = int(found) if found is not None else None
 

@@ -178,7 +178,7 @@ class RedactingFilter(logging.Filter):
     """A logging filter that masks remembered secret values in a record's message and traceback.
 
     The commands put it on the handler they install; a project with its own LOGGING adds it to its
-    handlers: `"filters": {"outbox_redact": {"()": "outbox.harvest.redaction.RedactingFilter"}}`.
+    handlers: `"filters": {"outbox_redact": {"()": "outbox.kafka.redaction.RedactingFilter"}}`.
     """
 
     _formatter = logging.Formatter()

@@ -1,0 +1,98 @@
+"""Everything wrong with OUTBOX = {...}, each problem with its check code, gathered from the parts that own each
+setting: conf (the Django side's keys and the engine's HarvestConfig), cloudevents, many (several outboxes), the
+tracing switch. manage.py check (checks.py) and manage.py harvest report them. conf itself only reads settings,
+so the parts it gathers from may read them through it."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from django.conf import settings
+
+from outbox import conf
+from outbox.cloudevents import settings_problems as cloudevent_problems
+from outbox.harvest.kafka import client_config_problems
+from outbox.kafka.problems import Problem
+from outbox.many import problems as outboxes_problems
+from outbox.tracing import switch
+
+
+def settings_problems() -> list[Problem]:
+    """Problems with OUTBOX itself and its Django-side keys (the engine's are HarvestConfig's)."""
+    raw = conf.raw_settings()
+    if not isinstance(raw, dict):
+        return [Problem("E001", "OUTBOX", f"must be a dict, got {type(raw).__name__}")]
+    found = []
+    known = conf.known_keys()
+    for key in sorted(set(raw) - known, key=str):
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        found.append(Problem("E002", str(key), f"is not a known setting{hint}"))
+    for key in ("max_value_bytes", "max_header_bytes", "stuck_reset_count"):
+        value = raw.get(key, conf.DJANGO_DEFAULTS[key])
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found.append(Problem("E003", key, f"must be a positive integer, got {value!r}"))
+    for key in ("status_gone_after", "stuck_after", "horizon_warn_after", "discover_interval"):
+        value = conf.seconds(raw.get(key, conf.DJANGO_DEFAULTS[key]))
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))
+    spark_jars = raw.get("spark_jars")
+    if spark_jars is not None and not (isinstance(spark_jars, str) or (
+            isinstance(spark_jars, list | tuple) and all(isinstance(item, str) for item in spark_jars))):
+        found.append(Problem("E003", "spark_jars", f"must be a path or a list of paths, got {spark_jars!r}"))
+    tracing = raw.get("tracing", True)
+    if not isinstance(tracing, bool):
+        found.append(Problem("E015", "tracing", f"must be True or False, got {tracing!r}"))
+    strict = raw.get("tests_require_atomic", True)
+    if not isinstance(strict, bool):
+        found.append(Problem("E003", "tests_require_atomic", f"must be True or False, got {strict!r}"))
+    found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))
+    found.extend(outboxes_problems(raw.get("outboxes")))
+    database = raw.get("database", conf.DJANGO_DEFAULTS["database"])
+    problem = conf.alias_problem(database)
+    if problem is not None:
+        found.append(Problem("E011" if database not in settings.DATABASES else "E012", "database", problem))
+    return found
+
+
+def problems(**overrides: Any) -> list[Problem]:
+    """Everything wrong with the outbox settings (with command-line overrides), for `manage.py check`."""
+    found = settings_problems()
+    if any(p.code in {"E001", "E011", "E012"} for p in found):
+        return found
+    alias = overrides.get("database")
+    if alias is not None and (problem := conf.alias_problem(alias)) is not None:
+        return [*found, Problem("E011", "database", problem)]
+    config, given = conf.build(**overrides)
+    engine = config.validate(given_limits=given)
+    if not engine:
+        engine = client_config_problems(config)
+    return found + engine
+
+
+def warnings() -> list[Problem]:
+    """Settings that work but weaken a guarantee, for `manage.py check`."""
+    if settings_problems():
+        return []
+    config, given = conf.build()
+    if config.validate(given_limits=given):
+        return []
+    found = config.warnings()
+    from outbox.models import OutboxRecord
+
+    raw = conf.raw_settings()
+    for key, why in conf.RETIRED_KEYS.items():
+        if key in raw:
+            found.append(Problem("W004", key, f"no longer does anything ({why}); remove it"))
+    if raw.get("tracing") is True and not switch.otel_installed():
+        found.append(Problem("W005", "tracing", "is True but opentelemetry-api is not installed, so nothing is "
+                                                "traced: install django-outbox-harvest[otel]"))
+    if conf.bootstrap_source() is None:
+        found.append(Problem("W006", "base_kafka_config", f"sets no bootstrap.servers and KAFKA_BOOTSTRAP_SERVERS is "
+                                                          f"not set either, so Kafka is looked for at "
+                                                          f"{conf.DEFAULT_BOOTSTRAP_SERVERS}: set one of them"))
+    if config.table != OutboxRecord._meta.db_table:
+        found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
+                                              f"use the model's table {OutboxRecord._meta.db_table!r}"))
+    return found

@@ -1,0 +1,122 @@
+"""Who may import whom in outbox/ (docs/architecture.md): read from the source, every import counted, those inside
+functions too (those only a type checker runs, under `if TYPE_CHECKING:`, are not imports at run time)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "outbox"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node but those under `if TYPE_CHECKING:`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in (child, *_runtime_nodes(child)))
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def imports(module: str) -> set[str]:
+    """The outbox modules `module` imports at run time (at its top or inside its functions)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for name in names:
+            target = _resolve(name)
+            if target is not None and target != module and target.startswith("outbox"):
+                found.add(target)
+    return found
+
+
+GRAPH = {module: imports(module) for module in MODULES}
+
+
+def _cycles() -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in GRAPH[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(GRAPH):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_in_the_package():
+    assert _cycles() == []
+
+
+def test_a_planted_cycle_is_found(monkeypatch):
+    """The check itself has teeth: a cycle added to the graph is reported."""
+    monkeypatch.setitem(GRAPH, "outbox.kafka.sizes", GRAPH["outbox.kafka.sizes"] | {"outbox.harvest.topics"})
+    assert ["outbox.harvest.topics", "outbox.kafka.sizes"] in _cycles()
+
+
+def _reaches(module: str, prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(target for target in GRAPH[module] if target.startswith(prefixes))
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("outbox.queue")))
+def test_the_queues_import_nothing_from_the_harvester(module):
+    """What both need lives in outbox.kafka (the shared layer), not in one of them."""
+    assert _reaches(module, ("outbox.harvest",)) == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("outbox.kafka")))
+def test_the_shared_kafka_layer_stands_on_nothing_above_it(module):
+    assert _reaches(module, ("outbox.harvest", "outbox.queue", "outbox.pipeline", "outbox.testing")) == []
+    source = MODULES[module].read_text()
+    assert "django" not in source.split('"""', 2)[-1], f"{module} imports Django"
