@@ -1,1 +1,2 @@
-"""What the harvester and the queues share about Kafka: how a process rides through an outage."""
+"""What the harvester and the queues share about Kafka (clients, sizes, headers, names, redaction, riding through
+an outage) and the one in-memory Kafka; it imports nothing from either (docs/architecture.md)."""
