@@ -9,7 +9,7 @@ PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12
                 $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 STAMP     := $(VENV)/.installed
 
-.PHONY: setup services harvest consume test test-django52 test-postgres18 images test-docker lint bench down clean
+.PHONY: setup services harvest consume test docs test-django52 test-postgres18 images test-docker lint bench down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,7 @@ WORKERS   ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check . bin/services
 	$(PY) -m pytest tests/unit
+	$(MAKE) docs
 	bin/services up
 	$(PY) -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" --ignore=tests/unit
 	$(PY) -m pytest -m serial --ignore=tests/unit
@@ -75,13 +76,19 @@ test-postgres18: setup
 	DATABASE_URL=$(PG18_URL) KAFKA_BOOTSTRAP_SERVERS=$${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:9092} \
 	  $(PY) -m pytest -p no:cacheprovider $(PG_TESTS)
 
-# The Docker paths (README, "Docker"): an engine (Debian's dockerd where none answers), the local
+# The Docker paths (CONTRIBUTING.md, "Docker"): an engine (Debian's dockerd where none answers), the local
 # images, then the tests marked `docker`, which fail rather than skip here.
 images:
 	bin/services images
 
 test-docker: $(STAMP) images
 	REQUIRE_DOCKER_TESTS=1 $(PY) -m pytest -m docker
+
+# The documentation site in docs/_build/html, warnings (a broken link or anchor among them) as errors. Its
+# reference pages are written from the code at every build.
+docs: $(STAMP)
+	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
 
 lint: $(STAMP)
 	$(PY) -m ruff check . bin/services

@@ -13,7 +13,7 @@ from outbox.kafka.redaction import scrub
 
 @checks.register("outbox")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    hint = "See the configuration reference in README.md."
+    hint = "Every OUTBOX setting, its limit and each check code: the documentation's settings reference."
     errors = [checks.Error(describe(p), hint=hint, id=f"outbox.{p.code}") for p in settings_problems.problems()]
     if errors:  # each problem once: what a setting in error also weakens waits until it is fixed
         return errors

@@ -17,6 +17,40 @@ from outbox.kafka.problems import Problem
 from outbox.many import problems as outboxes_problems
 from outbox.tracing import switch
 
+#: What each check code of OUTBOX means (docs/reference/settings.md is written from it).
+CHECK_CODES: dict[str, str] = {
+    "outbox.E001": "`OUTBOX` is not a dict",
+    "outbox.E002": "an unknown key (with a \"did you mean\")",
+    "outbox.E003": "a value of the wrong type",
+    "outbox.E004": "a value below its minimum (or above its maximum)",
+    "outbox.E005": "the harvester has no database to connect to (`dsn`)",
+    "outbox.E006": "a bad `table` name",
+    "outbox.E007": "a bad topic name (`leader_topic`, `dead_letter_topic`)",
+    "outbox.E008": "a bad `leader_group` or `name` (empty, or with a control character that would forge a log line)",
+    "outbox.E009": "`base_kafka_config` or `producer_kafka_config` not a mapping of librdkafka properties",
+    "outbox.E010": "`base_kafka_config` without `bootstrap.servers` once merged (an empty value)",
+    "outbox.E011": "`database` not an entry of `DATABASES`",
+    "outbox.E012": "`database` not a PostgreSQL entry of `DATABASES`",
+    "outbox.E013": "librdkafka refuses a property in `base_kafka_config` or `producer_kafka_config` (checked by "
+        "librdkafka itself)",
+    "outbox.E014": "a producer setting that would break per-key order: `enable.idempotence` off, `acks` not `all`, "
+        "or librdkafka's `delivery.timeout.ms`, `message.timeout.ms` or `enable.gapless.guarantee` set while "
+        "`max_in_flight_per_key > 1`",
+    "outbox.E015": "`tracing` not `True` or `False`",
+    "outbox.E016": "a bad `cloudevents` dict: an unknown key, an empty `source`, `types` not a map of topic names to "
+        "non-empty types (or `types` without `source`), a `content_type` that is not a media type",
+    "outbox.E017": "`shards` not a whole number from 1 to 256",
+    "outbox.E018": "a bad `outboxes` dict: not a dict of names to dicts, a bad name, an unknown or bad key of an entry",
+    "outbox.W001": "a delivery timeout too long for safe fail-over (`heartbeat_timeout` plus the delivery timeout must "
+        "stay under the session timeout)",
+    "outbox.W002": "`check --database default`: another table's replicas use the same leader group",
+    "outbox.W003": "`table` differs from the model's table, which `stash()` and the admin use",
+    "outbox.W004": "a retired setting (`rescan_interval`): it does nothing any more",
+    "outbox.W005": "`tracing` set to `True` but `opentelemetry-api` is not installed: nothing is traced",
+    "outbox.W006": "no `bootstrap.servers` in `base_kafka_config` and no `KAFKA_BOOTSTRAP_SERVERS`: Kafka is looked "
+        "for at `localhost:9092`",
+}
+
 
 def settings_problems() -> list[Problem]:
     """Problems with OUTBOX itself and its Django-side keys (the engine's are HarvestConfig's)."""

@@ -129,7 +129,7 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    # Masks the secret values of OUTBOX and DATABASES should any line quote one (docs/operations.md).
+    # Masks the secret values of OUTBOX and DATABASES should any line quote one (docs/kafka.md, "What is secret").
     "filters": {"outbox_redact": {"()": "outbox.kafka.redaction.RedactingFilter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["outbox_redact"]}},
     "root": {"handlers": ["console"], "level": "WARNING"},

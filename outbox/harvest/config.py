@@ -53,7 +53,7 @@ class Limits:
                                            "leader (LISTEN off, or the table has no NOTIFY trigger).")
     idle_poll_interval: float = limit(1.0, 0.001, "Safety-net poll of an idle leader whose table's trigger "
                                                   "wakes it with NOTIFY.")
-    # Defaults measured on a stock Postgres (docs/operations.md, "Choosing the limits").
+    # Defaults measured on a stock Postgres (docs/tuning.md, "Choosing the limits").
     max_in_flight_records: int = limit(4000, 1, "At most this many records are sent and not yet acknowledged "
                                                 "and purged.")
     max_in_flight_per_key: int = limit(256, 1, "At most this many records of one key in flight at once (1 is "

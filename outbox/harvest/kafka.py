@@ -57,7 +57,7 @@ def record_producer_config(config: HarvestConfig, batch_limit: int | None = None
     Idempotence is on: librdkafka's retries never duplicate or reorder a message within the
     producer's session. With one record per key in flight (goharvest's barrier),
     delivery.timeout.ms is the engine's delivery_timeout, which stays below the time Kafka takes
-    to hand leadership to another replica (docs/operations.md has the arithmetic). With several,
+    to hand leadership to another replica (docs/tuning.md, "Fail-over timing", has the arithmetic). With several,
     a key's records must reach the log as a prefix of what was sent, never with a hole: so
     `enable.gapless.guarantee` turns a refused batch into a fatal error (the engine replaces the
     producer and re-marks), and the timeout is enforced by the engine purging the whole producer
@@ -109,7 +109,7 @@ def election_socket_timeout_ms(config: HarvestConfig) -> int:
     a request to it is only abandoned after this long, and only then does the client look up the
     partition's new leader or the group's new coordinator. At librdkafka's 60 s a fenced leader
     (and any successor) saw no heartbeat for a minute after Kafka had already moved the partition
-    (measured: docs/operations.md, "Production Kafka"); at two heartbeat timeouts it resumes within
+    (measured: docs/kafka.md); at two heartbeat timeouts it resumes within
     about three.
     """
     # librdkafka takes at most 300 s: a heartbeat_timeout over 150 s would otherwise be refused as a

@@ -43,7 +43,7 @@ WHERE i.inhparent = to_regclass(%(table)s)
 LAST_ID = "SELECT pg_sequence_last_value(pg_get_serial_sequence(%(table)s, 'id'))"
 _BOUNDS = re.compile(r"FOR VALUES FROM \('?(-?\d+|MINVALUE)'?\) TO \('?(-?\d+|MAXVALUE)'?\)")
 
-# Storage parameters of every partition: as the unpartitioned table's (docs/operations.md, "Autovacuum").
+# Storage parameters of every partition: as the unpartitioned table's (docs/tuning.md, "Autovacuum").
 STORAGE = ("fillfactor = 70, autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 5000, "
            "autovacuum_vacuum_insert_scale_factor = 0.0, autovacuum_vacuum_insert_threshold = 20000, "
            "autovacuum_analyze_scale_factor = 0.0, autovacuum_analyze_threshold = 20000, "

@@ -290,7 +290,7 @@ class ThreadedIO:
         self._has_trigger = self.store.has_notify_trigger()
         self._listener = connector.listener(contract.notify_channel(self.store.table_oid))
         if self._listener is not None and not self._has_trigger:
-            log.info("Table %s has no NOTIFY trigger (manage.py migrate installs it; docs/operations.md shows the "
+            log.info("Table %s has no NOTIFY trigger (manage.py migrate installs it; docs/tuning.md shows the "
                      "SQL for other tables): polling it every %gs", self.config.table, self.config.limits.mark_backoff)
         self._workers = {FENCE_SESSION: Worker("outbox-fence", self.store),
                          PURGE_SESSION: Worker("outbox-purge", self.store)}

@@ -6,7 +6,7 @@ from django.db import migrations, models
 # churns through two dead tuples per message while staying small. Defaults (vacuum when 20%
 # of the table is dead) let dead tuples pile up under a sustained load; these settings vacuum
 # after a fixed number of dead rows, unthrottled, and leave free space on each page so the
-# mark UPDATE can stay on its page (a HOT update: no new index entry). docs/operations.md
+# mark UPDATE can stay on its page (a HOT update: no new index entry). docs/tuning.md
 # explains the numbers.
 STORAGE = (
     "fillfactor = 70",

@@ -47,6 +47,65 @@ DEFAULTS: dict[str, Any] = {
     # Dead letters older than this are deleted by the trackers (None: kept until an operator acts).
     "dead_letter_retention": 30 * 24 * 3600.0,
 }
+#: What each OUTBOX["queues"] key does, with its default as the reference shows it (docs/reference/settings.md).
+MEANINGS: dict[str, tuple[str, str]] = {
+    "topic": ("`\"<project>-queue\"`",
+        "the queue topic, shared by every logical queue"),
+    "markers_topic": ("`\"<project>-queue-markers\"`",
+        "the markers topic"),
+    "partitions": ("`8`",
+        "partition counts when the topics are created"),
+    "markers_partitions": ("`4`",
+        "partition counts when the topics are created"),
+    "consumer_group_prefix": ("`\"<project>-queue-\"`",
+        "consumers of queue Q share group `<prefix>Q`"),
+    "tracker_group": ("`\"<project>-queue-tracker\"`",
+        "the trackers' consumer group"),
+    "redelivery_timeout": ("`30`",
+        "seconds without a marker before a message is redelivered (0.1 to 43,200)"),
+    "keep_alive_interval": ("`redelivery_timeout / 3`",
+        "must be below the timeout; above half of it is warning `outbox_queue.W001`"),
+    "max_in_progress": ("`10`",
+        "messages a consumer holds at once (back-pressure; also its Start transaction's largest batch)"),
+    "max_deliveries": ("`5`",
+        "deliveries before a message becomes a dead letter; `None`: no limit"),
+    "backend": ("`\"markers\"`",
+        "`\"markers\"` (this page) or `\"share\"` (Kafka's share groups, 4.2+): "
+        "[queue-backends.md](../queue-backends.md)"),
+    "per_queue": ("`{}`",
+        "`{\"reports\": {\"redelivery_timeout\": 600, \"max_in_progress\": 1}}`: the four limits and the "
+        "backend above, per queue"),
+    "poll_interval": ("`0.1`",
+        "longest wait of a consumer's or tracker's loop"),
+    "status_interval": ("`2`",
+        "status rows (admin) are written this often"),
+    "status_gone_after": ("`20`",
+        "admin calls a process not seen for this long gone"),
+    "inbox_retention": ("`604800`",
+        "inbox rows older than this (seconds) are pruned"),
+    "history_interval": ("`10`",
+        "a tracker adds a sample per queue (in progress, redeliveries, dead letters) to `outbox_queue_history`, the "
+        "admin's charts, this often, with its status row (0: never)"),
+    "history_retention": ("`86400`",
+        "samples older than this (seconds) are deleted"),
+    "dead_letter_retention": ("`2592000`",
+        "dead letters written longer ago than this (30 days) are deleted by the trackers, once a minute; `None` "
+        "keeps them until an operator acts"),
+}
+#: What each check code of OUTBOX["queues"] means (docs/reference/settings.md is written from it).
+CHECK_CODES: dict[str, str] = {
+    "outbox_queue.E001": "`OUTBOX['queues']` is not a dict",
+    "outbox_queue.E002": "an unknown key (with a \"did you mean\")",
+    "outbox_queue.E003": "a value of the wrong type (`per_queue` not a dict of dicts, a group prefix not a string, "
+        "`base_kafka_config` without `bootstrap.servers`)",
+    "outbox_queue.E004": "a value outside its range",
+    "outbox_queue.E005": "a bad topic name, or the markers topic the same as the queue topic",
+    "outbox_queue.E006": "a bad queue name in `per_queue`",
+    "outbox_queue.E007": "a setting the queue's backend cannot honour (an unknown `backend`; the share backend's "
+        "limits on `redelivery_timeout` and `max_deliveries`)",
+    "outbox_queue.W001": "`keep_alive_interval` above half the redelivery timeout: one late marker redelivers a "
+        "message still in hand",
+}
 KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 _SECONDS = {"redelivery_timeout", "keep_alive_interval", "poll_interval", "status_interval", "status_gone_after",

@@ -76,7 +76,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'outbox.testing' has no attribute {name!r}")
 
 
-def stashed(*, topic: str | None = None, after: int = 0, using: str | None = None) -> list[StashedRecord]:
+def stashed(topic: str | None = None, *, after: int = 0, using: str | None = None) -> list[StashedRecord]:
     """The records in the outbox now (of `topic`, with an id above `after`), in id order, read through the test's
     own connection to database `using` (default OUTBOX["database"])."""
     from outbox import conf

@@ -1,4 +1,4 @@
-"""Secrets never printed (docs/operations.md, "What is secret"): a distinct marker in each kind of secret,
+"""Secrets never printed (docs/kafka.md, "What is secret"): a distinct marker in each kind of secret,
 then every command that prints configuration, a harvester and a tracker at the highest verbosity, the
 admin pages and the metrics; no marker may appear in any of it."""
 

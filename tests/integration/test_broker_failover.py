@@ -7,7 +7,7 @@ the topic throughout: nothing lost, no record after a later one of its key (one-
 allowed), the table drains, no replica crashes, and never two replicas publishing at once.
 
 Each test prints what it measured (run with -s): how long consumers saw nothing new after the
-fault, and when records flowed again. docs/operations.md quotes these figures.
+fault, and when records flowed again. docs/kafka.md quotes these figures.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def stop_all(replicas: list[Replica]) -> list[int]:
 
 
 def report(what: str, **figures: object) -> None:
-    """The figures a test saw (pytest -s shows them; docs/operations.md quotes them)."""
+    """The figures a test saw (pytest -s shows them; docs/kafka.md quotes them)."""
     print(f"\n{what}: " + ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in figures.items()))
 
 

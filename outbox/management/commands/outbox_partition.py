@@ -5,7 +5,7 @@
 
 Once partitioned, the leading harvester keeps the table (outbox.harvest.partitions): partitions
 ahead of the ids, drained ones truncated and dropped, so dead rows leave with their partition
-whatever holds the database's horizon back. docs/operations.md, "The partitioned outbox".
+whatever holds the database's horizon back. docs/tuning.md, "The partitioned outbox".
 """
 
 from __future__ import annotations
