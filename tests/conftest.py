@@ -39,7 +39,8 @@ FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "sp
 #: at once would stop each other's broker, and their timings would suffer from a loaded machine.
 SERIAL_FIXTURES = {"kafka_cluster", "spare_broker"}
 #: Tests sharing a layout they only use (the secure cluster) run on one pytest-xdist worker: it is started once.
-GROUPED_FIXTURES = {"secure_cluster": "secure"}
+#: Those that build the wheel in the checkout (its build/ directory is the checkout's) take their turns too.
+GROUPED_FIXTURES = {"secure_cluster": "secure", "wheel_venv": "wheel"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
