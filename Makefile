@@ -9,7 +9,7 @@ PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12
                 $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 STAMP     := $(VENV)/.installed
 
-.PHONY: setup services harvest consume test docs test-django52 test-postgres18 images test-docker lint bench down clean
+.PHONY: setup services harvest consume test docs doc-screenshots test-django52 test-postgres18 images test-docker lint bench down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,7 +39,7 @@ consume: setup
 WORKERS   ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check . bin/services
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -n $(WORKERS) tests/unit
 	$(MAKE) docs
 	bin/services up
 	$(PY) -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" --ignore=tests/unit
@@ -89,6 +89,12 @@ test-docker: $(STAMP) images
 docs: $(STAMP)
 	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"
+
+# The docs' screenshots, as the browser tests last made them (run `make test`, or just tests/browser, first).
+DOC_SHOTS := dashboard-django6.1.png:dashboard.png records.png:records.png queues-django6.1.png:queues.png
+doc-screenshots:
+	@for pair in $(DOC_SHOTS); do src=.artifacts/screenshots/$${pair%%:*}; dst=docs/_static/screenshots/$${pair##*:}; \
+	  test -f $$src || { echo "no $$src: run the browser tests first"; exit 1; }; cp $$src $$dst && echo "$$dst"; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check . bin/services

@@ -22,7 +22,8 @@ django.setup()
 
 project = "django-outbox-harvest"
 author = "django-outbox-harvest's authors"
-extensions = ["myst_parser", "sphinx.ext.autodoc", "command_reference", "alert_reference", "settings_reference"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "command_reference", "alert_reference", "settings_reference",
+              "metric_reference"]
 html_theme = "furo"
 html_title = "django-outbox-harvest"
 source_suffix = {".md": "markdown"}

@@ -35,12 +35,13 @@ FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "sp
                   "browser": "browser", "docker": "docker"}
 
 
-#: Tests that stop, kill or restart brokers (a layout of bin/services of their own) run alone (`-m serial`): two
-#: at once would stop each other's broker, and their timings would suffer from a loaded machine.
-SERIAL_FIXTURES = {"kafka_cluster", "spare_broker"}
-#: Tests sharing a layout they only use (the secure cluster) run on one pytest-xdist worker: it is started once.
-#: Those that build the wheel in the checkout (its build/ directory is the checkout's) take their turns too.
-GROUPED_FIXTURES = {"secure_cluster": "secure", "wheel_venv": "wheel"}
+#: Tests sharing a layout of bin/services that only they use run on one pytest-xdist worker, one after another: the
+#: layout is started once, and two tests that stop, kill or restart its brokers never do it to each other (the spare
+#: broker's, the three-node cluster's, the secure cluster's). Those that build the wheel in the checkout (its build/
+#: directory is the checkout's) take their turns too. A test needing two of these groups at once must be marked
+#: `serial` (it then runs alone, after the rest).
+GROUPED_FIXTURES = {"secure_cluster": "secure", "kafka_cluster": "cluster", "spare_broker": "spare",
+                    "wheel_venv": "wheel"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
@@ -49,13 +50,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = item.path.parent.name
         if folder in FOLDER_MARKERS and item.get_closest_marker(FOLDER_MARKERS[folder]) is None:
             item.add_marker(FOLDER_MARKERS[folder])
-        if SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("serial") is None:
-            item.add_marker(pytest.mark.serial)
+        if item.get_closest_marker("serial") is not None:
+            continue  # alone, after the rest: no group
+        groups = {mark.args[0] for mark in item.iter_markers("xdist_group")}
         if item.get_closest_marker("spark") is not None:
-            item.add_marker(pytest.mark.xdist_group("spark"))  # one SparkSession (a JVM) for all of them
-        for fixture, group in GROUPED_FIXTURES.items():
-            if fixture in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(group))
+            groups.add("spark")  # one SparkSession (a JVM) for all of them
+        groups |= {group for fixture, group in GROUPED_FIXTURES.items() if fixture in getattr(item, "fixturenames", ())}
+        if len(groups) > 1:
+            raise pytest.UsageError(f"{item.nodeid} needs the xdist groups {sorted(groups)} at once: mark it serial")
+        if groups and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(groups.pop()))
 
 
 @pytest.fixture(autouse=True)

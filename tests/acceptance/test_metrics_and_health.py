@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import re
 import signal
+import sys
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.db import transaction
@@ -19,6 +22,8 @@ from tests.support.harness import Replica, outbox_count, replica_env, wait_until
 from tests.support.metrics import scrape
 from tests.support.services import free_port
 from tests.support.status_rows import held_record, status_row
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -50,6 +55,7 @@ def test_metrics_endpoint_and_health_probe_follow_a_running_harvester(database_u
         assert metrics[f'outbox_held_records{{{engine}}}'] == 0.0
         assert metrics[f'outbox_parked_records{{{replica_labels}}}'] == 0.0
         assert metrics[f'outbox_oldest_record_age_seconds{{{replica_labels}}}'] == 0.0, "an empty outbox waits for none"
+        assert _families(metrics) - _documented() == set(), "metrics docs/_ext/metric_reference.py misses"
 
         # A record too large for the producer is held; one parked earlier is in the dead-letter table.
         poison = OutboxRecord.objects.create(kafka_topic=topic, kafka_key="k0", kafka_value="x" * 1_200_000)
@@ -168,3 +174,18 @@ def test_a_sharded_replicas_metrics_and_health_name_its_shards(database_url, boo
     finally:
         replica.signal(signal.SIGTERM)
         assert replica.wait() == 0
+
+
+def _families(scraped: dict[str, float]) -> set[str]:
+    """The metric families of a scrape: series names without labels and Prometheus's own suffixes."""
+    names = {series.partition("{")[0] for series in scraped}
+    return {re.sub(r"_(total|created|bucket|sum|count)$", "", name) for name in names}
+
+
+def _documented() -> set[str]:
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import metric_reference
+    finally:
+        sys.path.pop(0)
+    return {name for path in metric_reference.EXPORTERS.values() for name, *_ in metric_reference.metrics(path)}
