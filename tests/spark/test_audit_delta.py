@@ -8,6 +8,7 @@ tables are read both with Spark (`format("delta")`) and without a JVM (the `delt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from tests.support.audit import (
     spark_latest,
     spark_sink,
 )
+from tests.support.doc_examples import python_block
 from tests.support.spark_session import shared_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -77,6 +79,20 @@ def test_batch_tables_open_in_spark_and_without_a_jvm(spark, bootstrap_servers, 
     assert set(plain.column_names) >= {"topic", "partition", "offset", "timestamp", "key", "value", "headers",
                                        "outbox_id", "create_time"}
     assert history(spark, sink) == history(spark, latest) == [("WRITE", "outbox-audit batch run")]
+
+    # docs/lakehouse.md's way to read both tables without a JVM, run as the page shows it (its tables in the
+    # current directory, its topic this test's).
+    reading = tmp_path / "reading"
+    reading.mkdir()
+    (reading / "dedup").symlink_to(sink)
+    (reading / "latest").symlink_to(latest)
+    example = python_block(ROOT / "docs" / "lakehouse.md", "from deltalake import").replace("'orders'", repr(topic))
+    namespace: dict[str, object] = {}
+    with contextlib.chdir(reading):
+        exec(compile(example, "docs/lakehouse.md", "exec"), namespace)
+    assert sorted(namespace["sink"].column("outbox_id").to_pylist()) == sorted(first_ids(messages.sent))
+    rows = namespace["latest"].to_pylist()
+    assert {row["key"]: (row["value"], row["outbox_id"]) for row in rows} == expected
 
 
 def test_follow_merges_each_micro_batch_once_as_the_reference_says(spark, bootstrap_servers, new_topic, tmp_path):
