@@ -48,6 +48,9 @@ def header_table(headers: Any) -> str:
 class NotEditedHere:
     """Rows that stash(), the harvester and the trackers write: never added or edited in the admin."""
 
+    class Media:
+        css = {"all": ["outbox/admin.css"]}  # long values wrap
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 

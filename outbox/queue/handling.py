@@ -55,8 +55,11 @@ def handle(message: Message, handler: Handler, inbox: Inbox | None = None) -> Ou
         message.retry(retry.delay)
         return Outcome.RETRIED
     except Exception as error:
-        log.warning("Handler failed on %r; no ack, redelivered after the redelivery timeout: %s", message, error,
-                    exc_info=True)
+        what, with_traceback = message.after_failure()  # its backend says what abandoning it does
+        log.warning("Handler failed on %r: %s: %s; no ack, %s", message, type(error).__name__, error, what,
+                    exc_info=with_traceback)
+        if not with_traceback:
+            log.debug("The handler's traceback, %r", message, exc_info=True)
         message.abandon()
         return Outcome.FAILED
     message.ack()  # after the transaction committed, never inside it

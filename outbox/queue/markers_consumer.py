@@ -127,6 +127,11 @@ class Message:
         """Not done, and no hurry: stop keeping it alive; redelivered once its deadline passes."""
         self._consumer._settle(self, None)
 
+    def after_failure(self) -> tuple[str, bool]:
+        """What a failed handler's abandon() does to this delivery, in words for the log, and whether the handler's
+        traceback belongs in that line (else it is logged at DEBUG): it depends on the backend."""
+        return self._consumer._after_failure(self)
+
     def __repr__(self) -> str:
         return f"<Message {self.queue}/{self.id} delivery {self.deliveries} at {self.ref[0]}:{self.ref[1]}>"
 
@@ -336,6 +341,11 @@ class QueueConsumer:
 
     # -- settling (any thread) --------------------------------------------------------------------
 
+
+    def _after_failure(self, message: Message) -> tuple[str, bool]:
+        """The tracker redelivers an abandoned message once its deadline passes (and counts it towards
+        max_deliveries there): the traceback goes with the one line, as a failure is that rare."""
+        return f"redelivered after the redelivery timeout ({self.limits.redelivery_timeout:g} s)", True
     def _settle(self, message: Message, kind: Kind | None, delay: float = 0.0) -> None:
         delivery = message._delivery
         with self._lock:

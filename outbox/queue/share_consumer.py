@@ -48,7 +48,7 @@ from outbox.queue.markers import Kind
 from outbox.queue.markers_consumer import Message
 from outbox.queue.receiving import wait_for_delivery
 from outbox.queue.share_group import configure_group, ensure_share_topic
-from outbox.queue.share_state import Ack, Outcome, Settling, ShareState
+from outbox.queue.share_state import Ack, Outcome, Settling, ShareState, verdict
 from outbox.queue.tracker import DeadLetter
 from outbox.reasons import kafka_error, kafka_reason
 
@@ -233,6 +233,17 @@ class ShareQueueConsumer:
 
     # -- settling (any thread) --------------------------------------------------------------------
 
+
+    def _after_failure(self, message: Message) -> tuple[str, bool]:
+        """What the broker does with an abandoned delivery, as share_state.verdict decides it: released for the broker
+        to redeliver at once, or the last delivery dead-lettered. A redelivery comes within milliseconds, so a
+        failing handler fails often: one line each, the traceback at DEBUG."""
+        limit = self.limits.max_deliveries
+        of = f" of {limit}" if limit is not None else ""
+        decided = verdict(Outcome.ABANDONED, message.deliveries, self.limits, now=0.0, locked_at=0.0)
+        if decided.dead_letter:
+            return f"dead-lettered (delivery {message.deliveries}{of})", False
+        return f"released: the broker redelivers it at once (delivery {message.deliveries}{of})", False
     def _settle(self, message: Message, kind: Kind | None, delay: float = 0.0) -> None:
         delivery: Delivery = message._delivery
         outcome = _OUTCOMES[kind]

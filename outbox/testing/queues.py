@@ -105,6 +105,9 @@ class _Settlements:
             self.settled = ("acked", None) if kind is Kind.END else ("retried", delay) if kind is Kind.KEEPALIVE \
                 else ("abandoned", None)
 
+    def _after_failure(self, message: Any) -> tuple[str, bool]:
+        return "abandoned (outbox_consume would have it redelivered)", True
+
 
 def handle_message(handler: Callable[[Any], Any], payload: Any, *, queue: str,
                    headers: Mapping[str, str] | Sequence[tuple[str, str]] | None = None, deliveries: int = 1,

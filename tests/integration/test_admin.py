@@ -280,6 +280,7 @@ def test_records_are_read_only_and_say_their_state(superuser_client):
     assert "hello" in detail and "<code>trace</code>: <code>abc</code>" in detail
     assert "not read by a live leader yet" in detail
     assert 'name="_save"' not in detail
+    assert "outbox/admin.css" in detail  # a long value without spaces wraps in its box
     assert superuser_client.post(f"{RECORDS}{row.id}/change/", {"kafka_key": "x"}).status_code == 403
     assert superuser_client.get(f"{RECORDS}add/").status_code == 403
     tombstone = record("t", value=None)
