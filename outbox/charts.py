@@ -41,10 +41,12 @@ class Marker:
 
     at: float
     label: str
+    #: A mark standing for several moments close together: the last of them.
+    until: float | None = None
 
     @property
     def at_text(self) -> str:
-        return clock(self.at)
+        return clock(self.at) if self.until is None else f"{clock(self.at)}-{clock(self.until)}"
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,7 @@ def render(chart: Chart) -> SafeString:
     for marker in chart.markers:
         if chart.start <= marker.at <= chart.end:
             parts.append(f'<line class="chart-marker" x1="{x(marker.at):.1f}" x2="{x(marker.at):.1f}" y1="{TOP}" '
-                         f'y2="{TOP + plot_h}"><title>{escape(marker.label)} at {clock(marker.at, zone)}</title>'
-                         f'</line>')
+                         f'y2="{TOP + plot_h}"><title>{escape(marker.label)} at {escape(marker.at_text)}</title></line>')
     for index, series in enumerate(chart.series[:MAX_SERIES]):
         colour = index % MAX_SERIES + 1
         for run in _runs(series.points):

@@ -21,7 +21,7 @@ from django.db import connections
 from django.utils import timezone
 
 from outbox import conf, database_cost
-from outbox.charts import MAX_SERIES, Chart, Marker, Series
+from outbox.charts import MAX_SERIES, Chart, Marker, Series, clock
 from outbox.models import HarvesterSample
 
 #: The spans offered, by their query value.
@@ -33,6 +33,13 @@ DEFAULT_SPAN = "1h"
 MAX_POINTS = 180
 #: A bucket never spans less than this (samples are 10 s apart by default).
 MIN_BUCKET = 10.0
+#: When the first sample is later than this share of the span, the charts start at it (a young system's data
+#: would be a sliver at the right edge).
+YOUNG = 0.2
+#: A replica sampled within this many seconds (or three buckets) is running: drawn as a line of its own.
+RUNNING_WITHIN = 30.0
+#: Lead changes closer than the span over this are one mark (about 9 pixels apart on a chart).
+MARKS_APART = 60
 
 # One query for the whole span: per replica and bucket its figures, and when it took the lead (a leader's
 # `since`; the first and the last, should it have taken the lead twice within one bucket).
@@ -72,6 +79,8 @@ class History:
     takeovers: list[Marker]
     #: What harvesting cost the database in the span, by kind of statement.
     cost: database_cost.Cost | None = None
+    #: Said above the charts: that their time axis starts at the first sample, on a system younger than the span.
+    note: str = ""
 
     @property
     def span_label(self) -> str:
@@ -112,18 +121,32 @@ def read(span: str = DEFAULT_SPAN, using: str = "default", now: datetime | None 
                 kept = statements[harvested].get(slot)
                 if kept is None or read_at > kept[0]:
                     statements[harvested][slot] = (float(read_at), totals)
-    takeovers = [Marker(since, f"{name} took the lead") for since, name in sorted(took_lead)]
-    shown = sorted(replicas, key=lambda n: replicas[n][-1].at, reverse=True)[:MAX_SERIES]
-    left_out = len(replicas) - len(shown)
-    note = f"{left_out} replica(s) seen earlier in this span are not drawn." if left_out else ""
-    shown.sort()
+    first = min((points[0].at for points in replicas.values()), default=None)
+    note = ""
+    if first is not None and first - begin > YOUNG * (finish - begin):  # a system younger than the span
+        begin = max(begin, first - max(2 * bucket, 0.05 * (finish - first)))
+        note = f"The first sample of this span is from {clock(first)}: the charts start there."
+    takeovers = lead_changes(sorted(took_lead), within=(finish - begin) / MARKS_APART)
+    # Replicas not sampled lately (stopped, gone, or renamed by a restart) are drawn as one line, summed; so are
+    # the least recent live ones beyond MAX_SERIES - 1 lines.
+    running = sorted((n for n in replicas if replicas[n][-1].at >= finish - max(3 * bucket, RUNNING_WITHIN)),
+                     key=lambda n: replicas[n][-1].at, reverse=True)
+    shown = sorted(running[:MAX_SERIES - 1] if len(replicas) > len(running) else running[:MAX_SERIES])
+    earlier = sorted(set(replicas) - set(shown))
+    earlier_label = f"{len(earlier)} replica{'s' if len(earlier) > 1 else ''} not running now"
+    replica_note = f"{earlier_label} (one line, summed): {', '.join(earlier)}." if len(earlier) > 1 else ""
 
     def per_replica(title: str, unit: str, value) -> Chart:
-        return Chart(title, unit, begin, finish, [Series(n, value(replicas[n], bucket)) for n in shown], takeovers,
-                     note)
+        series = [Series(n, value(replicas[n], bucket)) for n in shown]
+        if len(earlier) == 1:
+            series.append(Series(earlier[0], value(replicas[earlier[0]], bucket)))
+        elif earlier:
+            series.append(Series(earlier_label, _summed([value(replicas[n], bucket) for n in earlier], bucket)))
+        return Chart(title, unit, begin, finish, series, takeovers, replica_note)
 
     def per_table(title: str, unit: str, value) -> Chart:
-        series = [Series(t, [(p.at, value(p)) for _, p in sorted(tables[t].items())]) for t in sorted(tables)]
+        series = [Series(t, [(p.at, value(p)) for _, p in sorted(tables[t].items()) if p.at >= begin])
+                  for t in sorted(tables)]
         return Chart(title, unit, begin, finish, series, takeovers)
 
     charts = [
@@ -138,8 +161,42 @@ def read(span: str = DEFAULT_SPAN, using: str = "default", now: datetime | None 
     own = conf.setting("table")
     chosen = own if own in statements else max(statements, key=lambda t: len(statements[t]), default=None)
     server = [value for _, value in sorted(statements[chosen].items())] if chosen else []
-    cost = database_cost.read(begin, finish, bucket, {n: replicas[n] for n in shown}, server, takeovers)
-    return History(span, start, end, charts, takeovers, cost)
+    cost = database_cost.read(begin, finish, bucket, replicas, server, takeovers)  # every replica's, drawn or not
+    return History(span, start, end, charts, takeovers, cost, note)
+
+
+def lead_changes(took_lead: list[tuple[float, str]], within: float) -> list[Marker]:
+    """The moments replicas took the lead, as marks: those less than `within` seconds after the one before are one
+    mark that counts them (on a young system, or one restarting its replicas, they would stand as a wall)."""
+    groups: list[list[tuple[float, str]]] = []
+    for moment in took_lead:
+        if groups and moment[0] - groups[-1][-1][0] < within:
+            groups[-1].append(moment)
+        else:
+            groups.append([moment])
+    marks = []
+    for group in groups:
+        if len(group) == 1:
+            marks.append(Marker(group[0][0], f"{group[0][1]} took the lead"))
+        else:
+            names = ", ".join(name for _, name in group)
+            marks.append(Marker(group[0][0], f"{len(group)} lead changes: {names} took the lead in turn",
+                                until=group[-1][0]))
+    return marks
+
+
+def _summed(lines: list[list[tuple[float, float | None]]], bucket: float) -> list[tuple[float, float | None]]:
+    """Several replicas' lines as one: per bucket the sum of the values there (a bucket where none has a value
+    breaks the line)."""
+    slots: dict[float, float | None] = {}
+    for line in lines:
+        for at, value in line:
+            slot = at // bucket * bucket
+            if value is not None:
+                slots[slot] = (slots.get(slot) or 0.0) + value
+            else:
+                slots.setdefault(slot, None)
+    return sorted(slots.items())
 
 
 def _json(value: Any) -> Any:

@@ -165,7 +165,7 @@ def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:
     now = now or timezone.now()
     gone_after = timedelta(seconds=conf.setting("status_gone_after"))
     rows = list(HarvesterStatus.objects.using(using or conf.database_alias()).order_by("name"))
-    stopped = [r for r in rows if r.state == ReplicaState.STOPPED]
+    stopped = sorted((r for r in rows if r.state == ReplicaState.STOPPED), key=lambda r: r.last_seen, reverse=True)
     rows = [r for r in rows if r.state != ReplicaState.STOPPED]
     live = [r for r in rows if now - r.last_seen <= gone_after]
     leaders = [r for r in live if r.state == ReplicaState.LEADER]

@@ -126,3 +126,46 @@ def test_the_refresh_choice_is_kept_in_the_address_and_offered(client):
     assert '<option value="0" selected>off</option>' in client.get(f"{DASHBOARD}?refresh=7").content.decode()
     for part in ("warnings", "charts", "leader", "backlog", "topics", "held", "in-flight-keys", "replicas", "stuck"):
         assert f'id="{part}" data-refresh' in page, part
+
+
+def test_a_young_system_is_charted_from_its_first_sample_and_says_so(client):
+    now = timezone.now()
+    samples("replica-a", leading_from=5, minutes=5, now=now)  # five minutes old, in an hour's charts
+    page = client.get(DASHBOARD).content.decode()
+    first = HarvesterSample.objects.order_by("at").first().at
+    assert f"The first sample of this span is from {clock(first.timestamp())}: the charts start there." in page
+    found = history.read("1h", "default", now=now)
+    assert all(now.timestamp() - 7 * 60 < chart.start < first.timestamp() for chart in found.charts)
+    assert page.count("the charts start there") == 1, "said once, above the charts"
+
+
+def test_replicas_not_running_are_one_line_and_one_row(client):
+    now = timezone.now()
+    for i in range(5):  # five replicas restarted one after another, each under a new generated name
+        name = f"vm_{i}"
+        samples(name, leading_from=10, minutes=10, rate=10.0, now=now - timedelta(minutes=10 * (5 - i)))
+        status_row(name, ReplicaState.STOPPED, seen=600 * (5 - i))
+    samples("replica-now", leading_from=10, minutes=10, rate=50.0, now=now)
+    status_row("replica-now", ReplicaState.LEADER, leader_id=HarvesterSample.objects.filter(
+        name="replica-now", state="leader").first().leader_id)
+    page = client.get(DASHBOARD).content.decode()
+    published = figure(page, "Records published per second")
+    legend = re.findall(r'<li class="chart-\d+">([^<]*)</li>', published)
+    assert legend == ["replica-now", "5 replicas not running now"]
+    assert "5 replicas not running now (one line, summed): vm_0, vm_1, vm_2, vm_3, vm_4." in published
+    assert "5 replicas not running now: 10/s" in published, "the stopped replicas' rate, summed per bucket"
+    replicas = page.split('id="replicas"')[1].split('id="stuck"')[0]
+    assert "<summary>5 replicas stopped cleanly</summary>" in replicas
+    assert replicas.count("<tr") == 3, "the header, the leader, and one row for the five stopped"
+
+
+def test_lead_changes_close_together_are_one_mark_that_counts_them(client):
+    now = timezone.now()
+    for i, name in enumerate(("a", "b", "a2")):  # three takeovers within 20 s, then one 30 minutes later
+        samples(name, leading_from=1, minutes=1, now=now - timedelta(minutes=40) + timedelta(seconds=10 * i))
+    samples("c", leading_from=10, minutes=10, now=now)
+    page = client.get(DASHBOARD).content.decode()
+    marks = re.findall(r'<line class="chart-marker"[^>]*><title>([^<]*)</title>', figure(page, "Rows in the outbox"))
+    assert len(marks) == 2, marks
+    assert marks[0].startswith("3 lead changes: a, b, a2 took the lead in turn at ")
+    assert marks[1].startswith("c took the lead at ")
