@@ -149,7 +149,8 @@ def render(chart: Chart) -> SafeString:
     for marker in chart.markers:
         if chart.start <= marker.at <= chart.end:
             parts.append(f'<line class="chart-marker" x1="{x(marker.at):.1f}" x2="{x(marker.at):.1f}" y1="{TOP}" '
-                         f'y2="{TOP + plot_h}"><title>{escape(marker.label)} at {escape(marker.at_text)}</title></line>')
+                         f'y2="{TOP + plot_h}"><title>{escape(marker.label)} at {escape(marker.at_text)}</title>'
+                         f'</line>')
     for index, series in enumerate(chart.series[:MAX_SERIES]):
         colour = index % MAX_SERIES + 1
         for run in _runs(series.points):
