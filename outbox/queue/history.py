@@ -1,6 +1,7 @@
-"""The queue pages' charts, read from the trackers' samples (outbox_queue_history).
+"""The queue pages' charts, read from the trackers' samples (outbox_queue_history), and a share queue's consumers'.
 
-Each tracker samples the queues of its partitions every `history_interval` seconds. One grouped query
+Each tracker samples the queues of its partitions every `history_interval` seconds (a share queue has no tracker:
+each of its consumers samples its queue, with the redeliveries the broker made to it). One grouped query
 reads a span into buckets of at least MIN_BUCKET seconds (several samples of each tracker), so the
 trackers' unaligned samples add up: a queue's messages in progress are the sum over its trackers of
 each one's latest figure in the bucket, its redeliveries and dead letters the sum of each tracker's
@@ -28,7 +29,8 @@ MIN_BUCKET = 30.0
 
 BUCKETS = """
 SELECT queue, process, floor(extract(epoch FROM at) / %(bucket)s) AS bucket, max(extract(epoch FROM at)),
-       (array_agg(in_progress ORDER BY at DESC))[1], max(redelivered), max(dead_lettered)
+       (array_agg(in_progress ORDER BY at DESC))[1], max(redelivered), max(dead_lettered),
+       min(extract(epoch FROM at)), min(redelivered), min(dead_lettered)
 FROM {table} WHERE at >= %(start)s {only}
 GROUP BY queue, process, bucket ORDER BY queue, process, bucket
 """
@@ -83,19 +85,25 @@ def read(span: str = DEFAULT_SPAN, queue: str | None = None, now: datetime | Non
     # queue -> bucket -> [time, in progress, redelivered, dead-lettered per minute], summed over trackers
     summed: dict[str, dict[float, list]] = defaultdict(dict)
     rows: dict[tuple[str, str], list[tuple[float, float, int, int, int]]] = defaultdict(list)
+    firsts: dict[tuple[str, str], tuple[float, int, int]] = {}
     with connections[using].cursor() as cursor:
         cursor.execute(BUCKETS.format(table=table, only="AND queue = %(queue)s" if queue else ""),
                        {"bucket": bucket, "start": start, "queue": queue})
-        for name, process, number, at, in_progress, redelivered, dead in cursor.fetchall():
+        for name, process, number, at, in_progress, redelivered, dead, first_at, first_redelivered, first_dead \
+                in cursor.fetchall():
             rows[(name, process)].append((float(number) * bucket, float(at), in_progress, redelivered, dead))
-    for (name, _process), points in rows.items():
+            firsts.setdefault((name, process), (float(first_at), first_redelivered, first_dead))
+    for (name, process), points in rows.items():
         for index, (slot, at, in_progress, redelivered, dead) in enumerate(points):
             entry = summed[name].setdefault(slot, [at, 0, None, None])
             entry[0] = max(entry[0], at)
             entry[1] += in_progress
+            # The growth since the process's sample before; in its first bucket, since its first sample there (a
+            # process samples at once when it starts: what it did in its first minute is counted too).
             if index == 0:
-                continue  # a tracker's first bucket has no growth to measure
-            _, before_at, _, before_redelivered, before_dead = points[index - 1]
+                before_at, before_redelivered, before_dead = firsts[(name, process)]
+            else:
+                _, before_at, _, before_redelivered, before_dead = points[index - 1]
             elapsed = at - before_at
             if 0 < elapsed <= 3 * bucket:
                 entry[2] = (entry[2] or 0.0) + max(0, redelivered - before_redelivered) * 60 / elapsed

@@ -94,8 +94,9 @@ class QueueStatusReporter(threading.Thread):
                      self._dead_letter_retention)
 
     def _sample(self, stats: dict[str, Any]) -> None:
-        """Every history_interval: a tracker's in progress, redelivered and dead-lettered per queue."""
-        if self.kind != "tracker" or not self._history_interval or time.monotonic() < self._next_sample:
+        """Every history_interval: a tracker's (or a share consumer's) in progress, redelivered and dead-lettered per
+        queue. A share queue has no tracker: its consumers report what the broker redelivered to them."""
+        if "redelivered" not in stats or not self._history_interval or time.monotonic() < self._next_sample:
             return
         self._next_sample = time.monotonic() + self._history_interval
         queues = stats.get("queues") or {}
@@ -133,7 +134,11 @@ def consumer_status(consumer: QueueConsumer, runner: HandlerRunner | None = None
                     handler: str = "") -> tuple[int, dict[str, Any]]:
     """A consumer's row: what it holds and its totals."""
     oldest = consumer.oldest_in_progress()
-    return consumer.in_progress, {
+    share = {} if consumer.limits.backend != "share" else {  # no trackers: the consumers' figures are the queue's
+        "queues": {consumer.queue: {"in_progress": consumer.in_progress}},
+        "redelivered": {consumer.queue: consumer.redelivered},
+        "dead_lettered": {consumer.queue: consumer.dead_lettered}}
+    return consumer.in_progress, {**share,
         "handler": handler, "workers": runner.workers if runner else 0, "inbox": bool(runner and runner.inbox),
         "received": consumer.received, "acked": consumer.acked, "retried": consumer.retried,
         "abandoned": consumer.abandoned, "skipped": runner.skipped if runner else 0,

@@ -190,4 +190,45 @@ def test_the_tracker_samples_its_queues_and_prunes_old_samples():
     consumer.start()
     wait_until(lambda: QueueProcess.objects.filter(name="consumer-x").exists(), 10, "the consumer's row")
     consumer.stop()
-    assert not QueueSample.objects.filter(process="consumer-x").exists(), "only trackers know the queues' figures"
+    assert not QueueSample.objects.filter(process="consumer-x").exists(), \
+        "a markers queue's consumers leave the queue's figures to its trackers"
+
+
+def test_a_young_trackers_first_redeliveries_are_charted(superuser_client):
+    """Redeliveries within a process's first bucket count: it samples at once when it starts."""
+    now = timezone.now()
+    tracker_samples("tracker-new", "emails", minutes=0.5, every=10.0, redelivered_per_minute=12.0, now=now)
+    rates = chart(superuser_client.get(f"{QUEUES}emails/").content.decode(), "Redeliveries and dead letters per minute")
+    found = [float(v) for v in re.findall(r"redelivered: ([\d.]+)/min at", rates)]
+    assert found and set(found) == {12.0}, found  # its 30 s are one or two buckets: each counted
+
+
+@pytest.mark.django_db(transaction=True)  # the reporter writes on a connection of its own
+def test_a_share_queues_consumers_sample_what_the_broker_redelivered_and_the_chart_carries_it(superuser_client):
+    from types import SimpleNamespace
+
+    from outbox.queue.config import QueueLimits
+    from outbox.queue.status import consumer_status
+
+    consumer = SimpleNamespace(queue="reports", limits=QueueLimits(backend="share"), in_progress=1, received=9,
+                               acked=5, retried=0, abandoned=4, redelivered=0, dead_lettered=0,
+                               oldest_in_progress=lambda: None, waiting_for=lambda: None)
+    reporter = QueueStatusReporter("share-consumer-x", "consumer", queue="reports", interval=0.05,
+                                   snapshot=lambda: consumer_status(consumer),
+                                   totals=lambda: ({"reports": consumer.redelivered},
+                                                   {"reports": consumer.dead_lettered}),
+                                   history_interval=0.05)
+    reporter.start()
+    try:
+        wait_until(lambda: QueueSample.objects.filter(process="share-consumer-x").exists(), 10, "a first sample")
+        consumer.redelivered, consumer.dead_lettered = 3, 1  # the broker redelivered three times; one dead letter
+        wait_until(lambda: QueueSample.objects.filter(process="share-consumer-x", redelivered=3).exists(), 10,
+                   "a sample with the redeliveries")
+    finally:
+        reporter.stop()
+    counter = QueueCounter.objects.get(queue="reports")
+    assert (counter.redelivered, counter.dead_lettered) == (3, 1), "the Queues table's columns"
+    page = superuser_client.get(f"{QUEUES}reports/").content.decode()
+    rates = chart(page, "Redeliveries and dead letters per minute")
+    for series in ("redelivered", "dead-lettered"):  # samples 50 ms apart: thousands a minute, "1.3k/min"
+        assert any(float(v) > 0 for v in re.findall(rf"{series}: ([\d.]+)k?/min at", rates)), rates

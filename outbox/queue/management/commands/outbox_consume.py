@@ -92,9 +92,16 @@ class Command(BaseCommand):
         except QueueError as error:
             raise CommandError(str(error)) from None
         runner = HandlerRunner(consumer, handler, workers=workers, inbox=options["inbox"], using=options["database"])
+        # A share queue has no trackers: its consumers count the broker's redeliveries and their dead letters, for
+        # the Queues table and the charts, as a markers queue's trackers do.
+        share = limits.backend == "share"
         reporter = QueueStatusReporter(name, "consumer", queue=queue,
                                        interval=app_settings.setting("status_interval"),
-                                       snapshot=lambda: consumer_status(consumer, runner, options["handler"]))
+                                       snapshot=lambda: consumer_status(consumer, runner, options["handler"]),
+                                       totals=(lambda: ({queue: consumer.redelivered}, {queue: consumer.dead_lettered}))
+                                       if share else None,
+                                       history_interval=app_settings.setting("history_interval") if share else 0.0,
+                                       history_retention=app_settings.setting("history_retention"))
         try:
             cli.serve_metrics(options["metrics_port"], options["metrics_address"],
                               lambda: metrics.consumer_gauges(queue, name, lambda: consumer.in_progress,
