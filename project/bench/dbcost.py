@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+import psycopg
 
 #: Statements are grouped by what they do to which table (or what they read), whatever their parameters.
 _KINDS = (
@@ -99,6 +100,16 @@ class ServerMeter:
         with conn.cursor() as cursor:
             cursor.execute("SELECT 1 FROM pg_extension WHERE extname = 'pg_stat_statements'")
             self.has_statements = cursor.fetchone() is not None
+        #: Why the statements' figures are missing, said once by whoever reports them (None: they are there).
+        self.without_statements: str | None = None if self.has_statements else (
+            "no pg_stat_statements in this database (CREATE EXTENSION pg_stat_statements)")
+        if self.has_statements:
+            try:
+                with conn.transaction(), conn.cursor() as cursor:  # a failure here leaves the session usable
+                    cursor.execute("SELECT 1 FROM pg_stat_statements LIMIT 1")
+            except psycopg.errors.ObjectNotInPrerequisiteState:  # created, but not in shared_preload_libraries
+                self.has_statements = False
+                self.without_statements = "pg_stat_statements is not loaded (shared_preload_libraries)"
 
     def cpu(self) -> float:
         """CPU seconds of every server process so far. A backend that exits while this reads would be

@@ -232,6 +232,8 @@ def soak(*, dsn: str, bootstrap: str, topic: str, table: str, minutes: float, ra
     except RuntimeError as error:  # a server elsewhere: its CPU cannot be read from here
         say(f"  (Postgres CPU and WAL not measured: {error})")
         meter = None
+    if meter is not None and meter.without_statements:
+        say(f"  (the cost per kind of statement not measured: {meter.without_statements})")
     processes = [psutil.Process(h.process.pid) for h in harvesters]
     old = OldTransaction(dsn)
     say(f"  other tables at the start: {other_tables(meter_conn)}")

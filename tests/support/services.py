@@ -36,8 +36,10 @@ LOCAL_IMAGE_PREFIX = "outbox-local/"
 POSTGRES_IMAGES = ("postgres:16", f"{LOCAL_IMAGE_PREFIX}postgres:15")
 KAFKA_IMAGES = (f"apache/kafka:{KAFKA_VERSION}", f"{LOCAL_IMAGE_PREFIX}kafka:{KAFKA_VERSION}")
 # As bin/services configures its cluster: the tests run up to eight harvesters at once.
+#: The server as bin/services runs it, pg_stat_statements included (the database-cost tests and the soak read it).
 POSTGRES_COMMAND = ("postgres -c max_connections=200 -c shared_buffers=512MB -c work_mem=16MB "
-                    "-c max_wal_size=4GB -c autovacuum_naptime=10s")
+                    "-c max_wal_size=4GB -c autovacuum_naptime=10s "
+                    "-c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all")
 CONTAINER_START_TIMEOUT = 120
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 PULL_TIMEOUT = 600  # seconds without a word from the engine while it pulls (a big layer unpacking)

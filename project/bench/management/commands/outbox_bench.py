@@ -283,7 +283,7 @@ class Command(BaseCommand):
         """The writer's own cost and the harvester's, measured on the server in the same run."""
         self._require_empty_outbox()
         meter = dbcost.ServerMeter(psycopg.connect(conf.harvest_config().dsn, autocommit=True))
-        statements = "per statement kind" if meter.has_statements else "(no pg_stat_statements: kinds not shown)"
+        statements = "per statement kind" if meter.has_statements else f"(kinds not shown: {meter.without_statements})"
         self.stdout.write(f"database cost: Postgres CPU (all server processes) and WAL, {statements}; "
                           f"harvest flags {harvest_args or 'default'}")
         if records:
