@@ -121,7 +121,8 @@ class Reader:
         log = self.home / f"terminal-{name.replace(' ', '-')}.log"
         with log.open("wb") as out:
             process = subprocess.Popen(["bash", "-c", f"exec 2>&1\n{script}"], cwd=self.project, env=self.env,
-                                       stdout=out, stdin=subprocess.DEVNULL, start_new_session=True)
+                                       stdout=out, stdin=subprocess.DEVNULL, start_new_session=True,
+                                       preexec_fn=_as_in_a_terminal)
         self.terminals[name] = Terminal(name, process, log)
         time.sleep(0.5)
         assert process.poll() is None, f"tutorial.md:{line}: terminal {name!r} exited at once:\n{log.read_text()}"
@@ -154,6 +155,7 @@ class Reader:
             terminal.process.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(terminal.process.pid, signal.SIGKILL)
+            terminal.process.wait()
             raise AssertionError(f"terminal {name!r} did not stop on Ctrl-C:\n{terminal.output()}") from None
         assert says in terminal.output(), f"terminal {name!r} did not say {says!r}:\n{terminal.output()}"
 
@@ -194,6 +196,12 @@ class Reader:
                 os.killpg(terminal.process.pid, signal.SIGKILL)
                 terminal.process.wait()
         self.terminals.clear()
+
+
+def _as_in_a_terminal() -> None:
+    """Ctrl-C as a terminal delivers it: a pytest-xdist worker runs with SIGINT ignored, which its children would
+    inherit (an ignored signal stays ignored across exec), and `runserver` would never stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def expected_lines(script: str) -> list[str]:
