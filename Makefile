@@ -32,16 +32,17 @@ consume: setup
 	$(PY) manage.py outbox_redeliver & tracker=$$!; trap 'kill $$tracker 2>/dev/null; wait $$tracker' EXIT INT TERM; \
 	  $(PY) manage.py outbox_consume --queue order-confirmations --handler project.shop.handlers.confirm_order --inbox
 
-# Fail fast: lint and the unit tests (no services) first, then the services, then the rest on WORKERS processes
-# (pytest-xdist; the Spark tests on one of them), then the tests marked `serial` alone (they restart a broker
-# of their own, or kill brokers of the three-node cluster, or load the machine). Exit code 5 (nothing
-# collected) fails each step.
+# Fail fast: lint, then the unit tests (no services) and the docs while bin/services starts Postgres and Kafka
+# beside them (its output follows), then the rest on WORKERS processes (pytest-xdist; the Spark tests on one of
+# them, each layout of brokers a test stops or kills on one), then the tests marked `serial` alone (they measure
+# the database's cost or load the machine). Exit code 5 (nothing collected) fails each step.
 WORKERS   ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check . bin/services
-	$(PY) -m pytest -n $(WORKERS) tests/unit
-	$(MAKE) docs
-	bin/services up
+	@mkdir -p .artifacts; bin/services up > .artifacts/services-up.log 2>&1 & up=$$!; \
+	  $(PY) -m pytest -n $(WORKERS) tests/unit && $(MAKE) --no-print-directory docs; status=$$?; \
+	  wait $$up; up_status=$$?; cat .artifacts/services-up.log; \
+	  if [ $$status -ne 0 ]; then exit $$status; fi; if [ $$up_status -ne 0 ]; then exit $$up_status; fi
 	$(PY) -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" --ignore=tests/unit
 	$(PY) -m pytest -m serial --ignore=tests/unit
 

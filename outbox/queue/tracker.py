@@ -61,6 +61,11 @@ COMMIT_INTERVAL = 1.0
 RETRY_BACKOFF = 1.0
 #: The snapshot (status rows, metrics) is refreshed this often.
 SNAPSHOT_INTERVAL = 0.5
+#: A commit that is waited for (on a revoke, when stopping) gives up after this many seconds: librdkafka's
+#: synchronous commit has no timeout, and a coordinator lost in a broker's restart may never answer it.
+COMMIT_TIMEOUT = 10.0
+#: Closing the markers consumer (leaving the group) gives up after this many seconds, for the same reason.
+CLOSE_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class RedeliveryTracker:
         self._instruments = instruments or QueueInstruments()
         self._consumer_factory, self._producer_factory, self._clock = consumer_factory, producer_factory, clock
         self._create_topics = create_topics
+        self._call = caller
         self.state = State.CREATED
         self._trackers: dict[int, PartitionTracker] = {}
         self._committed: dict[int, int] = {}
@@ -209,12 +215,15 @@ class RedeliveryTracker:
 
     def close(self) -> None:
         """Leave the group (committing what the revoke callback commits) and let go of the clients."""
+        closed = False
         try:
-            self._consumer.close()
+            self._call(lambda timeout: self._consumer.close(), CLOSE_TIMEOUT)
+            closed = True
         except (KafkaException, RuntimeError) as error:
             log.warning("Closing the markers consumer: %s", kafka_reason(error))
         self._redeliveries.producer = None
-        self.snapshot = self._take_snapshot()
+        if closed:  # else the abandoned close may still be running the revoke callback on the partitions
+            self.snapshot = self._take_snapshot()
         self.state = State.STOPPED
         log.info("Tracker stopped (redelivered %d, dead-lettered %d)", sum(self._redelivered.values()),
                  sum(self._dead.values()))
@@ -384,7 +393,12 @@ class RedeliveryTracker:
         if not offsets:
             return
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=False)
+            if not force:
+                # Now and then: sent, not waited for (a lost coordinator must not hold the loop); the offsets
+                # are sent again next time until a waited-for commit or a redelivery's transaction records them.
+                self._consumer.commit(offsets=offsets, asynchronous=True)
+                return
+            self._call(lambda timeout: self._consumer.commit(offsets=offsets, asynchronous=False), COMMIT_TIMEOUT)
         except KafkaException as error:
             log.debug("Committing markers offsets: %s", kafka_reason(error))
             return

@@ -7,7 +7,7 @@ import logging
 import threading
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from outbox.kafka import client_errors
 from outbox.kafka.outage import Outage, fatal, permanent
@@ -177,3 +177,44 @@ def test_an_error_no_wait_fixes_is_raised():
     writer.open()
     with pytest.raises(KafkaException, match="not allowed"):
         writer.run(lambda producer: None, lambda: "metadata")
+
+
+class CoordinatorLost:
+    """A markers consumer whose coordinator went away in a broker's restart and is never asked for again: its
+    synchronous commit and its close (which commits in the revoke) never return; an asynchronous commit is only
+    queued."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release, self.queued = release, 0
+
+    def commit(self, offsets: object = None, asynchronous: bool = True) -> None:
+        if asynchronous:
+            self.queued += 1
+            return
+        self.release.wait(30)
+
+    def close(self) -> None:
+        self.release.wait(30)
+
+
+def test_a_tracker_stops_though_its_coordinator_never_answers(monkeypatch):
+    from outbox.queue import tracker as tracker_module
+    from outbox.queue.config import QueueConfig
+    from outbox.queue.tracker import RedeliveryTracker
+
+    monkeypatch.setattr(transactional, "STUCK_GRACE", 0.05)
+    monkeypatch.setattr(tracker_module, "COMMIT_TIMEOUT", 0.05, raising=False)
+    monkeypatch.setattr(tracker_module, "CLOSE_TIMEOUT", 0.05, raising=False)
+    release = threading.Event()
+    tracker = RedeliveryTracker(QueueConfig(base_kafka_config={"bootstrap.servers": "fake:9092"}),
+                                dead_letters=lambda letters: None, name="t")
+    tracker._consumer = lost = CoordinatorLost(release)
+    monkeypatch.setattr(tracker, "_offsets", lambda: [TopicPartition("markers", 0, 42)])
+    try:
+        tracker._commit()  # now and then: sent, not waited for
+        assert lost.queued == 1
+        tracker._commit(force=True)  # leaving: waited for, within COMMIT_TIMEOUT
+        tracker.close()  # within CLOSE_TIMEOUT
+        assert tracker.wait(timeout=0) is True
+    finally:
+        release.set()
