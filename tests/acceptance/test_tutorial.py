@@ -41,7 +41,7 @@ PAGE = ROOT / "docs" / "tutorial.md"
 FENCE = re.compile(r"^```(\w*)\s*$")
 DIRECTIVE = re.compile(r"^<!-- tutorial: (.*) -->$")
 #: What a directive may call: the Reader's methods of these names.
-DIRECTIVES = ("wait_for", "ctrl_c", "edit", "admin_page")
+DIRECTIVES = ("wait_for", "ctrl_c", "edit", "admin_page", "eventually")
 
 
 @dataclass
@@ -83,6 +83,8 @@ class Reader:
     edits: dict[str, str]
     terminals: dict[str, Terminal] = field(default_factory=dict)
     pending_edit: dict[str, object] | None = None
+    #: Seconds the next sh block may take to come true (`eventually`): the reader looks again meanwhile.
+    retry_for: float = 0.0
 
     @property
     def project(self) -> Path:
@@ -102,11 +104,19 @@ class Reader:
         if (terminal := re.match(r'# terminal "([^"]+)"', head)) is not None:
             self.open_terminal(terminal.group(1), script, block.line)
             return
-        output = self.bash(script, f"tutorial.md:{block.line}")
-        for expected in expected_lines(script):
-            assert any(fnmatch.fnmatchcase(line.strip(), expected.replace("[", "[[]"))
-                       for line in output.splitlines()), \
-                f"tutorial.md:{block.line}: no line of the output is {expected!r}:\n{output}"
+        deadline, self.retry_for = time.monotonic() + self.retry_for, 0.0
+        while True:
+            try:
+                output = self.bash(script, f"tutorial.md:{block.line}")
+                for expected in expected_lines(script):
+                    assert any(fnmatch.fnmatchcase(line.strip(), expected.replace("[", "[[]"))
+                               for line in output.splitlines()), \
+                        f"tutorial.md:{block.line}: no line of the output is {expected!r}:\n{output}"
+                return
+            except AssertionError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1)
 
     def edit_marked_lines(self, script: str) -> str:
         """The lines between ▼ and ▲ are the reader's to edit: this run's values."""
@@ -140,13 +150,18 @@ class Reader:
 
     # The directives: what the prose asks the reader to do.
 
-    def wait_for(self, name: str, text: str, timeout: float = 120) -> None:
+    def wait_for(self, name: str, text: str, times: int = 1, timeout: float = 120) -> None:
+        """Until terminal `name` has said `text` `times` times (runserver says it again after each reload)."""
         terminal, deadline = self.terminals[name], time.monotonic() + timeout
-        while text not in terminal.output():
+        while terminal.output().count(text) < times:
             assert terminal.process.poll() is None, f"terminal {name!r} exited:\n{terminal.output()}"
-            assert time.monotonic() < deadline, f"terminal {name!r} did not say {text!r} in {timeout} s:\n" \
-                                                f"{terminal.output()}"
+            assert time.monotonic() < deadline, f"terminal {name!r} did not say {text!r} {times} time(s) in " \
+                                                f"{timeout} s:\n{terminal.output()}"
             time.sleep(0.2)
+
+    def eventually(self, seconds: float) -> None:
+        """The next block comes true within `seconds`: the page tells the reader to look again if not yet."""
+        self.retry_for = seconds
 
     def ctrl_c(self, name: str, says: str = "", timeout: float = 60) -> None:
         terminal = self.terminals.pop(name)
@@ -189,6 +204,12 @@ class Reader:
         page = opener.open(request, timeout=30).read().decode()
         for text in texts:
             assert text in page, f"{path} does not show {text!r}"
+
+    def tails(self, lines: int = 30) -> str:
+        """The last lines of every terminal, for a failure's message."""
+        return "".join(f"\n--- terminal {name!r} (last {lines} lines) ---\n"
+                       + "\n".join(terminal.output().splitlines()[-lines:])
+                       for name, terminal in self.terminals.items())
 
     def stop_all(self) -> None:
         for terminal in self.terminals.values():
@@ -248,6 +269,8 @@ def test_the_tutorial_runs_as_written(services, bootstrap_servers, tmp_path):
             if run_suffix is None and (reader.project / "tutorial.env").exists():
                 run_suffix = re.search(r"export RUN=(\w+)", (reader.project / "tutorial.env").read_text())
         assert reader.pending_edit is None, "an edit directive found no Python block to insert"
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}{reader.tails()}") from None
     finally:
         reader.stop_all()
         if run_suffix is not None:  # the reader's last step drops it; a failed run leaves it to us
