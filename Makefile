@@ -38,7 +38,7 @@ consume: setup
 # the database's cost or load the machine). Exit code 5 (nothing collected) fails each step.
 WORKERS   ?= 2
 test: $(STAMP)
-	$(PY) -m ruff check . bin/services
+	$(PY) -m ruff check . bin/services bin/slowest
 	@mkdir -p .artifacts; bin/services up > .artifacts/services-up.log 2>&1 & up=$$!; \
 	  $(PY) -m pytest -n $(WORKERS) --junitxml=.artifacts/junit-unit.xml tests/unit && $(MAKE) --no-print-directory docs; status=$$?; \
 	  wait $$up; up_status=$$?; cat .artifacts/services-up.log; \
@@ -107,7 +107,7 @@ doc-screenshots:
 	  test -f $$src || { echo "no $$src: run the browser tests first"; exit 1; }; cp $$src $$dst && echo "$$dst"; done
 
 lint: $(STAMP)
-	$(PY) -m ruff check . bin/services
+	$(PY) -m ruff check . bin/services bin/slowest
 
 down:
 	bin/services down
