@@ -278,8 +278,14 @@ class Process:
             self.process.send_signal(signum)
 
     def wait(self, timeout: float = 60) -> int:
+        """Its exit status; one that has not exited within `timeout` is killed and reaped before the test fails
+        (left running, it would be reported as a ResourceWarning in whichever test the worker runs next)."""
         try:
             return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
         finally:
             self._log.close()
 
