@@ -8,6 +8,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import environ
@@ -128,12 +129,20 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist the controller resolves the services once, before its workers start, and hands them on
     through DATABASE_URL and KAFKA_BOOTSTRAP_SERVERS (the environment wins in every worker): two workers would
     otherwise each start their own containers, or race to start bin/services. Each worker then makes its own
-    test database (pytest-django's `_gw0`, `_gw1` suffixes)."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+    test database (pytest-django's `_gw0`, `_gw1` suffixes). A run of the unit tests alone needs no services (and
+    `make test` starts them beside it: resolving here would start them twice at once)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput") \
+            and not _unit_tests_only(config):
         stack = contextlib.ExitStack()
         found = resolve(stack)
         os.environ["DATABASE_URL"], os.environ["KAFKA_BOOTSTRAP_SERVERS"] = found.database_url, found.bootstrap_servers
         config.stash[_CONTROLLER_SERVICES] = stack
+
+
+def _unit_tests_only(config: pytest.Config) -> bool:
+    unit = Path(__file__).resolve().parent / "unit"
+    paths = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
+    return bool(paths) and all(path == unit or unit in path.parents for path in paths)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
