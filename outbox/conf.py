@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
@@ -202,8 +203,8 @@ RETIRED_KEYS: dict[str, str] = {
     "rescan_interval": "marks look up the ids that were not visible yet by key; nothing re-reads the table from "
                        "its head any more",
 }
-#: Keys other parts of the app register (outbox.queue adds "queues").
-EXTRA_KEYS: set[str] = set()
+#: Keys of the apps beside this one, known when that app is installed (its own checks read them).
+APP_KEYS = {"queues": "outbox.queue"}
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 # Keys of a Django DATABASES OPTIONS dict that configure Django or psycopg objects, not libpq.
 _NON_LIBPQ_OPTIONS = {"pool", "isolation_level", "server_side_binding", "assume_role", "cursor_factory", "context"}
@@ -211,7 +212,8 @@ _ENGINE_DEFAULTS = {f.name: f for f in dataclasses.fields(HarvestConfig)}
 
 
 def known_keys() -> frozenset[str]:
-    return (frozenset(DJANGO_DEFAULTS) | frozenset(ENGINE_KEYS) | frozenset(LIMIT_NAMES) | frozenset(EXTRA_KEYS)
+    installed = frozenset(key for key, app in APP_KEYS.items() if apps.is_installed(app))
+    return (frozenset(DJANGO_DEFAULTS) | frozenset(ENGINE_KEYS) | frozenset(LIMIT_NAMES) | installed
             | frozenset(RETIRED_KEYS))
 
 

@@ -1,5 +1,5 @@
 """Django admin: the outbox and its parked records, read-only; a dashboard; and actions that act
-through the engine's SQL (outbox.operations). Every record state comes from outbox.states."""
+through the engine's SQL (outbox.console.operations). Every record state comes from outbox.states."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.timesince import timesince
 
-from outbox import conf, console, dashboard, history, operations
+from outbox import conf
+from outbox.console import dashboard, history, operations, pages
+from outbox.console.operations import Outcome
 from outbox.models import Dashboard, DeadLetter, OutboxRecord
-from outbox.operations import Outcome
 from outbox.states import COUNT_LIMIT, OUTBOX_STATES, Facts, RecordState, table_estimate
 
 #: Topics offered by the topic filter are read from this many of the oldest rows.
@@ -94,7 +95,7 @@ class Confirmation:
     button: str
 
 
-class ReadOnlyAdmin(console.NotEditedHere, admin.ModelAdmin):
+class ReadOnlyAdmin(pages.NotEditedHere, admin.ModelAdmin):
     """Rows written and removed by stash(), the harvester and the actions, never edited by hand."""
 
     paginator = EstimatedCountPaginator
@@ -119,7 +120,7 @@ class ReadOnlyAdmin(console.NotEditedHere, admin.ModelAdmin):
 
     @admin.display(description="headers")
     def header_table(self, record: Any) -> str:
-        return console.header_table(record.headers)
+        return pages.header_table(record.headers)
 
     def confirm_then(self, request: HttpRequest, queryset: QuerySet, ask: Confirmation,
                      run: Callable[[list[Any]], Outcome]) -> HttpResponse | None:
@@ -198,7 +199,7 @@ class OutboxRecordAdmin(ReadOnlyAdmin):
 
     @admin.display(description="last error")
     def short_error(self, record: OutboxRecord) -> str:
-        return console.shortened(record.last_error or "")
+        return pages.shortened(record.last_error or "")
 
     @admin.action(description="Retry selected held records now", permissions=["retry"])
     def retry_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
@@ -265,7 +266,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
     @admin.display(description="reason")
     def short_reason(self, record: DeadLetter) -> str:
-        return console.shortened(record.reason)
+        return pages.shortened(record.reason)
 
     def describe(self, request: HttpRequest, record: DeadLetter) -> str:
         return f"was outbox record #{record.outbox_id}: {record.reason}"
@@ -291,7 +292,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
 
 @admin.register(Dashboard)
-class DashboardAdmin(console.ConsolePage, admin.ModelAdmin):
+class DashboardAdmin(pages.ConsolePage, admin.ModelAdmin):
     """/admin/outbox/dashboard/: who leads, the backlog, held, parked and stuck records."""
 
     #: The dashboard lists record keys, topics, errors and in-flight keys: it takes the records' view permission.
@@ -302,7 +303,7 @@ class DashboardAdmin(console.ConsolePage, admin.ModelAdmin):
             raise PermissionDenied
         using = conf.database_alias()
         found = dashboard.overview(using)
-        bar = console.toolbar(request)
+        bar = pages.toolbar(request)
         records_admin = self.admin_site._registry[OutboxRecord]
         parked_admin = self.admin_site._registry[DeadLetter]
         context = {

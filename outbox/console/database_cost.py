@@ -1,6 +1,6 @@
 """What harvesting cost the database over a span of the dashboard, by kind of statement.
 
-From the history samples (outbox.history reads them in buckets): the server's own time for the
+From the history samples (outbox.console.history reads them in buckets): the server's own time for the
 table's statements, as the leaders read it from pg_stat_statements (outbox.harvest.dbtime), and every
 replica's round trips, timed by the engine. Totals are cumulative, so the span's figures are the
 sums of their increases between consecutive buckets; a total that went down (a restart, a reset of
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from outbox.charts import MAX_SERIES, Chart, Marker, Series
+from outbox.console.charts import MAX_SERIES, Chart, Marker, Series
 from outbox.harvest.dbtime import KINDS, LABELS
 
 if TYPE_CHECKING:
-    from outbox.history import Point
+    from outbox.console.history import Point
 
 #: A break in the samples longer than this many buckets is not bridged.
 GAP_BUCKETS = 3

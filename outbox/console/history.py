@@ -5,7 +5,7 @@ One grouped query reads a span into at most MAX_POINTS buckets per replica, so t
 does not grow with the sampling rate or the span: rates are the differences of the replicas' totals
 between buckets; the backlog and the oldest row's age are the table's, whichever replica saw them;
 a replica's `since` while it led is the moment it took the lead. What harvesting cost the database
-(outbox.database_cost) is read from the same buckets.
+(outbox.console.database_cost) is read from the same buckets.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 from django.db import connections
 from django.utils import timezone
 
-from outbox import conf, database_cost
-from outbox.charts import MAX_SERIES, Chart, Marker, Series, clock
+from outbox import conf
+from outbox.console import database_cost
+from outbox.console.charts import MAX_SERIES, Chart, Marker, Series, clock
 from outbox.models import HarvesterSample
 
 #: The spans offered, by their query value.

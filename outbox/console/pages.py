@@ -10,7 +10,7 @@ from django.db.models import Model
 from django.http import HttpRequest
 from django.utils.html import format_html_join
 
-from outbox import history
+from outbox.console import history
 
 #: Auto-refresh intervals offered, in seconds (0: off, the default).
 REFRESH_CHOICES = [(0, "off"), (5, "every 5 s"), (15, "every 15 s"), (60, "every minute")]

@@ -12,7 +12,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path
 
-from outbox import console
+from outbox.console import pages
 from outbox.queue import api, app_settings, history, overview
 from outbox.queue.config import QUEUE_NAME_PATTERN
 from outbox.queue.errors import QueueError
@@ -23,7 +23,7 @@ RECENT_DEAD_LETTERS = 20
 
 
 @admin.register(Queue)
-class QueueAdmin(console.ConsolePage, admin.ModelAdmin):
+class QueueAdmin(pages.ConsolePage, admin.ModelAdmin):
     """/admin/outbox_queue/queue/: every queue; /admin/outbox_queue/queue/<name>/: one queue."""
 
     #: The queue pages show dead letters' payloads and what the consumers hold: dead letters' view permission.
@@ -63,13 +63,13 @@ class QueueAdmin(console.ConsolePage, admin.ModelAdmin):
         return TemplateResponse(request, "admin/outbox_queue/queue.html", context)
 
     def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
-        return {**self.admin_site.each_context(request), **console.toolbar(request), "title": title,
+        return {**self.admin_site.each_context(request), **pages.toolbar(request), "title": title,
                 "opts": self.model._meta, "gone_after": app_settings.setting("status_gone_after"),
                 "history_interval": app_settings.setting("history_interval")}
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(console.NotEditedHere, admin.ModelAdmin):
+class DeadLetterAdmin(pages.NotEditedHere, admin.ModelAdmin):
     """Read-only: dead letters are written by trackers; requeue sends one back to its queue with the same id."""
 
     list_display = ["id", "queue", "message_id", "deliveries", "last_delivered", "created", "preview"]
@@ -87,7 +87,7 @@ class DeadLetterAdmin(console.NotEditedHere, admin.ModelAdmin):
 
     @admin.display(description="payload")
     def preview(self, letter: DeadLetter) -> str:
-        return console.shortened(letter.text)
+        return pages.shortened(letter.text)
 
     @admin.display(description="payload")
     def text(self, letter: DeadLetter) -> str:
@@ -95,7 +95,7 @@ class DeadLetterAdmin(console.NotEditedHere, admin.ModelAdmin):
 
     @admin.display(description="headers")
     def header_table(self, letter: DeadLetter) -> str:
-        return console.header_table(letter.headers)
+        return pages.header_table(letter.headers)
 
     @admin.action(description="Requeue selected dead letters", permissions=["requeue"])
     def requeue_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:

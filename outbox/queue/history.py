@@ -18,8 +18,8 @@ from itertools import pairwise
 from django.db import connections
 from django.utils import timezone
 
-from outbox.charts import MAX_SERIES, Chart, Series
-from outbox.history import DEFAULT_SPAN, SPANS, span_of
+from outbox.console.charts import MAX_SERIES, Chart, Series
+from outbox.console.history import DEFAULT_SPAN, SPANS, span_of
 from outbox.queue.models import QueueSample
 
 #: At most this many buckets per queue and span.

@@ -12,8 +12,8 @@ from django.db import connections
 from django.test import Client
 from django.utils import timezone
 
-from outbox import history
-from outbox.charts import clock
+from outbox.console import history
+from outbox.console.charts import clock
 from outbox.harvest.contract import ReplicaState
 from outbox.models import HarvesterSample, OutboxRecord
 from outbox.states import table_estimate

@@ -1,10 +1,10 @@
-"""outbox.charts: the SVG line charts of the console, drawn from data alone."""
+"""outbox.console.charts: the SVG line charts of the console, drawn from data alone."""
 
 from __future__ import annotations
 
 import re
 
-from outbox.charts import HOVER_POINTS, MAX_SERIES, Chart, Marker, Series, format_value, nice_ceiling, render
+from outbox.console.charts import HOVER_POINTS, MAX_SERIES, Chart, Marker, Series, format_value, nice_ceiling, render
 
 START, END = 1_800_000_000.0, 1_800_003_600.0
 

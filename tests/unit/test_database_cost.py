@@ -1,11 +1,11 @@
-"""outbox.database_cost: what harvesting cost the database over a span, from the samples' cumulative totals."""
+"""outbox.console.database_cost: what harvesting cost the database over a span, from the samples' cumulative totals."""
 
 from __future__ import annotations
 
 import pytest
 
-from outbox.database_cost import duration, read
-from outbox.history import Point
+from outbox.console.database_cost import duration, read
+from outbox.console.history import Point
 
 START = 1_800_000_000.0
 BUCKET = 20.0

@@ -120,3 +120,14 @@ def test_the_shared_kafka_layer_stands_on_nothing_above_it(module):
     assert _reaches(module, ("outbox.harvest", "outbox.queue", "outbox.pipeline", "outbox.testing")) == []
     source = MODULES[module].read_text()
     assert "django" not in source.split('"""', 2)[-1], f"{module} imports Django"
+
+
+#: The modules that show the console's pages: Django's admin entry point, and the queues' own pages and charts.
+CONSOLE_USERS = {"outbox.admin", "outbox.queue.admin", "outbox.queue.history"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES
+                                          if not m.startswith("outbox.console") and m not in CONSOLE_USERS))
+def test_only_the_pages_import_the_console(module):
+    """The write path, the engine, the commands and the metrics never need the operator console."""
+    assert _reaches(module, ("outbox.console",)) == []

@@ -109,6 +109,17 @@ def test_queues_is_an_outbox_setting_the_queue_app_registers():
         assert outbox_settings_problems.problems() == []
 
 
+def test_queues_is_unknown_without_the_queue_app():
+    """The outbox app knows the key only while outbox.queue is installed (nothing else would read it)."""
+    from django.test import modify_settings
+
+    from outbox import conf as outbox_conf
+
+    with modify_settings(INSTALLED_APPS={"remove": ["outbox.queue"]}):
+        assert "queues" not in outbox_conf.known_keys()
+    assert "queues" in outbox_conf.known_keys()
+
+
 def test_every_marker_survives_its_wire_format():
     start = Marker(Kind.START, (3, 42), 30.0, key=b"emails/abc", payload=b"\x00\xffbody",
                    headers=((markers.ID_HEADER, b"abc"), ("trace", b"t-1"), (markers.DELIVERIES_HEADER, b"2")),
