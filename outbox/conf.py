@@ -12,9 +12,7 @@ use the model's table (`outbox`), and a check warns when the two differ.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import re
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -24,15 +22,13 @@ from django.conf import settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
-from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.config import SETTING_KEYS, HarvestConfig, Limits, leader_name
 from outbox.kafka import redaction
 from outbox.kafka.names import default_name
 
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(Limits))
-#: HarvestConfig fields a user sets through OUTBOX (dsn, name and limits come other ways).
-ENGINE_KEYS = ("table", "base_kafka_config", "producer_kafka_config", "leader_topic", "leader_group", "name",
-               "listen", "status_table", "status_prune_after", "history_retention", "dead_letter_topic",
-               "dead_letter_retention", "park_after", "shards")
+#: HarvestConfig fields a user sets through OUTBOX (dsn comes from DATABASES, the limits are LIMIT_NAMES).
+ENGINE_KEYS = SETTING_KEYS
 #: Settings that belong to the Django side, with their defaults.
 DJANGO_DEFAULTS: dict[str, Any] = {
     "database": "default",
@@ -299,9 +295,7 @@ def default_leader_name(alias: str, table: str) -> str:
     """The leader topic and group when OUTBOX does not name them: one per database and table, so two
     outboxes sharing a Kafka cluster never share a group (which would leave one unharvested)."""
     conf = connections[alias].settings_dict
-    where = f"{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 5432}/{conf.get('NAME') or ''}/{table}"
-    readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{conf.get('NAME') or 'db'}.{table}")[:180]
-    return f"outbox-leader.{readable}.{hashlib.sha1(where.encode()).hexdigest()[:8]}"
+    return leader_name(conf.get("HOST"), conf.get("PORT"), conf.get("NAME"), table)
 
 
 def seconds(value: Any) -> Any:

@@ -264,8 +264,10 @@ def read_horizon() -> Any:
 
 
 def serve(harvester: Harvester | ShardedHarvester | ManyHarvester, registry: CollectorRegistry, port: int,
-          address: str = "0.0.0.0") -> None:
-    """Expose `registry` plus the harvester's gauges on http://address:port/metrics."""
-    registry.register(HarvesterCollector(harvester, parked=read_parked, oldest_age=read_oldest_age,
-                                         horizon=read_horizon))
+          address: str = "0.0.0.0", *, parked: Callable[[], int | None] | None = read_parked,
+          oldest_age: Callable[[], float | None] | None = read_oldest_age,
+          horizon: Callable[[], Any] | None = read_horizon) -> None:
+    """Expose `registry` plus the harvester's gauges on http://address:port/metrics. The readers of what the
+    harvester does not know default to Django's (the stand-alone harvester brings its own)."""
+    registry.register(HarvesterCollector(harvester, parked=parked, oldest_age=oldest_age, horizon=horizon))
     start_http_server(port, addr=address, registry=registry)

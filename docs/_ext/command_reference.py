@@ -29,7 +29,28 @@ def command_markdown(name: str) -> str:
     for action in parser._actions:
         if BASE & set(action.option_strings):
             action.help = argparse.SUPPRESS
-    out = [f"## `{name}`", "", f"```{{program}} manage.py {name}", "```", "", md(command.help), "",
+    return parser_markdown(f"## `{name}`", f"manage.py {name}", command.help, parser)
+
+
+def standalone_markdown() -> str:
+    """`outbox-harvest` and each of its commands (outbox/harvest/cli.py)."""
+    from outbox.harvest.cli import parser
+
+    top = parser()
+    [commands] = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {choice.dest: choice.help for choice in commands._choices_actions}
+    out = ["# The stand-alone harvester", "", md(top.description or ""), " Without a command, it runs: "
+           "`outbox-harvest --shards 4` is `outbox-harvest run --shards 4`.", ""]
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if action.option_strings == ["-h", "--help"]:
+                action.help = argparse.SUPPRESS
+        out.append(parser_markdown(f"## `outbox-harvest {name}`", f"outbox-harvest {name}", helps[name] or "", sub))
+    return "\n".join(out)
+
+
+def parser_markdown(title: str, program: str, summary: str, parser: argparse.ArgumentParser) -> str:
+    out = [title, "", f"```{{program}} {program}", "```", "", md(summary), "",
            "```text", parser.format_usage().strip(), "```", ""]
     for action in parser._actions:
         if action.help == argparse.SUPPRESS:
@@ -48,11 +69,12 @@ def command_markdown(name: str) -> str:
 
 def write(app: Any, config: Any) -> None:
     names = sorted(n for n, app_name in get_commands().items() if app_name in APPS)
-    text = "# Management commands\n\n" + "\n".join(command_markdown(n) for n in names)
-    target = Path(app.srcdir) / "reference" / "commands.md"
-    if not target.exists() or target.read_text() != text:  # unchanged file: no needless re-read
-        target.parent.mkdir(exist_ok=True)
-        target.write_text(text)
+    commands = "# Management commands\n\n" + "\n".join(command_markdown(n) for n in names)
+    for target, text in ((Path(app.srcdir) / "reference" / "commands.md", commands),
+                         (Path(app.srcdir) / "reference" / "standalone.md", standalone_markdown())):
+        if not target.exists() or target.read_text() != text:  # unchanged file: no needless re-read
+            target.parent.mkdir(exist_ok=True)
+            target.write_text(text)
 
 
 def setup(app: Any) -> dict[str, bool]:

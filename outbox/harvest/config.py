@@ -7,6 +7,7 @@ goharvest's limits in snake_case. Nothing here imports Django.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -19,13 +20,24 @@ from outbox.kafka.redaction import redact_dsn, redact_mapping
 
 # An unquoted SQL identifier, optionally schema-qualified: [schema.]table.
 TABLE_PATTERN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_$]{0,62}\.)?[A-Za-z_][A-Za-z0-9_$]{0,62}")
-
+#: HarvestConfig fields a user sets by name (OUTBOX in Django, the stand-alone harvester's TOML file), besides the
+#: limits; dsn, shard and the dead-letter and status tables' names come other ways.
+SETTING_KEYS = ("table", "base_kafka_config", "producer_kafka_config", "leader_topic", "leader_group", "name",
+                "listen", "status_table", "status_prune_after", "history_retention", "dead_letter_topic",
+                "dead_letter_retention", "park_after", "shards")
 
 
 def limit(default: float | int | None, minimum: float | str, doc: str, maximum: float | None = None) -> Any:
     """A Limits field: its default, the least value it accepts (or the name of the field that is
     its least value), the most (if any), and what it does."""
     return field(default=default, metadata={"minimum": minimum, "maximum": maximum, "doc": doc})
+
+
+#: The limits whose default is derived from others (Limits.__post_init__), and those others: a problem is
+#: reported on the limit the user set, not again on each limit derived from it.
+DERIVED_FROM = {"max_poll_interval": ("heartbeat_timeout",),
+                "drain_interval": ("heartbeat_timeout", "max_poll_interval", "queue_timeout"),
+                "delivery_timeout": ("heartbeat_timeout",)}
 
 
 @dataclass(frozen=True)
@@ -107,10 +119,12 @@ class Limits:
         `given` names the limits that were set explicitly; a derived limit that was not given is
         only checked when its inputs are fine (its inputs' own problems are reported instead).
         """
-        found = []
-        for spec in dataclasses.fields(self):
+        found: list[Problem] = []
+        # The limits others derive from first, so a derived one's inputs have been checked when it is reached.
+        for spec in sorted(dataclasses.fields(self), key=lambda spec: spec.name in DERIVED_FROM):
             value = getattr(self, spec.name)
-            if value is None and given is not None and spec.name not in given:
+            derived = given is not None and spec.name in DERIVED_FROM and spec.name not in given
+            if derived and (value is None or any(p.field in DERIVED_FROM[spec.name] for p in found)):
                 continue  # derived from an input that is itself reported
             minimum = spec.metadata["minimum"]
             if isinstance(minimum, str):
@@ -299,6 +313,15 @@ class HarvestConfig:
 
     def __repr__(self) -> str:  # never let a password reach a log line through repr()
         return f"HarvestConfig({self.redacted()!r})"
+
+
+def leader_name(host: str | None, port: str | int | None, dbname: str | None, table: str) -> str:
+    """The leader topic and group when the settings do not name them: one per database and table, so two
+    outboxes sharing a Kafka cluster never share a group (which would leave one unharvested). Django's
+    settings and the stand-alone harvester's DSN derive the same name for the same database."""
+    where = f"{host or 'localhost'}:{port or 5432}/{dbname or ''}/{table}"
+    readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{dbname or 'db'}.{table}")[:180]
+    return f"outbox-leader.{readable}.{hashlib.sha1(where.encode()).hexdigest()[:8]}"
 
 
 def _is_number(value: object) -> bool:

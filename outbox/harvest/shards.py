@@ -56,6 +56,7 @@ from outbox.harvest.kafka import (
 from outbox.harvest.neli import publish_heartbeat
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import (
+    MIGRATE_HINT,
     StoreError,
     close_quietly,
     connect,
@@ -167,7 +168,7 @@ def check_shard_terms(conn: psycopg.Connection, config: HarvestConfig) -> None:
         raise StoreError(f"cannot read table {terms!r}: {first_line(error)}") from None
     if found is None:
         raise StoreError(f"sharded harvesting needs table {terms!r}, where each shard's leader says whether it "
-                         f"let go settled (run manage.py migrate)")
+                         f"let go settled ({MIGRATE_HINT})")
 
 
 class ShardElection:

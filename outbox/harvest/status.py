@@ -260,8 +260,9 @@ class StatusReporter(threading.Thread):
             if self._shard is not None and self._shard_columns is None:
                 self._shard_columns = conn.execute(HAS_SHARD_COLUMNS, {"table": self._status_table}).fetchone()[0]
                 if not self._shard_columns:
-                    log.warning("Status table %s has no shard columns (run manage.py migrate): the dashboard cannot "
-                                "tell this engine's shard", self._status_table)
+                    log.warning("Status table %s has no shard columns (run manage.py migrate, or outbox-harvest "
+                                "schema --apply --since 0007_history_database_time): the dashboard cannot tell "
+                                "this engine's shard", self._status_table)
             with conn.transaction():
                 conn.execute(self._upsert, params)
                 if self._shard is not None and self._shard_columns:

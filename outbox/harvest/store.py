@@ -37,6 +37,10 @@ CONNECT_TIMEOUT = 5
 APPLICATION_PREFIX = "outbox-harvest"
 
 
+#: How the missing tables are made: by Django's migrations, or the stand-alone harvester's DDL (schema.py).
+MIGRATE_HINT = "run manage.py migrate, or outbox-harvest schema --apply"
+
+
 class StoreError(Exception):
     """The outbox table cannot be used; the message is one line for the operator."""
 
@@ -202,7 +206,7 @@ class PostgresStore:
             raise StoreError(f"cannot read table {table!r} at {where}: {first_line(error)}") from None
         if not columns:
             close_quietly(conn)
-            raise StoreError(f"table {table!r} does not exist at {where} (run manage.py migrate)")
+            raise StoreError(f"table {table!r} does not exist at {where} ({MIGRATE_HINT})")
         missing = [c for c in contract.COLUMNS if c not in columns]
         if missing:
             close_quietly(conn)
@@ -395,7 +399,7 @@ class PostgresStore:
     def park(self, record: Record, reason: str, attempts: int, parked_by: str, dead_letter_topic: str | None) -> bool:
         """Move a held row to the dead-letter table; False if it was not there (or not ours) any more."""
         if self._park_sql is None:
-            raise StoreError("no dead-letter table (run manage.py migrate)")
+            raise StoreError(f"no dead-letter table ({MIGRATE_HINT})")
         try:
             row = self._fence_connection().execute(self._park_sql, {
                 "id": record.id, "version": record.version, "reason": reason, "attempts": attempts,

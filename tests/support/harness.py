@@ -257,13 +257,16 @@ def assert_complete_and_ordered(audit: Audit, stashed: Sequence[int], *, strict:
 
 
 class Process:
-    """`manage.py <command> --name NAME ...` in a subprocess, logging to its own file."""
+    """`manage.py <command> --name NAME ...` (or `program` `--name NAME ...`) in a subprocess, logging to its own
+    file."""
 
-    def __init__(self, name: str, command: str, args: Sequence[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, command: str, args: Sequence[str], env: dict[str, str], log_dir: Path,
+                 program: Sequence[str] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
-        self.process = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), command, "--name", name, *args],
+        program = [sys.executable, str(ROOT / "manage.py"), command] if program is None else program
+        self.process = subprocess.Popen([*program, "--name", name, *args],
                                         cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
@@ -300,11 +303,13 @@ class Replica(Process):
 
     STATUS_INTERVAL = 0.3
 
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path, args: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, args: Sequence[str] = (),
+                 program: Sequence[str] | None = None) -> None:
         self.database_url = env["DATABASE_URL"]
         if "--status-interval" not in args:
             args = [*args, "--status-interval", str(self.STATUS_INTERVAL)]
-        super().__init__(name, "harvest", args, env, log_dir)
+        super().__init__(name, "harvest", args, env, log_dir, program)
+
 
     def state(self) -> str | None:
         """The state its status row reports, if the row is fresh (a frozen or dead replica's is not)."""
@@ -320,6 +325,11 @@ class Replica(Process):
 
     def is_leading(self) -> bool:
         return self.state() == "leader"
+
+
+#: The stand-alone harvester (outbox-harvest) with Django made unimportable: it runs on the engine alone.
+STANDALONE = [sys.executable, "-c", "import sys; sys.modules['django'] = None; from outbox.harvest.cli import main; "
+                                    "sys.exit(main())"]
 
 
 def replica_env(database_url: str, bootstrap: str, leader_topic: str) -> dict[str, str]:

@@ -6,21 +6,16 @@ share a leader topic and group. Settings come from OUTBOX and the environment; f
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox import conf, logs, many, settings_problems
 from outbox.embedded import create_harvester, create_many_harvester
-from outbox.gc_tuning import tune_gc
-from outbox.harvest.config import Limits
-from outbox.harvest.harvester import HarvestError
+from outbox.harvest import running
 from outbox.kafka.names import name_problem
 from outbox.kafka.redaction import scrub
-from outbox.stopping import on_stop_signals
 
 
 class Command(BaseCommand):
@@ -45,17 +40,10 @@ class Command(BaseCommand):
                             help="with --tenant-schemas: leave this schema out (repeat for several)")
         parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
                             help="do not LISTEN for stash()'s NOTIFY; find new records by polling only")
-        parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                            help="serve Prometheus metrics on this port (http://0.0.0.0:PORT/metrics)")
-        parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
-                            help="address for --metrics-port (default 0.0.0.0)")
+        running.add_metrics_flags(parser)
         parser.add_argument("--print-config", action="store_true",
                             help="print the effective configuration (secrets redacted) as JSON and exit")
-        limits = parser.add_argument_group("limits (see the configuration reference)")
-        for spec in dataclasses.fields(Limits):  # one flag per limit: counts take N, durations SECONDS
-            counts = spec.type == "int"
-            limits.add_argument(f"--{spec.name.replace('_', '-')}", dest=spec.name, type=int if counts else float,
-                                metavar="N" if counts else "SECONDS")
+        running.add_limit_flags(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         overrides = {name: options.get(name) for name in conf.LIMIT_NAMES}
@@ -90,14 +78,6 @@ class Command(BaseCommand):
         registry, instruments = self._metrics_registry(options)
         harvester = create_harvester(instruments=instruments, **overrides)
         self._start_and_run(harvester, registry, options)
-
-    def _run(self, harvester: Any) -> None:
-        with on_stop_signals(harvester.stop):
-            try:
-                while not harvester.wait(timeout=0.5):
-                    pass
-            except HarvestError as error:
-                raise CommandError(str(error)) from None
 
     def _harvest_many(self, options: dict[str, Any], overrides: dict[str, Any]) -> None:
         """Several outboxes in this process (outbox/many.py, outbox/harvest/outboxes.py)."""
@@ -136,40 +116,20 @@ class Command(BaseCommand):
 
     def _start_and_run(self, harvester: Any, registry: Any, options: dict[str, Any]) -> None:
         """Start (a one-line error if it cannot), serve the metrics, run until a stop signal."""
-        tune_gc()
+        serve = None
+        if registry is not None:
+            from outbox.metrics import serve as serve_registry
+
+            def serve() -> None:
+                serve_registry(harvester, registry, options["metrics_port"], options["metrics_address"])
         try:
-            harvester.start()
-        except HarvestError as error:
+            running.run_until_stopped(harvester, serve, f"{options['metrics_address']}:{options['metrics_port']}")
+        except running.RunFailure as error:
             raise CommandError(str(error)) from None
-        self._serve_metrics(harvester, registry, options)
-        self._run(harvester)
 
     def _metrics_registry(self, options: dict[str, Any]) -> tuple[Any, Any]:
         """With --metrics-port: a Prometheus registry and the engine's instruments in it; else (None, None)."""
-        if options["metrics_port"] is None:
-            return None, None
         try:
-            from prometheus_client import CollectorRegistry
-        except ImportError:
-            raise CommandError("--metrics-port needs prometheus-client: "
-                               "pip install 'django-outbox-harvest[metrics]'") from None
-
-        from outbox.metrics import PrometheusInstruments
-
-        registry = CollectorRegistry()
-        return registry, PrometheusInstruments(registry)
-
-    def _serve_metrics(self, harvester: Any, registry: Any, options: dict[str, Any]) -> None:
-        if registry is None:
-            return
-        from outbox.metrics import serve
-
-        try:
-            serve(harvester, registry, options["metrics_port"], options["metrics_address"])
-        except OSError as error:
-            harvester.stop()
-            harvester.wait()
-            raise CommandError(f"cannot serve metrics on port {options['metrics_port']}: {error}") from None
-        logging.getLogger("outbox").info("Metrics on http://%s:%d/metrics", options["metrics_address"],
-                                         options["metrics_port"])
-
+            return running.metrics_registry(options["metrics_port"])
+        except running.RunFailure as error:
+            raise CommandError(str(error)) from None

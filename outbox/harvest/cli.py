@@ -1,0 +1,284 @@
+"""`outbox-harvest` (and `python -m outbox.harvest`): the harvester without a Django project, for applications in
+any language that write goharvest's outbox table.
+
+    DATABASE_URL=postgresql://app@db/shop KAFKA_BOOTSTRAP_SERVERS=kafka:9092 outbox-harvest
+    outbox-harvest --config harvest.toml --shards 4 --metrics-port 9108
+    outbox-harvest check --config harvest.toml      # the settings' problems, with manage.py check's codes
+    outbox-harvest schema [--apply] [--since NAME]  # the DDL of the migrations (outbox/harvest/schema.sql)
+
+The settings are OUTBOX's engine keys (harvest/config.py: SETTING_KEYS and the limits), read from a TOML file
+(its tables `base_kafka_config` and `producer_kafka_config` are librdkafka's properties), then the environment
+(DATABASE_URL for `dsn`, KAFKA_BOOTSTRAP_SERVERS when the file sets no bootstrap.servers), then flags. A replica
+started here and one started by `manage.py harvest` on the same database and table derive the same leader group.
+Nothing here imports Django: a test runs it with Django made unimportable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import logging
+import os
+import sys
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from outbox import logs
+from outbox.harvest import running, schema
+from outbox.harvest.config import SETTING_KEYS, HarvestConfig, Limits, leader_name
+from outbox.harvest.harvester import Harvester
+from outbox.harvest.kafka import client_config_problems
+from outbox.harvest.shards import ShardedHarvester
+from outbox.harvest.store import StoreError, table_identifier
+from outbox.kafka.names import default_name
+from outbox.kafka.problems import Problem
+from outbox.kafka.redaction import remember_secrets, scrub, secret_values
+from outbox.reasons import first_line
+
+PROG = "outbox-harvest"
+COMMANDS = ("run", "check", "schema")
+DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
+#: What a TOML file may set: the engine's keys, its limits, and the database.
+FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *running.LIMIT_FLAGS})
+#: Flags that set an engine key of the same name.
+FLAG_KEYS = ("table", "leader_topic", "leader_group", "name", "listen", "shards", *running.LIMIT_FLAGS)
+
+
+class Settings:
+    """The configuration as built from a file, the environment and flags, with what check and run report."""
+
+    def __init__(self, config: HarvestConfig, given_limits: set[str], problems: list[Problem],
+                 bootstrap_source: str | None, secrets: set[str]) -> None:
+        self.config = config
+        self.given_limits = given_limits
+        self.problems = problems
+        self.bootstrap_source = bootstrap_source
+        self.secrets = secrets
+
+    def warnings(self) -> list[Problem]:
+        found = self.config.warnings()
+        if self.bootstrap_source is None:
+            found.append(Problem("W006", "base_kafka_config", f"sets no bootstrap.servers and KAFKA_BOOTSTRAP_SERVERS "
+                                                              f"is not set either, so Kafka is looked for at "
+                                                              f"{DEFAULT_BOOTSTRAP_SERVERS}: set one of them"))
+        return found
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a bad flag said in one line (argparse prints its usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = OneLineParser(prog=PROG, description="Publish a goharvest outbox table to Kafka, with leader "
+                                  "election among replicas, until SIGTERM or SIGINT; no Django project needed.")
+    commands = top.add_subparsers(dest="command", metavar="{run,check,schema}", parser_class=OneLineParser)
+    settings = argparse.ArgumentParser(add_help=False)
+    settings.add_argument("--config", metavar="FILE.toml", type=Path,
+                          help="a TOML file of settings (OUTBOX's engine keys); flags win over it")
+    settings.add_argument("--table", help="outbox table, optionally schema.table (default: outbox)")
+    settings.add_argument("--leader-topic", help="Kafka topic for leader election (default: derived from the "
+                                                 "database and table, as manage.py harvest derives it)")
+    settings.add_argument("--leader-group", help="Kafka consumer group for leader election (default: as the topic)")
+    settings.add_argument("--name", help="this replica's name in logs and status rows (default: host_pid_time)")
+    settings.add_argument("--shards", type=int, metavar="N", help="harvest the table in N shards (default 1); every "
+                                                                  "replica of a group runs the same N")
+    settings.add_argument("--no-listen", dest="listen", action="store_const", const=False,
+                          help="do not LISTEN for the table's NOTIFY; find new records by polling only")
+    settings.add_argument("-v", "--verbosity", type=int, choices=(0, 1, 2, 3), default=1,
+                          help="0 warnings, 1 info (default), 2 and 3 debug")
+    running.add_limit_flags(settings)
+    run = commands.add_parser("run", parents=[settings], help="harvest until SIGTERM or SIGINT (the default)")
+    running.add_metrics_flags(run)
+    run.add_argument("--print-config", action="store_true",
+                     help="print the effective configuration (secrets redacted) as JSON and exit")
+    commands.add_parser("check", parents=[settings], help="report the settings' problems (manage.py check's codes) "
+                                                          "and exit 1 if there is an error")
+    ddl = commands.add_parser("schema", help="print the DDL of the tables and trigger the harvester uses (the same as "
+                                             "the Django app's migrations)")
+    ddl.add_argument("--apply", action="store_true", help="run it on DATABASE_URL's database (or --config's dsn)")
+    ddl.add_argument("--since", metavar="MIGRATION", help="only the migrations after this one (to upgrade a schema "
+                                                          "made by an earlier version), e.g. 0008_status_shards")
+    ddl.add_argument("--config", metavar="FILE.toml", type=Path, help="a TOML file whose dsn names the database")
+    return top
+
+
+def read_file(path: Path | None) -> tuple[dict[str, Any], list[Problem]]:
+    """The TOML file's settings and the unknown keys among them (E002, with a "did you mean"); RunFailure (one
+    line) when it cannot be read or parsed."""
+    if path is None:
+        return {}, []
+    try:
+        values = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise running.RunFailure(f"--config: cannot read {path}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise running.RunFailure(f"--config: {path} is not valid TOML: {error}") from None
+    unknown = []
+    for key in sorted(set(values) - FILE_KEYS):
+        close = difflib.get_close_matches(key, sorted(FILE_KEYS), n=1)
+        unknown.append(Problem("E002", key, "is not a known setting" + (f" (did you mean {close[0]!r}?)" if close
+                                                                         else "")))
+    return values, unknown
+
+
+def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    """The configuration from the file, the environment and the flags (flags win, then the file)."""
+    values, found = read_file(getattr(args, "config", None))
+    values = {key: value for key, value in values.items() if key in FILE_KEYS}
+    for key in FLAG_KEYS:
+        if getattr(args, key, None) is not None:
+            values[key] = getattr(args, key)
+    dsn = values.pop("dsn", None) or environ.get("DATABASE_URL", "")
+    base = values.get("base_kafka_config", {})
+    source = None
+    if isinstance(base, Mapping):
+        base = dict(base)
+        if base.get("bootstrap.servers"):
+            source = "base_kafka_config"
+        elif environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+            base["bootstrap.servers"], source = environ["KAFKA_BOOTSTRAP_SERVERS"], "KAFKA_BOOTSTRAP_SERVERS"
+        else:
+            base["bootstrap.servers"] = DEFAULT_BOOTSTRAP_SERVERS
+        values["base_kafka_config"] = base
+    given = {key for key in running.LIMIT_FLAGS if key in values}
+    limits = Limits(**{key: values.pop(key) for key in given})
+    derived = _derived_leader_name(dsn, values.get("table", "outbox"))
+    config = HarvestConfig(dsn=dsn, limits=limits, **{
+        **values, "leader_topic": values.get("leader_topic") or derived, "name": values.get("name") or default_name(),
+        "leader_group": values.get("leader_group") or derived})
+    problems = found + config.validate(given_limits=given)
+    if not dsn:  # the engine's E005 names `dsn`; here it is mostly the environment
+        problems = [p if p.code != "E005" else Problem("E005", "dsn", "no database: set DATABASE_URL (or dsn in the "
+                                                                       "--config file)") for p in problems]
+    if not problems:
+        problems = client_config_problems(config)
+    secrets = secret_values(dsn, values)
+    return Settings(config, given, problems, source, secrets)
+
+
+def _derived_leader_name(dsn: str, table: Any) -> str:
+    try:
+        info = conninfo_to_dict(dsn) if dsn else {}
+    except psycopg.ProgrammingError:
+        info = {}
+    return leader_name(info.get("host"), info.get("port"), info.get("dbname"), table if isinstance(table, str)
+                       else "outbox")
+
+
+def create(config: HarvestConfig, instruments: Any = None) -> Harvester | ShardedHarvester:
+    """The engine for `config`: a ShardedHarvester when it has shards, else a Harvester."""
+    if config.shards > 1:
+        return ShardedHarvester(config, instruments=None if instruments is None else lambda _shard: instruments)
+    return Harvester(config, instruments=instruments)
+
+
+def database_readers(config: HarvestConfig) -> dict[str, Callable[[], Any]]:
+    """The metrics' readers of what the harvester does not know (parked records, the oldest row's age), by
+    psycopg: a short connection per scrape, as Django's readers make."""
+    log = logging.getLogger("outbox.metrics")
+
+    def read(statement: sql.Composable) -> Any:
+        try:
+            with psycopg.connect(config.dsn, connect_timeout=5, autocommit=True) as conn:
+                row = conn.execute(statement).fetchone()
+        except psycopg.Error as error:
+            log.warning("Could not read the outbox's figures: %s", first_line(error))
+            return None
+        return None if row is None else row[0]
+
+    def parked() -> int | None:
+        if config.dead_letter_table is None:
+            return None
+        return read(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT 100001) AS parked").format(
+            table_identifier(config.dead_letter_table)))
+
+    def oldest_age() -> float | None:
+        age = read(sql.SQL("SELECT coalesce((SELECT extract(epoch FROM statement_timestamp() - create_time) FROM {} "
+                           "ORDER BY id LIMIT 1), 0)").format(table_identifier(config.table)))
+        return None if age is None else max(0.0, float(age))
+
+    return {"parked": parked, "oldest_age": oldest_age, "horizon": None}
+
+
+def run(args: argparse.Namespace, settings: Settings) -> None:
+    if args.print_config:
+        print(json.dumps(settings.config.redacted(), indent=2, default=str))
+    if settings.problems:
+        raise running.RunFailure("invalid configuration: " + "; ".join(map(str, settings.problems)))
+    if args.print_config:
+        return
+    logs.configure_logging(args.verbosity)
+    for warning in settings.warnings():
+        logging.getLogger("outbox").warning("%s (outbox.%s)", warning, warning.code)
+    registry, instruments = running.metrics_registry(args.metrics_port)
+    harvester = create(settings.config, instruments)
+    serve = None
+    if registry is not None:
+        from outbox.metrics import serve as serve_registry
+
+        def serve() -> None:
+            serve_registry(harvester, registry, args.metrics_port, args.metrics_address,
+                           **database_readers(settings.config))
+    running.run_until_stopped(harvester, serve, f"{args.metrics_address}:{args.metrics_port}")
+
+
+def check(settings: Settings) -> int:
+    """manage.py check's report: one line a problem, with its code; 1 when there is an error."""
+    reported = settings.problems or settings.warnings()
+    for problem in reported:
+        print(f"outbox.{problem.code} {problem}")
+    if not reported:
+        print("no problems found")
+    return 1 if settings.problems else 0
+
+
+def schema_command(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    if not args.apply:
+        try:
+            print(schema.ddl(args.since), end="")
+        except ValueError as error:
+            raise running.RunFailure(str(error)) from None
+        return
+    values, _unknown = read_file(args.config)
+    dsn = values.get("dsn") or environ.get("DATABASE_URL", "")
+    if not dsn:
+        raise running.RunFailure("schema --apply: no database: set DATABASE_URL (or dsn in the --config file)")
+    remember_secrets(dsn)
+    try:
+        ran = schema.apply(dsn, args.since)
+    except (StoreError, ValueError) as error:
+        raise running.RunFailure(str(error)) from None
+    print(f"applied {len(ran)} migration(s): {', '.join(ran)}" if ran else "nothing to apply")
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if environ is None else environ
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = ["run", *argv]
+    args = parser().parse_args(argv)
+    secrets: set[str] = set()
+    try:
+        if args.command == "schema":
+            schema_command(args, environ)
+            return 0
+        settings = build(args, environ)
+        secrets = settings.secrets
+        remember_secrets(secrets)
+        if args.command == "check":
+            return check(settings)
+        run(args, settings)
+    except running.RunFailure as error:
+        print(f"{PROG}: {scrub(str(error), secrets or None)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,195 @@
+"""The stand-alone harvester (outbox-harvest) as an application in another language meets it: a database of its
+own, a table goharvest's README makes (or the DDL `outbox-harvest schema` prints), rows written by plain SQL, and
+replicas that import no Django (tests/support/harness.py: STANDALONE) killed under load."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from outbox.harvest import schema
+from tests.support.fresh_project import user_env
+from tests.support.harness import STANDALONE, Replica, assert_complete_and_ordered, read_topic, wait_until
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+#: goharvest's README, "1. Create an outbox table", as written there.
+GOHARVEST_TABLE = """
+CREATE TABLE IF NOT EXISTS outbox (
+  id                  BIGSERIAL PRIMARY KEY,
+  create_time         TIMESTAMP WITH TIME ZONE NOT NULL,
+  kafka_topic         VARCHAR(249) NOT NULL,
+  kafka_key           VARCHAR(100) NOT NULL,
+  kafka_value         VARCHAR(10000),
+  kafka_header_keys   TEXT[] NOT NULL,
+  kafka_header_values TEXT[] NOT NULL,
+  leader_id           UUID
+)"""
+#: goharvest's README, "Writing outbox records", for a batch of rows.
+INSERT = ("INSERT INTO outbox (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
+          "kafka_header_values) VALUES (now(), %s, %s, %s, '{}', '{}')")
+
+
+class SqlWriter(threading.Thread):
+    """An application writing the table with plain SQL: transactions of `batch` rows round-robin over `keys`
+    keys, one after another (per key, commit order is id order)."""
+
+    def __init__(self, url: str, topic: str, *, keys: int = 8, batch: int = 10, limit: int = 10**9) -> None:
+        super().__init__(name="sql-writer", daemon=True)
+        self.url, self.topic, self.keys, self.batch, self.limit = url, topic, keys, batch, limit
+        self.ids: list[int] = []
+        self.halt = threading.Event()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        sequence = 0
+        try:
+            with psycopg.connect(self.url) as conn:
+                while not self.halt.is_set() and len(self.ids) < self.limit:
+                    with conn.transaction(), conn.cursor() as cursor:
+                        for _ in range(self.batch):
+                            cursor.execute(INSERT + " RETURNING id",
+                                           (self.topic, f"key-{sequence % self.keys}", f"value-{sequence}"))
+                            self.ids.append(cursor.fetchone()[0])
+                            sequence += 1
+                    time.sleep(0.005)
+        except BaseException as error:
+            self.failure = error
+
+    def stop(self) -> list[int]:
+        self.halt.set()
+        self.join(timeout=30)
+        assert self.failure is None, f"the writer failed: {self.failure!r}"
+        return self.ids
+
+
+@pytest.fixture
+def database(services):
+    """A database of its own, with nothing in it."""
+    name = f"standalone_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(services.database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield services.database_url_for(name)
+    with psycopg.connect(services.database_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def standalone_env(url: str, bootstrap: str) -> dict[str, str]:
+    return {**user_env(), "DATABASE_URL": url, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "PYTHONPATH": str(ROOT)}
+
+
+def outbox_rows(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
+
+
+def test_the_schema_is_what_the_migrations_make(db):
+    """outbox/harvest/schema.sql is sqlmigrate's output for every migration (python -m tests.support.schema_ddl
+    writes it again after a new migration)."""
+    from tests.support.schema_ddl import render
+
+    assert schema.SQL.read_text() == render(), "schema.sql is stale: run python -m tests.support.schema_ddl"
+
+
+def test_a_goharvest_table_written_by_plain_sql_is_harvested(database, bootstrap_servers, new_topic, tmp_path):
+    """goharvest's own table, none of this project's: no status rows, no parking, no NOTIFY trigger (the
+    harvester polls), and every record published in key order."""
+    with psycopg.connect(database) as conn:
+        conn.execute(GOHARVEST_TABLE)
+    topic = new_topic("standalone-goharvest")
+    writer = SqlWriter(database, topic, limit=400)
+    writer.start()
+    harvester = Replica("goharvest-table", standalone_env(database, bootstrap_servers), tmp_path,
+                        ["--heartbeat-timeout", "2"], program=STANDALONE)
+    try:
+        wait_until(lambda: len(writer.ids) >= 400, 60, "400 rows written")
+        written = writer.stop()
+        wait_until(lambda: outbox_rows(database) == 0, 60, "the table to drain")
+    finally:
+        harvester.signal(signal.SIGTERM)
+    assert harvester.wait(timeout=60) == 0, harvester.log()
+    assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(written)), written, strict=False)
+    assert "has no NOTIFY trigger" in harvester.log()
+
+
+def test_replicas_without_django_are_killed_under_load_and_lose_nothing(database, bootstrap_servers, new_topic,
+                                                                        tmp_path):
+    """The schema applied by `outbox-harvest schema --apply`, three stand-alone replicas deriving their group from
+    the database, the leader SIGKILLed twice while an application writes: nothing lost, no key reversed."""
+    env = standalone_env(database, bootstrap_servers)
+    applied = subprocess.run([*STANDALONE, "schema", "--apply"], env=env, capture_output=True, text=True, timeout=60)
+    assert applied.returncode == 0 and applied.stdout.startswith("applied 9 migration(s)"), applied
+    topic = new_topic("standalone-kills")
+    args = ["--heartbeat-timeout", "2", "--min-metrics-interval", "1"]
+    replicas = [Replica(f"standalone-{i}-{uuid.uuid4().hex[:4]}", env, tmp_path, args, program=STANDALONE)
+                for i in range(3)]
+    writer = SqlWriter(database, topic)
+    writer.start()
+    try:
+        for _ in range(2):
+            leader = wait_until(lambda: next((r for r in replicas if r.is_leading()), None), 60, "a leader")
+            assert sum(r.is_leading() for r in replicas) == 1, "one group: one leader"
+            wait_until(lambda: len(writer.ids) > 300, 60, "rows written meanwhile")
+            leader.kill()
+            replicas.remove(leader)
+            replicas.append(Replica(f"standalone-new-{uuid.uuid4().hex[:4]}", env, tmp_path, args,
+                                    program=STANDALONE))
+        wait_until(lambda: next((r for r in replicas if r.is_leading()), None), 60, "a leader after the kills")
+        written = writer.stop()
+        wait_until(lambda: outbox_rows(database) == 0, 120, "the table to drain")
+    finally:
+        writer.halt.set()
+        for replica in replicas:
+            replica.signal(signal.SIGTERM)
+    for replica in replicas:
+        assert replica.wait(timeout=60) == 0, replica.log()
+    assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(written)), written, strict=False)
+
+
+def test_an_unreachable_database_or_broker_is_one_line(database, tmp_path):
+    env = {**user_env(), "PYTHONPATH": str(ROOT), "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9"}
+    gone = database.rsplit("/", 1)[0].replace(":5432", ":1") + "/nowhere"
+    cases = ((gone, "outbox-harvest: cannot connect to Postgres at "),
+             (database, "outbox-harvest: table 'outbox' does not exist at "),
+             (database, "outbox-harvest: Kafka is unreachable at 127.0.0.1:9: "))
+    for number, (url, expected) in enumerate(cases):
+        if number == 2:
+            with psycopg.connect(database) as conn:
+                conn.execute(GOHARVEST_TABLE)
+        done = subprocess.run([*STANDALONE, "--heartbeat-timeout", "1"], env={**env, "DATABASE_URL": url},
+                              capture_output=True, text=True, timeout=120)
+        lines = [line for line in done.stderr.splitlines() if line.startswith("outbox-harvest: ")]
+        assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), done.stderr
+        assert ":outbox@" not in done.stderr and "password=" not in done.stderr
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_the_command(wheel_venv, database, bootstrap_servers, new_topic, tmp_path):
+    """`outbox-harvest` as pip installs it: the schema from the wheel, rows written by plain SQL, published."""
+    command = wheel_venv.parent / "outbox-harvest"
+    env = {**user_env(), "DATABASE_URL": database, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers}
+    applied = subprocess.run([command, "schema", "--apply"], env=env, capture_output=True, text=True, timeout=60,
+                             cwd=tmp_path)
+    assert applied.returncode == 0, applied.stderr
+    topic = new_topic("standalone-wheel")
+    with psycopg.connect(database) as conn:
+        ids = [conn.execute(INSERT + " RETURNING id", (topic, f"key-{i % 3}", f"v{i}")).fetchone()[0]
+               for i in range(30)]
+    process = subprocess.Popen([command, "--heartbeat-timeout", "2"], env=env, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        audit = read_topic(bootstrap_servers, topic, expected=len(ids), timeout=60)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[0]
+    assert process.returncode == 0, output
+    assert_complete_and_ordered(audit, ids, strict=True)
+    assert "Stopped (published 30, failed 0)" in output

@@ -1,0 +1,152 @@
+"""The stand-alone harvester's configuration (outbox/harvest/cli.py), as its users meet it: flags, a TOML file and
+the environment; one line for each kind of bad input; secrets never printed; no Django."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from outbox.harvest import cli, schema
+from outbox.harvest.config import Limits
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {"DATABASE_URL": "postgresql://shop:s3cret-pw@db.example:5433/shop", "KAFKA_BOOTSTRAP_SERVERS": "k1:9092"}
+
+
+def settings(*argv: str, environ: dict[str, str] | None = None) -> cli.Settings:
+    args = cli.parser().parse_args(["check", *argv])
+    return cli.build(args, ENV if environ is None else environ)
+
+
+def run_main(capsys, *argv: str, environ: dict[str, str] | None = None) -> tuple[int, str, str]:
+    code = cli.main(list(argv), ENV if environ is None else environ)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "harvest.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_flags_win_over_the_file_and_the_file_over_the_environment(tmp_path):
+    path = toml(tmp_path, 'dsn = "postgresql://file@filehost/filedb"\ntable = "app.outbox"\nheartbeat_timeout = 3\n'
+                          'shards = 2\n[base_kafka_config]\n"bootstrap.servers" = "filekafka:9092"\n'
+                          '[producer_kafka_config]\n"compression.type" = "lz4"\n')
+    found = settings("--config", path, "--shards", "4", "--queue-timeout", "12")
+    config = found.config
+    assert found.problems == []
+    assert (config.dsn, config.table, config.shards) == ("postgresql://file@filehost/filedb", "app.outbox", 4)
+    assert config.base_kafka_config["bootstrap.servers"] == "filekafka:9092"
+    assert config.producer_kafka_config == {"compression.type": "lz4"}
+    assert (config.limits.heartbeat_timeout, config.limits.queue_timeout) == (3, 12)
+    assert config.limits.delivery_timeout == 4.5, "derived from the file's heartbeat_timeout"
+    assert found.given_limits == {"heartbeat_timeout", "queue_timeout"}
+    from_env = settings().config
+    assert from_env.dsn == ENV["DATABASE_URL"] and from_env.base_kafka_config["bootstrap.servers"] == "k1:9092"
+
+
+def test_the_leader_group_is_the_one_manage_py_harvest_derives():
+    """A stand-alone replica and a Django one on the same database and table are replicas of one group."""
+    from outbox import conf
+
+    derived = settings(environ={"DATABASE_URL": conf.dsn_for("default")}).config
+    assert derived.leader_group == derived.leader_topic == conf.default_leader_name("default", "outbox")
+    other = settings("--table", "other", environ={"DATABASE_URL": conf.dsn_for("default")}).config
+    assert other.leader_group == conf.default_leader_name("default", "other") != derived.leader_group
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("heartbeat_timout = 3\n", "invalid configuration: heartbeat_timout: is not a known setting (did you mean "
+                               "'heartbeat_timeout'?)"),
+    ("heartbeat_timeout = -1\n", "invalid configuration: heartbeat_timeout: must be at least 0.001, got -1"),
+    ("shards = 0\n", "invalid configuration: shards: must be a whole number from 1 to 256, got 0"),
+    ("table = 'no such; table'\n", "invalid configuration: table: must be an SQL identifier"),
+    ("heartbeat_timeout = [\n", "--config: "),
+])
+def test_a_bad_file_is_one_line_naming_the_key(capsys, tmp_path, text, expected):
+    code, out, err = run_main(capsys, "--config", toml(tmp_path, text))
+    assert code == 1 and out == ""
+    assert err.startswith(f"outbox-harvest: {expected}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_a_missing_file_and_a_bad_flag_are_one_line(capsys, tmp_path):
+    code, _, err = run_main(capsys, "--config", str(tmp_path / "missing.toml"))
+    assert (code, err.count("\n")) == (1, 1) and "cannot read" in err and "missing.toml" in err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--shards", "many"], ENV)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "--shards: invalid int value: 'many'" in err
+
+
+def test_no_database_says_where_to_set_one(capsys):
+    code, _, err = run_main(capsys, environ={})
+    assert code == 1
+    assert err == "outbox-harvest: invalid configuration: dsn: no database: set DATABASE_URL (or dsn in the " \
+                  "--config file)\n"
+
+
+def test_check_reports_each_problem_once_with_its_code(capsys, tmp_path):
+    """A problem is reported on the limit the user set, not again on the limits derived from it."""
+    code, out, _ = run_main(capsys, "check", "--heartbeat-timeout", "-1", "--queue-timeout", "0")
+    assert code == 1
+    assert out.splitlines() == ["outbox.E004 heartbeat_timeout: must be at least 0.001, got -1.0",
+                                "outbox.E004 queue_timeout: must be at least 0.001, got 0.0"]
+    code, out, _ = run_main(capsys, "check", "--config", toml(tmp_path, '[producer_kafka_config]\n"acks" = 1\n'))
+    assert code == 1 and out.startswith("outbox.E014 producer_kafka_config: acks must stay 'all'")
+    code, out, _ = run_main(capsys, "check", "--config", toml(tmp_path, '[base_kafka_config]\n"no.such" = 1\n'))
+    assert code == 1 and out.startswith("outbox.E013 base_kafka_config: is refused by librdkafka")
+    assert run_main(capsys, "check") == (0, "no problems found\n", "")
+
+
+def test_kafka_at_localhost_is_a_warning_naming_where_to_set_it(capsys):
+    code, out, _ = run_main(capsys, "check", environ={"DATABASE_URL": ENV["DATABASE_URL"]})
+    assert code == 0
+    assert out.startswith("outbox.W006 base_kafka_config: sets no bootstrap.servers and KAFKA_BOOTSTRAP_SERVERS is "
+                          "not set either, so Kafka is looked for at localhost:9092")
+
+
+def test_secrets_are_never_printed(capsys, tmp_path):
+    path = toml(tmp_path, '[base_kafka_config]\n"sasl.password" = "kafka-s3cret-pw"\n"sasl.mechanism" = "PLAIN"\n'
+                          '"security.protocol" = "SASL_PLAINTEXT"\n"sasl.username" = "app"\n')
+    code, out, err = run_main(capsys, "--config", path, "--print-config")
+    assert code == 0
+    printed = json.loads(out)
+    assert printed["base_kafka_config"]["sasl.password"] == "***" and "s3cret-pw" not in printed["dsn"]
+    code, _, err = run_main(capsys, "--config", path, "--leader-group", "s3cret-pw\n")
+    assert code == 1 and "s3cret-pw" not in err and "leader_group" in err
+
+
+def test_the_limit_flags_are_the_limits():
+    flags = {action.dest for action in cli.parser()._subparsers._group_actions[0].choices["run"]._actions}
+    assert set(cli.running.LIMIT_FLAGS) <= flags
+    assert Limits().problems(set()) == []
+
+
+def test_the_schema_has_one_section_per_migration():
+    migrations = sorted(p.stem for p in (ROOT / "outbox" / "migrations").glob("0*.py"))
+    assert [s.name for s in schema.sections()] == migrations
+    assert schema.after("0008")[0].name == "0009_shard_terms" and schema.after(migrations[-1]) == []
+    with pytest.raises(ValueError, match="no migration '0042'"):
+        schema.after("0042")
+
+
+def test_it_runs_without_django():
+    """Django made unimportable: the stand-alone harvester's check and schema still work."""
+    blocked = "import sys; sys.modules['django'] = None; from outbox.harvest.cli import main; sys.exit(main())"
+    env = {"PATH": "/usr/bin:/bin", **ENV}
+    checked = subprocess.run([sys.executable, "-c", blocked, "check"], env=env, capture_output=True, text=True,
+                             cwd=ROOT, timeout=60)
+    assert (checked.returncode, checked.stdout, checked.stderr) == (0, "no problems found\n", "")
+    printed = subprocess.run([sys.executable, "-c", blocked, "schema"], env=env, capture_output=True, text=True,
+                             cwd=ROOT, timeout=60)
+    assert printed.returncode == 0 and "CREATE TRIGGER outbox_notify" in printed.stdout
+    module = subprocess.run([sys.executable, "-m", "outbox.harvest", "--help"], env=env, capture_output=True,
+                            text=True, cwd=ROOT, timeout=60)
+    assert module.returncode == 0 and "usage: outbox-harvest" in module.stdout
