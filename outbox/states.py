@@ -32,7 +32,7 @@ from django.utils import timezone
 from django.utils.timesince import timesince
 
 from outbox import conf
-from outbox.harvest.contract import ReplicaState
+from outbox.harvest.replicas import Replicas
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
 
 #: Counts of a table are exact up to this many rows, then Postgres's live-row estimate.
@@ -86,94 +86,11 @@ class Held:
         return str(self.behind)
 
 
-@dataclass(frozen=True)
-class Replicas:
-    """The replicas' status rows, sorted by what they are doing now."""
-
-    leaders: list[HarvesterStatus]
-    blocked: list[HarvesterStatus]
-    standbys: list[HarvesterStatus]
-    gone: list[HarvesterStatus]
-    #: Stopped cleanly (SIGTERM, stop()): their rows stay until pruned, saying when.
-    stopped: list[HarvesterStatus] = field(default_factory=list)
-    #: The outbox table whose records the console shows (None: every row counts). A process harvesting
-    #: many outboxes (outbox/many.py) writes its engines' rows into the same status table: their terms'
-    #: ids and marks are of other tables, and say nothing of this one's records.
-    table: str | None = None
-
-    @property
-    def live(self) -> list[HarvesterStatus]:
-        return self.leaders + self.blocked + self.standbys
-
-    def harvests_table(self, row: HarvesterStatus) -> bool:
-        """Whether `row`'s engine harvests the console's table (an unqualified name is public's)."""
-        return self.table is None or same_table(row.harvested_table, self.table)
-
-    @property
-    def own_leaders(self) -> list[HarvesterStatus]:
-        """The leaders of the console's table."""
-        return [r for r in self.leaders if self.harvests_table(r)]
-
-    @property
-    def live_leader_ids(self) -> list[uuid.UUID]:
-        """Leader ids of the terms with records of the console's table in flight now. A live replica's status
-        row carries the leader id of its term, and keeps it while records of an ended or refreshed term are
-        still in flight or held, whatever its state."""
-        return [r.leader_id for r in self.live if r.leader_id is not None and self.harvests_table(r)]
-
-    @property
-    def marked_upto(self) -> int | None:
-        """The highest id of the console's table a live term has read: the rows up to it still there are in
-        flight."""
-        return max((r.marked_upto for r in self.live
-                    if r.leader_id is not None and r.marked_upto is not None and self.harvests_table(r)),
-                   default=None)
-
-
-def same_table(harvested: str, table: str) -> bool:
-    """Whether a status row's `harvested_table` names `table` (the unqualified name is public's, as the
-    default search_path resolves it)."""
-    def qualified(name: str) -> str:
-        return name if "." in name else f"public.{name}"
-    return qualified(harvested) == qualified(table)
-
-
-def groups_without_leader(found: Replicas) -> list[tuple[str, str]]:
-    """Unsharded groups with a live standby and no live leader, while other groups have one (many outboxes in
-    one status table; with none at all the dashboard says so once): (group, the table it harvests)."""
-    if not found.leaders:
-        return []
-    led = {r.leader_group for r in found.leaders}
-    waiting = {(r.leader_group, r.harvested_table) for r in found.standbys if (r.shards or 1) == 1}
-    return sorted((group, table) for group, table in waiting if group not in led)
-
-
-def shards_without_leader(found: Replicas) -> list[tuple[str, int, list[int]]]:
-    """Sharded groups with live replicas whose shards are not all led: (group, shards, the shards without one)."""
-    result = []
-    for group in sorted({r.leader_group for r in found.live if (r.shards or 1) > 1}):
-        shards = max(r.shards for r in found.live if r.leader_group == group)
-        led = {r.shard for r in found.leaders if r.leader_group == group}
-        missing = [shard for shard in range(shards) if shard not in led]
-        if missing:
-            result.append((group, shards, missing))
-    return result
-
-
 def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:
     """Read the status rows; a replica not seen for `status_gone_after` seconds is gone."""
     now = now or timezone.now()
-    gone_after = timedelta(seconds=conf.setting("status_gone_after"))
     rows = list(HarvesterStatus.objects.using(using or conf.database_alias()).order_by("name"))
-    stopped = sorted((r for r in rows if r.state == ReplicaState.STOPPED), key=lambda r: r.last_seen, reverse=True)
-    rows = [r for r in rows if r.state != ReplicaState.STOPPED]
-    live = [r for r in rows if now - r.last_seen <= gone_after]
-    leaders = [r for r in live if r.state == ReplicaState.LEADER]
-    blocked = [r for r in live if r.state == ReplicaState.BLOCKED]
-    return Replicas(leaders=leaders, blocked=blocked,
-                    standbys=[r for r in live if r not in leaders and r not in blocked],
-                    gone=[r for r in rows if now - r.last_seen > gone_after], stopped=stopped,
-                    table=OutboxRecord._meta.db_table)
+    return Replicas.sort(rows, now, float(conf.setting("status_gone_after")), table=OutboxRecord._meta.db_table)
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ def standalone_markdown() -> str:
     top = parser()
     [commands] = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {choice.dest: choice.help for choice in commands._choices_actions}
-    out = ["# The stand-alone harvester", "", md(top.description or ""), " Without a command, it runs: "
-           "`outbox-harvest --shards 4` is `outbox-harvest run --shards 4`.", ""]
+    out = ["# The stand-alone harvester", "", md(top.description or "") + " Without a command, it runs: "
+           "`outbox-harvest --shards 4` is `outbox-harvest run --shards 4` ([how-to](../standalone.md)).", ""]
     for name, sub in commands.choices.items():
         for action in sub._actions:
             if action.option_strings == ["-h", "--help"]:

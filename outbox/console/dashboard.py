@@ -15,19 +15,9 @@ from datetime import datetime
 from django.db import connections
 
 from outbox import conf, horizon
+from outbox.harvest.replicas import Replicas, groups_without_leader, shards_without_leader
 from outbox.models import OutboxRecord
-from outbox.states import (
-    Count,
-    Facts,
-    Held,
-    RecordState,
-    Replicas,
-    Verdict,
-    bounded_count,
-    groups_without_leader,
-    parked_count,
-    shards_without_leader,
-)
+from outbox.states import Count, Facts, Held, RecordState, Verdict, bounded_count, parked_count
 
 #: Stuck records are looked for among this many of the oldest rows (an index range, not a scan).
 HEAD_ROWS = 10_000

@@ -31,7 +31,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox import logs
-from outbox.harvest import running, schema
+from outbox.harvest import replicas, running, schema
 from outbox.harvest.config import SETTING_KEYS, HarvestConfig, Limits, leader_name
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.kafka import client_config_problems
@@ -43,7 +43,7 @@ from outbox.kafka.redaction import remember_secrets, scrub, secret_values
 from outbox.reasons import first_line
 
 PROG = "outbox-harvest"
-COMMANDS = ("run", "check", "schema")
+COMMANDS = ("run", "check", "schema", "health")
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 #: What a TOML file may set: the engine's keys, its limits, and the database.
 FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *running.LIMIT_FLAGS})
@@ -81,7 +81,7 @@ class OneLineParser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     top = OneLineParser(prog=PROG, description="Publish a goharvest outbox table to Kafka, with leader "
                                   "election among replicas, until SIGTERM or SIGINT; no Django project needed.")
-    commands = top.add_subparsers(dest="command", metavar="{run,check,schema}", parser_class=OneLineParser)
+    commands = top.add_subparsers(dest="command", metavar="{run,check,schema,health}", parser_class=OneLineParser)
     settings = argparse.ArgumentParser(add_help=False)
     settings.add_argument("--config", metavar="FILE.toml", type=Path,
                           help="a TOML file of settings (OUTBOX's engine keys); flags win over it")
@@ -109,6 +109,17 @@ def parser() -> argparse.ArgumentParser:
     ddl.add_argument("--since", metavar="MIGRATION", help="only the migrations after this one (to upgrade a schema "
                                                           "made by an earlier version), e.g. 0008_status_shards")
     ddl.add_argument("--config", metavar="FILE.toml", type=Path, help="a TOML file whose dsn names the database")
+    probe = commands.add_parser("health", help="check replicas through their status rows: exit 0 if healthy, 1 with "
+                                               "the reason if not (a liveness or readiness probe)")
+    probe.add_argument("--config", metavar="FILE.toml", type=Path,
+                       help="a TOML file whose dsn (and status_table) name the database")
+    probe.add_argument("--name", help="check the replica with this --name")
+    probe.add_argument("--host", help="check replicas on this host (default: this host, unless --name or --any)")
+    probe.add_argument("--any", action="store_true", help="check all replicas, wherever they run")
+    probe.add_argument("--require-leader", action="store_true",
+                       help="also fail unless some live replica leads (for alerting, not liveness)")
+    probe.add_argument("--gone-after", type=float, default=replicas.GONE_AFTER, metavar="SECONDS",
+                       help="a replica whose status row is older than this is gone")
     return top
 
 
@@ -261,6 +272,31 @@ def schema_command(args: argparse.Namespace, environ: Mapping[str, str]) -> None
     print(f"applied {len(ran)} migration(s): {', '.join(ran)}" if ran else "nothing to apply")
 
 
+def health_command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """manage.py harvest_health's verdict, on status rows read by psycopg: one line, exit status 0 or 1."""
+    values, _unknown = read_file(args.config)
+    dsn = values.get("dsn") or environ.get("DATABASE_URL", "")
+    if not dsn:
+        raise running.RunFailure("health: no database: set DATABASE_URL (or dsn in the --config file)")
+    remember_secrets(dsn)
+    status_table = values.get("status_table", HarvestConfig.status_table)
+    dead_letters = HarvestConfig.dead_letter_table
+    try:
+        with psycopg.connect(dsn, connect_timeout=10, autocommit=True) as conn:
+            rows, now = replicas.read(conn, status_table)
+            parked = conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT 10001) AS parked").format(
+                table_identifier(dead_letters))).fetchone()[0] if conn.execute(
+                "SELECT to_regclass(%s)", (dead_letters,)).fetchone()[0] else None
+    except psycopg.Error as error:
+        print(f"unhealthy: cannot read harvester status: {first_line(error)}")
+        return 1
+    healthy, why = replicas.health(replicas.Replicas.sort(rows, now, args.gone_after), now, name=args.name,
+                                   host=args.host, any=args.any, require_leader=args.require_leader,
+                                   gone_after=args.gone_after, counts="" if parked is None else f"{parked} parked")
+    print(f"{'ok' if healthy else 'unhealthy'}: {why}")
+    return 0 if healthy else 1
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     environ = os.environ if environ is None else environ
@@ -272,6 +308,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.command == "schema":
             schema_command(args, environ)
             return 0
+        if args.command == "health":
+            return health_command(args, environ)
         settings = build(args, environ)
         secrets = settings.secrets
         remember_secrets(secrets)

@@ -185,11 +185,21 @@ def test_the_wheel_installs_the_command(wheel_venv, database, bootstrap_servers,
                for i in range(30)]
     process = subprocess.Popen([command, "--heartbeat-timeout", "2"], env=env, cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def probe(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([command, "health", *args], env=env, capture_output=True, text=True, timeout=60)
+
     try:
         audit = read_topic(bootstrap_servers, topic, expected=len(ids), timeout=60)
+        healthy = wait_until(lambda: (done := probe("--require-leader")).returncode == 0 and done, 30,
+                             "a healthy probe")
+        assert healthy.stdout.startswith("ok: ") and " is leader " in healthy.stdout, healthy.stdout
     finally:
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=60)[0]
     assert process.returncode == 0, output
     assert_complete_and_ordered(audit, ids, strict=True)
     assert "Stopped (published 30, failed 0)" in output
+    stopped = probe()
+    assert stopped.returncode == 1 and stopped.stdout.startswith("unhealthy: no live harvester for replicas on host ")
+    assert "stopped cleanly" in stopped.stdout, stopped.stdout

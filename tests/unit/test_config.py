@@ -101,6 +101,13 @@ def test_bad_settings_fail_the_checks_with_a_code(outbox, code):
     assert code in outbox_errors(**outbox)
 
 
+@pytest.mark.parametrize("outbox", [{"heartbeat_timeout": -1}, {"heartbeat_timeout": "5s"}, {"queue_timeout": 0}])
+def test_a_bad_limit_is_reported_once_not_on_the_limits_derived_from_it(outbox):
+    with override_settings(OUTBOX=outbox):
+        messages = checks.run_checks(tags=["outbox"])
+    assert [m.msg.split("]")[0] for m in messages] == [f"OUTBOX[{key!r}" for key in outbox]
+
+
 def test_typo_suggests_the_real_name():
     with override_settings(OUTBOX={"mark_query_record": 5}):
         [message] = checks.run_checks(tags=["outbox"])
