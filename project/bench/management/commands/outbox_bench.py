@@ -74,6 +74,8 @@ class Command(BaseCommand):
                                 "share the shards)")
         drain.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args",
                            help="extra flag for manage.py harvest, e.g. --harvest-arg=--mark-query-records=500")
+        drain.add_argument("--standalone", action="store_true",
+                           help="run the stand-alone harvester (python -m outbox.harvest) instead of manage.py harvest")
 
         latency = sub.add_parser("latency", help="commit-to-ack latency percentiles at a steady offered rate")
         latency.add_argument("--rate", type=float, default=2000.0, help="records/s offered (default 2000)")
@@ -84,6 +86,9 @@ class Command(BaseCommand):
         latency.add_argument("--writer", choices=["stash", "sql"], default="stash",
                              help="stash_many(), or plain INSERT statements woken only by the table's trigger")
         latency.add_argument("--harvest-arg", action="append", default=[], dest="harvest_args")
+        latency.add_argument("--standalone", action="store_true",
+                             help="run the stand-alone harvester (python -m outbox.harvest) instead of manage.py "
+                                  "harvest")
 
         dbcost = sub.add_parser("dbcost", help="what harvesting costs Postgres (CPU, WAL, statements) beside what "
                                                "writing the same records cost, in a drain and at a steady rate")
@@ -208,11 +213,13 @@ class Command(BaseCommand):
     # -- drain ----------------------------------------------------------------------------------
 
     def bench_drain(self, records: int, keys: list[int] | None, partitions: int, harvest_args: list[str],
-                    max_message_bytes: int | None = None, replicas: int = 1, **_: Any) -> None:
+                    max_message_bytes: int | None = None, replicas: int = 1, standalone: bool = False,
+                    **_: Any) -> None:
         self._require_empty_outbox()
         limit = f", max.message.bytes {max_message_bytes:,}" if max_message_bytes else ""
         self.stdout.write(f"drain benchmark: {records:,} records, topic with {partitions} partitions{limit}, "
-                          f"{replicas} harvester process(es), harvest flags {harvest_args or 'default'}")
+                          f"{replicas} {'stand-alone ' if standalone else ''}harvester process(es), harvest flags "
+                          f"{harvest_args or 'default'}")
         for key_count in keys or [10_000, 10]:
             self._vacuum()  # every run starts from a table without the last run's dead tuples
             topic = self._create_topic(f"bench-drain-{key_count}", partitions, max_message_bytes)
@@ -224,7 +231,8 @@ class Command(BaseCommand):
             with contextlib.ExitStack() as stack:
                 # Started together, in one group: timed from the first to lead (shards still moving to the
                 # others are part of what a user waits for).
-                harvesters = [stack.enter_context(HarvesterProcess(harvest_args, leader=leader))
+                harvesters = [stack.enter_context(HarvesterProcess(harvest_args, leader=leader,
+                                                                   standalone=standalone))
                               for _ in range(replicas)]
                 started = min(harvester.wait_for_leadership() for harvester in harvesters)
                 while self._outbox_has_rows():
@@ -241,7 +249,7 @@ class Command(BaseCommand):
     # -- latency --------------------------------------------------------------------------------
 
     def bench_latency(self, rate: float, duration: float, keys: int, batch: int, partitions: int,
-                      harvest_args: list[str], writer: str, **_: Any) -> None:
+                      harvest_args: list[str], writer: str, standalone: bool = False, **_: Any) -> None:
         self._require_empty_outbox()
         topic = self._create_topic("bench-latency", partitions)
         records = int(rate * duration)
@@ -253,8 +261,9 @@ class Command(BaseCommand):
 
         self.stdout.write(f"latency benchmark: {rate:,.0f} records/s offered for {duration:.0f}s over {keys} keys, "
                           f"{batch} records a transaction, written by {writer}; "
-                          f"harvest flags {harvest_args or 'default'}")
-        with HarvesterProcess(harvest_args) as harvester:
+                          f"harvest flags {harvest_args or 'default'}"
+                          + ("; the stand-alone harvester" if standalone else ""))
+        with HarvesterProcess(harvest_args, standalone=standalone) as harvester:
             harvester.wait_for_leadership()
             reader = AppendTimeReader(topic, expected=records)
             reader.start()
@@ -688,12 +697,19 @@ class Command(BaseCommand):
 
 
 class HarvesterProcess:
-    """`manage.py harvest` in a subprocess with a fresh leader topic; samples its RSS."""
+    """`manage.py harvest` (or, `standalone`, `python -m outbox.harvest` on the same database and broker) in a
+    subprocess with a fresh leader topic; samples its RSS."""
 
-    def __init__(self, extra_args: Sequence[str], env: dict[str, str] | None = None, leader: str | None = None) -> None:
+    def __init__(self, extra_args: Sequence[str], env: dict[str, str] | None = None, leader: str | None = None,
+                 standalone: bool = False) -> None:
         leader = leader or f"bench-leader-{uuid.uuid4().hex[:8]}"
         self.env = {**os.environ, **env} if env else None
-        self.args = [sys.executable, str(manage_py()), "harvest", "--leader-topic", leader, "--leader-group", leader,
+        command = [str(manage_py()), "harvest"]
+        if standalone:
+            command = ["-m", "outbox.harvest"]
+            self.env = {**(self.env or os.environ), "DATABASE_URL": conf.dsn_for("default"),
+                        "KAFKA_BOOTSTRAP_SERVERS": conf.kafka_config()["bootstrap.servers"]}
+        self.args = [sys.executable, *command, "--leader-topic", leader, "--leader-group", leader,
                      "-v", "2" if os.environ.get("OUTBOX_BENCH_DEBUG") else "1", *extra_args]
         self.peak_rss = 0
         self._done = threading.Event()
