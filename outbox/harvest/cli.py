@@ -31,15 +31,15 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox import logs
-from outbox.harvest import replicas, running, schema
-from outbox.harvest.config import SETTING_KEYS, HarvestConfig, Limits, leader_name
+from outbox.harvest import horizon, replicas, running, schema
+from outbox.harvest.config import SETTING_KEYS, TABLE_PATTERN, HarvestConfig, Limits, leader_name
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.kafka import client_config_problems
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.store import StoreError, table_identifier
 from outbox.kafka.names import default_name
 from outbox.kafka.problems import Problem
-from outbox.kafka.redaction import remember_secrets, scrub, secret_values
+from outbox.kafka.redaction import dsn_problem, remember_secrets, scrub, secret_values
 from outbox.reasons import first_line
 
 PROG = "outbox-harvest"
@@ -129,17 +129,34 @@ def read_file(path: Path | None) -> tuple[dict[str, Any], list[Problem]]:
     if path is None:
         return {}, []
     try:
-        values = tomllib.loads(path.read_text())
+        with path.open("rb") as file:
+            values = tomllib.load(file)
     except OSError as error:
         raise running.RunFailure(f"--config: cannot read {path}: {error.strerror or error}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise running.RunFailure(f"--config: {path} is not valid TOML: {error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise running.RunFailure(f"--config: {path} is not valid TOML (UTF-8): {first_line(error)}") from None
     unknown = []
     for key in sorted(set(values) - FILE_KEYS):
         close = difflib.get_close_matches(key, sorted(FILE_KEYS), n=1)
         unknown.append(Problem("E002", key, "is not a known setting" + (f" (did you mean {close[0]!r}?)" if close
                                                                          else "")))
     return values, unknown
+
+
+NO_DATABASE = "no database: set DATABASE_URL (or dsn in the --config file)"
+
+
+def dsn_of(values: Mapping[str, Any], environ: Mapping[str, str]) -> str:
+    """The file's dsn, else DATABASE_URL; RunFailure (one line, quoting no part of it) when there is none or
+    libpq cannot parse it."""
+    dsn = values.get("dsn") or environ.get("DATABASE_URL", "")
+    if not isinstance(dsn, str):
+        raise running.RunFailure(f"dsn: must be a libpq connection string or URL, got a {type(dsn).__name__}")
+    if not dsn:
+        raise running.RunFailure(NO_DATABASE)
+    if (problem := dsn_problem(dsn)) is not None:
+        raise running.RunFailure(f"dsn: {problem}")
+    return dsn
 
 
 def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
@@ -150,6 +167,15 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         if getattr(args, key, None) is not None:
             values[key] = getattr(args, key)
     dsn = values.pop("dsn", None) or environ.get("DATABASE_URL", "")
+    dsn_problems = []
+    if not isinstance(dsn, str):
+        dsn_problems.append(Problem("E005", "dsn", f"must be a libpq connection string or URL, got {dsn!r}"))
+        dsn = ""
+    elif not dsn:
+        dsn_problems.append(Problem("E005", "dsn", NO_DATABASE))
+    elif (problem := dsn_problem(dsn)) is not None:
+        dsn_problems.append(Problem("E005", "dsn", problem))
+    remember_secrets(dsn, values)
     base = values.get("base_kafka_config", {})
     source = None
     if isinstance(base, Mapping):
@@ -164,13 +190,12 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     given = {key for key in running.LIMIT_FLAGS if key in values}
     limits = Limits(**{key: values.pop(key) for key in given})
     derived = _derived_leader_name(dsn, values.get("table", "outbox"))
+    # Only an absent value is derived: an empty one is the user's, and refused as manage.py harvest refuses it.
     config = HarvestConfig(dsn=dsn, limits=limits, **{
-        **values, "leader_topic": values.get("leader_topic") or derived, "name": values.get("name") or default_name(),
-        "leader_group": values.get("leader_group") or derived})
-    problems = found + config.validate(given_limits=given)
-    if not dsn:  # the engine's E005 names `dsn`; here it is mostly the environment
-        problems = [p if p.code != "E005" else Problem("E005", "dsn", "no database: set DATABASE_URL (or dsn in the "
-                                                                       "--config file)") for p in problems]
+        **values, "leader_topic": derived if values.get("leader_topic") is None else values["leader_topic"],
+        "leader_group": derived if values.get("leader_group") is None else values["leader_group"],
+        "name": default_name() if values.get("name") is None else values["name"]})
+    problems = found + dsn_problems + [p for p in config.validate(given_limits=given) if p.field != "dsn"]
     if not problems:
         problems = client_config_problems(config)
     secrets = secret_values(dsn, values)
@@ -194,31 +219,35 @@ def create(config: HarvestConfig, instruments: Any = None) -> Harvester | Sharde
 
 
 def database_readers(config: HarvestConfig) -> dict[str, Callable[[], Any]]:
-    """The metrics' readers of what the harvester does not know (parked records, the oldest row's age), by
-    psycopg: a short connection per scrape, as Django's readers make."""
+    """The metrics' readers of what the harvester does not know (parked records, the oldest row's age, who holds
+    the database's horizon back), by psycopg: a short connection per scrape, as Django's readers make."""
     log = logging.getLogger("outbox.metrics")
 
-    def read(statement: sql.Composable) -> Any:
+    def read(what: str, query: Callable[[psycopg.Connection], Any]) -> Any:
         try:
             with psycopg.connect(config.dsn, connect_timeout=5, autocommit=True) as conn:
-                row = conn.execute(statement).fetchone()
+                return query(conn)
         except psycopg.Error as error:
-            log.warning("Could not read the outbox's figures: %s", first_line(error))
+            log.warning("Could not read %s: %s", what, first_line(error))
             return None
-        return None if row is None else row[0]
 
-    def parked() -> int | None:
-        if config.dead_letter_table is None:
-            return None
-        return read(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT 100001) AS parked").format(
-            table_identifier(config.dead_letter_table)))
+    def count_parked(conn: psycopg.Connection) -> int | None:
+        table = config.dead_letter_table
+        if table is None or conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+            return None  # parking is off without the table: no figure, and nothing to warn about
+        return conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT 100001) AS parked").format(
+            table_identifier(table))).fetchone()[0]
 
-    def oldest_age() -> float | None:
-        age = read(sql.SQL("SELECT coalesce((SELECT extract(epoch FROM statement_timestamp() - create_time) FROM {} "
-                           "ORDER BY id LIMIT 1), 0)").format(table_identifier(config.table)))
-        return None if age is None else max(0.0, float(age))
+    def oldest_age(conn: psycopg.Connection) -> float:
+        age = conn.execute(sql.SQL("SELECT coalesce((SELECT extract(epoch FROM statement_timestamp() - create_time) "
+                                   "FROM {} ORDER BY id LIMIT 1), 0)").format(table_identifier(config.table))
+                           ).fetchone()[0]
+        return max(0.0, float(age))
 
-    return {"parked": parked, "oldest_age": oldest_age, "horizon": None}
+    return {"parked": lambda: read("the parked records", count_parked),
+            "oldest_age": lambda: read("the oldest outbox row", oldest_age),
+            "horizon": lambda: read("the database's horizon", lambda conn: horizon.read_with(conn.cursor(),
+                                                                                              config.table))}
 
 
 def run(args: argparse.Namespace, settings: Settings) -> None:
@@ -240,14 +269,14 @@ def run(args: argparse.Namespace, settings: Settings) -> None:
         def serve() -> None:
             serve_registry(harvester, registry, args.metrics_port, args.metrics_address,
                            **database_readers(settings.config))
-    running.run_until_stopped(harvester, serve, f"{args.metrics_address}:{args.metrics_port}")
+    running.run_until_stopped(harvester, serve, args.metrics_address, args.metrics_port)
 
 
 def check(settings: Settings) -> int:
     """manage.py check's report: one line a problem, with its code; 1 when there is an error."""
     reported = settings.problems or settings.warnings()
     for problem in reported:
-        print(f"outbox.{problem.code} {problem}")
+        print(scrub(f"outbox.{problem.code} {problem}", settings.secrets))
     if not reported:
         print("no problems found")
     return 1 if settings.problems else 0
@@ -261,9 +290,7 @@ def schema_command(args: argparse.Namespace, environ: Mapping[str, str]) -> None
             raise running.RunFailure(str(error)) from None
         return
     values, _unknown = read_file(args.config)
-    dsn = values.get("dsn") or environ.get("DATABASE_URL", "")
-    if not dsn:
-        raise running.RunFailure("schema --apply: no database: set DATABASE_URL (or dsn in the --config file)")
+    dsn = dsn_of(values, environ)
     remember_secrets(dsn)
     try:
         ran = schema.apply(dsn, args.since)
@@ -275,11 +302,11 @@ def schema_command(args: argparse.Namespace, environ: Mapping[str, str]) -> None
 def health_command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """manage.py harvest_health's verdict, on status rows read by psycopg: one line, exit status 0 or 1."""
     values, _unknown = read_file(args.config)
-    dsn = values.get("dsn") or environ.get("DATABASE_URL", "")
-    if not dsn:
-        raise running.RunFailure("health: no database: set DATABASE_URL (or dsn in the --config file)")
+    dsn = dsn_of(values, environ)
     remember_secrets(dsn)
     status_table = values.get("status_table", HarvestConfig.status_table)
+    if not isinstance(status_table, str) or not TABLE_PATTERN.fullmatch(status_table):
+        raise running.RunFailure(f"status_table: must be an SQL identifier, got {status_table!r}")
     dead_letters = HarvestConfig.dead_letter_table
     try:
         with psycopg.connect(dsn, connect_timeout=10, autocommit=True) as conn:
@@ -312,7 +339,6 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return health_command(args, environ)
         settings = build(args, environ)
         secrets = settings.secrets
-        remember_secrets(secrets)
         if args.command == "check":
             return check(settings)
         run(args, settings)

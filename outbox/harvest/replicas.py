@@ -10,11 +10,12 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import namedtuple_row
+from psycopg.rows import dict_row
 
 from outbox.harvest import sharding
 from outbox.harvest.contract import ReplicaState
@@ -177,9 +178,15 @@ def _by_replica(engines: list[Any]) -> list[tuple[str, list[Any]]]:
     return sorted(grouped.items())
 
 
+#: Columns later migrations added to the status table, as an older table's rows read without them.
+LATER_COLUMNS = {"blocked_by": None, "held": [], "queued": 0, "marked_upto": None, "shard": None, "shards": 1}
+
+
 def read(conn: psycopg.Connection, status_table: str) -> tuple[list[Any], datetime]:
-    """The status rows (as named tuples) and the database's time now, for a process without Django's ORM."""
-    with conn.cursor(row_factory=namedtuple_row) as cursor:
+    """The status rows and the database's time now, for a process without Django's ORM (a table made before the
+    latest migrations reads as if it had their columns' defaults)."""
+    with conn.cursor(row_factory=dict_row) as cursor:
         rows = cursor.execute(sql.SQL("SELECT * FROM {} ORDER BY name").format(
             table_identifier(status_table))).fetchall()
-    return rows, conn.execute("SELECT statement_timestamp()").fetchone()[0]
+    return ([SimpleNamespace(**{**LATER_COLUMNS, **row}) for row in rows],
+            conn.execute("SELECT statement_timestamp()").fetchone()[0])

@@ -62,7 +62,7 @@ def metrics_registry(port: int | None) -> tuple[Any, Any]:
 
 
 def run_until_stopped(harvester: AnyHarvester, serve_metrics: Callable[[], None] | None = None,
-                      metrics_where: str = "") -> None:
+                      metrics_address: str = "", metrics_port: int | None = None) -> None:
     """Start (RunFailure with the reason if it cannot), serve the metrics, harvest until a stop signal, and
     return once everything in flight has settled (RunFailure if the harvester failed meanwhile)."""
     tune_gc()
@@ -76,8 +76,8 @@ def run_until_stopped(harvester: AnyHarvester, serve_metrics: Callable[[], None]
         except OSError as error:
             harvester.stop()
             harvester.wait()
-            raise RunFailure(f"cannot serve metrics on {metrics_where}: {error}") from None
-        log.info("Metrics on http://%s/metrics", metrics_where)
+            raise RunFailure(f"cannot serve metrics on port {metrics_port}: {error}") from None
+        log.info("Metrics on http://%s:%s/metrics", metrics_address, metrics_port)
     with on_stop_signals(harvester.stop):
         try:
             while not harvester.wait(timeout=0.5):

@@ -1,7 +1,7 @@
 """What the harvester uses in the database besides the outbox table's rows, for a database no Django project
 migrates: schema.sql holds the DDL of the outbox app's migrations, one section per migration, as
 `manage.py sqlmigrate` prints it (a test holds the two identical). `outbox-harvest schema` prints it and
-`--apply` runs it; each section in its own transaction, as `migrate` runs each migration.
+`--apply` runs it, every section in one transaction: a failure changes nothing.
 
 Nothing records which sections ran (Django's migration table is Django's): a database that has the replica
 status table has the schema, and an upgrade runs the sections after the one it was made with (`since`).
@@ -15,6 +15,7 @@ from pathlib import Path
 import psycopg
 
 from outbox.harvest.store import StoreError, describe_dsn
+from outbox.kafka.redaction import dsn_problem
 from outbox.reasons import first_line
 
 SQL = Path(__file__).with_suffix(".sql")
@@ -61,31 +62,39 @@ def ddl(since: str | None = None) -> str:
     return header() + "".join(f"\n{MARK}{s.name}\n{s.sql}" for s in after(since))
 
 
+def statements(section: Section) -> str:
+    """A section's statements without its own BEGIN and COMMIT (apply() runs them all in one transaction)."""
+    return "\n".join(line for line in section.sql.splitlines() if line.strip() not in {"BEGIN;", "COMMIT;"})
+
+
 def apply(dsn: str, since: str | None = None) -> list[str]:
-    """Run the sections after `since` (all for None) on the database at `dsn`; the names run. Refuses a
-    database that already has the schema when `since` is None (StoreError, one line): nothing is half-run
-    but a section that failed, which its own transaction undoes."""
+    """Run the sections after `since` (all for None) on the database at `dsn`, in one transaction: all of them
+    or, on an error, none (StoreError, one line). Without `since`, a database that has the replica status table
+    (the schema) or an outbox table (goharvest's own) is refused before anything runs."""
     where = describe_dsn(dsn)
+    pending = after(since)
     try:
         conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except psycopg.ProgrammingError:  # libpq cannot parse it; its words could quote part of a password
+        raise StoreError(f"cannot connect to Postgres: dsn {dsn_problem(dsn)}") from None
     except psycopg.Error as error:
         raise StoreError(f"cannot connect to Postgres at {where}: {first_line(error)}") from None
-    ran: list[str] = []
-    with conn:  # closing it rolls back a section that failed half-way
+    with conn:
         try:
-            made = conn.execute("SELECT to_regclass(%s)", (STATUS_TABLE,)).fetchone()[0] is not None
+            made, outbox = conn.execute("SELECT to_regclass(%s), to_regclass('outbox')", (STATUS_TABLE,)).fetchone()
         except psycopg.Error as error:
             raise StoreError(f"cannot read the schema at {where}: {first_line(error)}") from None
-        if since is None and made:
-            last = sections()[-1].name
+        if since is None and made is not None:
             raise StoreError(f"{where} already has table {STATUS_TABLE}: its schema was made before (by manage.py "
                              f"migrate or an earlier --apply); to upgrade, apply the migrations after the one it was "
-                             f"made with: --since NAME (the newest is {last})")
-        for section in after(since):
-            try:
-                conn.execute(section.sql.encode())  # a script of several statements, with its BEGIN and COMMIT
-            except psycopg.Error as error:
-                raise StoreError(f"migration {section.name} failed at {where}: {first_line(error)}"
-                                 + (f" (ran before it: {', '.join(ran)})" if ran else "")) from None
-            ran.append(section.name)
-    return ran
+                             f"made with: --since MIGRATION (the newest is {sections()[-1].name})")
+        if since is None and outbox is not None:
+            raise StoreError(f"{where} already has table outbox (goharvest's?): to add the rest to it, apply the "
+                             f"migrations after the one that makes it: --since {sections()[0].name}")
+        try:
+            with conn.transaction():
+                for section in pending:
+                    conn.execute(statements(section).encode())  # several statements: psycopg sends them as a script
+        except psycopg.Error as error:
+            raise StoreError(f"the schema was not applied (nothing was changed): {first_line(error)}") from None
+    return [section.name for section in pending]

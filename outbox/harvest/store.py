@@ -38,7 +38,8 @@ APPLICATION_PREFIX = "outbox-harvest"
 
 
 #: How the missing tables are made: by Django's migrations, or the stand-alone harvester's DDL (schema.py).
-MIGRATE_HINT = "run manage.py migrate, or outbox-harvest schema --apply"
+MIGRATE_HINT = ("run manage.py migrate, or outbox-harvest schema --apply (with --since on a database that has part "
+                "of it)")
 
 
 class StoreError(Exception):

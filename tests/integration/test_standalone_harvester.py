@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from outbox.harvest import schema
 from tests.support.fresh_project import user_env
 from tests.support.harness import STANDALONE, Replica, assert_complete_and_ordered, read_topic, wait_until
+from tests.support.services import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -120,6 +122,36 @@ def test_a_goharvest_table_written_by_plain_sql_is_harvested(database, bootstrap
     assert "has no NOTIFY trigger" in harvester.log()
 
 
+def test_the_schema_is_applied_whole_or_not_at_all(database, tmp_path):
+    """A goharvest table is refused without --since (and takes the rest with it); a failing migration leaves
+    nothing of the others behind."""
+    env = standalone_env(database, "127.0.0.1:9")
+
+    def apply(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*STANDALONE, "schema", "--apply", *args], env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    def tables() -> set[str]:
+        with psycopg.connect(database) as conn:
+            return {row[0] for row in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+
+    with psycopg.connect(database) as conn:
+        conn.execute(GOHARVEST_TABLE)
+        conn.execute("CREATE TABLE outbox_harvester_shards (id int)")  # in the way of the last migration
+    refused = apply()
+    assert refused.returncode == 1 and "already has table outbox (goharvest's?)" in refused.stderr, refused.stderr
+    assert "--since 0001_initial" in refused.stderr
+    failed = apply("--since", "0001_initial")
+    assert failed.returncode == 1 and "the schema was not applied (nothing was changed)" in failed.stderr
+    assert tables() == {"outbox", "outbox_harvester_shards"}
+    with psycopg.connect(database) as conn:
+        conn.execute("DROP TABLE outbox_harvester_shards")
+    applied = apply("--since", "0001_initial")
+    assert applied.returncode == 0 and applied.stdout.startswith("applied 8 migration(s): 0002_status_and_failures")
+    assert tables() == {"outbox", "outbox_harvester", "outbox_harvester_history", "outbox_dead_letter",
+                        "outbox_harvester_shards"}
+
+
 def test_replicas_without_django_are_killed_under_load_and_lose_nothing(database, bootstrap_servers, new_topic,
                                                                         tmp_path):
     """The schema applied by `outbox-harvest schema --apply`, three stand-alone replicas deriving their group from
@@ -156,7 +188,8 @@ def test_replicas_without_django_are_killed_under_load_and_lose_nothing(database
 
 def test_an_unreachable_database_or_broker_is_one_line(database, tmp_path):
     env = {**user_env(), "PYTHONPATH": str(ROOT), "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9"}
-    gone = database.rsplit("/", 1)[0].replace(":5432", ":1") + "/nowhere"
+    parts = urlsplit(database)
+    gone = urlunsplit(parts._replace(netloc=f"{parts.netloc.rpartition(':')[0]}:{free_port()}"))
     cases = ((gone, "outbox-harvest: cannot connect to Postgres at "),
              (database, "outbox-harvest: table 'outbox' does not exist at "),
              (database, "outbox-harvest: Kafka is unreachable at 127.0.0.1:9: "))

@@ -3,6 +3,8 @@ the environment; one line for each kind of bad input; secrets never printed; no 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from outbox.harvest import cli, schema
-from outbox.harvest.config import Limits
+from outbox.harvest.config import Limits, leader_name
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"DATABASE_URL": "postgresql://shop:s3cret-pw@db.example:5433/shop", "KAFKA_BOOTSTRAP_SERVERS": "k1:9092"}
@@ -125,8 +127,49 @@ def test_secrets_are_never_printed(capsys, tmp_path):
 
 def test_the_limit_flags_are_the_limits():
     flags = {action.dest for action in cli.parser()._subparsers._group_actions[0].choices["run"]._actions}
-    assert set(cli.running.LIMIT_FLAGS) <= flags
-    assert Limits().problems(set()) == []
+    assert set(cli.running.LIMIT_FLAGS) == {spec.name for spec in dataclasses.fields(Limits)} <= flags
+
+
+def test_the_derived_leader_name_stays_what_running_replicas_use():
+    """Replicas of an older version and this one must land in one group: the formula does not change."""
+    digest = hashlib.sha1(b"db.example:5433/shop/app.outbox").hexdigest()[:8]
+    assert leader_name("db.example", "5433", "shop", "app.outbox") == f"outbox-leader.shop.app.outbox.{digest}"
+    assert settings("--table", "app.outbox").config.leader_group == f"outbox-leader.shop.app.outbox.{digest}"
+
+
+@pytest.mark.parametrize(("environ", "text", "expected"), [
+    ({"DATABASE_URL": "postgresql://u:s3cr%zzetpw@db/shop"}, "", "dsn: is not a libpq connection string or URL"),
+    ({}, "dsn = 5\n", "dsn: must be a libpq connection string or URL, got 5"),
+])
+def test_a_database_that_cannot_be_named_is_one_line_quoting_no_password(capsys, tmp_path, environ, text, expected):
+    path = toml(tmp_path, text)
+    for command in (["check", "--config", path], ["--config", path], ["schema", "--apply", "--config", path],
+                    ["health", "--config", path]):
+        code, out, err = run_main(capsys, *command, environ=environ)
+        assert code == 1 and "s3cr" not in out + err, (command, out, err)
+        assert expected.split(":")[1].strip()[:20] in out + err, (command, out, err)
+        assert (out + err).count("\n") == 1, (command, out, err)
+
+
+def test_a_file_that_is_not_utf8_is_one_line(capsys, tmp_path):
+    path = tmp_path / "harvest.toml"
+    path.write_bytes(b"table = \"caf\xe9\"\n")
+    code, _, err = run_main(capsys, "--config", str(path))
+    assert code == 1 and err.startswith("outbox-harvest: --config: ") and "not valid TOML (UTF-8)" in err
+    assert err.count("\n") == 1
+
+
+def test_an_empty_name_is_refused_not_replaced(capsys):
+    code, out, _ = run_main(capsys, "check", "--name", "")
+    assert code == 1 and out.startswith("outbox.E008 name: ")
+    code, out, _ = run_main(capsys, "check", "--leader-topic", "")
+    assert code == 1 and out.startswith("outbox.E007 leader_topic: ")
+
+
+def test_check_masks_secrets_in_what_it_reports(capsys, tmp_path):
+    path = toml(tmp_path, '[base_kafka_config]\n"sasl.password" = "kafka-s3cret-pw"\n')
+    code, out, _ = run_main(capsys, "check", "--config", path, "--leader-group", "kafka-s3cret-pw\n")
+    assert code == 1 and "E008 leader_group" in out and "s3cret" not in out
 
 
 def test_the_schema_has_one_section_per_migration():
@@ -147,6 +190,8 @@ def test_it_runs_without_django():
     printed = subprocess.run([sys.executable, "-c", blocked, "schema"], env=env, capture_output=True, text=True,
                              cwd=ROOT, timeout=60)
     assert printed.returncode == 0 and "CREATE TRIGGER outbox_notify" in printed.stdout
-    module = subprocess.run([sys.executable, "-m", "outbox.harvest", "--help"], env=env, capture_output=True,
-                            text=True, cwd=ROOT, timeout=60)
+    as_module = ("import runpy, sys; sys.modules['django'] = None; sys.argv[1:] = ['--help']; "
+                 "runpy.run_module('outbox.harvest', run_name='__main__')")
+    module = subprocess.run([sys.executable, "-c", as_module], env=env, capture_output=True, text=True, cwd=ROOT,
+                            timeout=60)
     assert module.returncode == 0 and "usage: outbox-harvest" in module.stdout

@@ -123,7 +123,7 @@ class Command(BaseCommand):
             def serve() -> None:
                 serve_registry(harvester, registry, options["metrics_port"], options["metrics_address"])
         try:
-            running.run_until_stopped(harvester, serve, f"{options['metrics_address']}:{options['metrics_port']}")
+            running.run_until_stopped(harvester, serve, options["metrics_address"], options["metrics_port"])
         except running.RunFailure as error:
             raise CommandError(str(error)) from None
 
