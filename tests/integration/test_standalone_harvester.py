@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import threading
-import time
 import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -17,60 +16,44 @@ import pytest
 
 from outbox.harvest import schema
 from tests.support.fresh_project import user_env
-from tests.support.harness import STANDALONE, Replica, assert_complete_and_ordered, read_topic, wait_until
+from tests.support.harness import (
+    GOHARVEST_DDL,
+    STANDALONE,
+    Generator,
+    Replica,
+    assert_complete_and_ordered,
+    read_topic,
+    wait_until,
+)
 from tests.support.services import free_port
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-#: goharvest's README, "1. Create an outbox table", as written there.
-GOHARVEST_TABLE = """
-CREATE TABLE IF NOT EXISTS outbox (
-  id                  BIGSERIAL PRIMARY KEY,
-  create_time         TIMESTAMP WITH TIME ZONE NOT NULL,
-  kafka_topic         VARCHAR(249) NOT NULL,
-  kafka_key           VARCHAR(100) NOT NULL,
-  kafka_value         VARCHAR(10000),
-  kafka_header_keys   TEXT[] NOT NULL,
-  kafka_header_values TEXT[] NOT NULL,
-  leader_id           UUID
-)"""
+GOHARVEST_TABLE = GOHARVEST_DDL.format(table="outbox")
 #: goharvest's README, "Writing outbox records", for a batch of rows.
 INSERT = ("INSERT INTO outbox (create_time, kafka_topic, kafka_key, kafka_value, kafka_header_keys, "
           "kafka_header_values) VALUES (now(), %s, %s, %s, '{}', '{}')")
 
 
-class SqlWriter(threading.Thread):
-    """An application writing the table with plain SQL: transactions of `batch` rows round-robin over `keys`
-    keys, one after another (per key, commit order is id order)."""
+class SqlWriter(Generator):
+    """An application writing the table with plain SQL (goharvest's INSERT), one transaction of `batch` rows
+    after another."""
 
-    def __init__(self, url: str, topic: str, *, keys: int = 8, batch: int = 10, limit: int = 10**9) -> None:
-        super().__init__(name="sql-writer", daemon=True)
-        self.url, self.topic, self.keys, self.batch, self.limit = url, topic, keys, batch, limit
-        self.ids: list[int] = []
-        self.halt = threading.Event()
-        self.failure: BaseException | None = None
+    def __init__(self, url: str, topic: str, *, limit: int | None = None) -> None:
+        super().__init__(topic, keys=8, batch=10, pause=0.005, limit=limit)
+        self.url = url
+        self.conn: psycopg.Connection | None = None
 
-    def run(self) -> None:
-        sequence = 0
-        try:
-            with psycopg.connect(self.url) as conn:
-                while not self.halt.is_set() and len(self.ids) < self.limit:
-                    with conn.transaction(), conn.cursor() as cursor:
-                        for _ in range(self.batch):
-                            cursor.execute(INSERT + " RETURNING id",
-                                           (self.topic, f"key-{sequence % self.keys}", f"value-{sequence}"))
-                            self.ids.append(cursor.fetchone()[0])
-                            sequence += 1
-                    time.sleep(0.005)
-        except BaseException as error:
-            self.failure = error
+    def write(self, records: list[dict[str, Any]]) -> list[int]:
+        self.conn = self.conn or psycopg.connect(self.url)
+        with self.conn.transaction(), self.conn.cursor() as cursor:
+            return [cursor.execute(INSERT + " RETURNING id", (r["topic"], r["key"], r["value"])).fetchone()[0]
+                    for r in records]
 
-    def stop(self) -> list[int]:
-        self.halt.set()
-        self.join(timeout=30)
-        assert self.failure is None, f"the writer failed: {self.failure!r}"
-        return self.ids
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
 
 @pytest.fixture
@@ -166,10 +149,10 @@ def test_replicas_without_django_are_killed_under_load_and_lose_nothing(database
     writer = SqlWriter(database, topic)
     writer.start()
     try:
-        for _ in range(2):
+        for kill in range(1, 3):
             leader = wait_until(lambda: next((r for r in replicas if r.is_leading()), None), 60, "a leader")
             assert sum(r.is_leading() for r in replicas) == 1, "one group: one leader"
-            wait_until(lambda: len(writer.ids) > 300, 60, "rows written meanwhile")
+            wait_until(lambda kill=kill: len(writer.ids) > 300 * kill, 60, "rows written under this leader")
             leader.kill()
             replicas.remove(leader)
             replicas.append(Replica(f"standalone-new-{uuid.uuid4().hex[:4]}", env, tmp_path, args,

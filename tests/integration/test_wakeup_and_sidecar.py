@@ -15,7 +15,7 @@ from outbox import stash
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
-from tests.support.harness import outbox_count, read_topic, wait_until
+from tests.support.harness import GOHARVEST_DDL, outbox_count, read_topic, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -77,19 +77,6 @@ def test_an_idle_leader_polls_at_most_once_a_second(database_url, bootstrap_serv
         harvester.wait(timeout=30)
     # Three polls took at least two idle intervals (1 s each): the leader does not spin.
     assert seconds >= 2.0, f"3 idle polls in {seconds:.2f}s"
-
-
-GOHARVEST_DDL = """
-CREATE TABLE {table} (
-  id                  BIGSERIAL PRIMARY KEY,
-  create_time         TIMESTAMP WITH TIME ZONE NOT NULL,
-  kafka_topic         VARCHAR(249) NOT NULL,
-  kafka_key           VARCHAR(100) NOT NULL,
-  kafka_value         VARCHAR(10000),
-  kafka_header_keys   TEXT[] NOT NULL,
-  kafka_header_values TEXT[] NOT NULL,
-  leader_id           UUID
-)"""
 
 
 def test_sidecar_harvests_a_goharvest_table_in_another_schema(database_url, bootstrap_servers, new_topic):

@@ -39,6 +39,20 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+#: goharvest's README, "1. Create an outbox table", as written there (its table name aside).
+GOHARVEST_DDL = """
+CREATE TABLE {table} (
+  id                  BIGSERIAL PRIMARY KEY,
+  create_time         TIMESTAMP WITH TIME ZONE NOT NULL,
+  kafka_topic         VARCHAR(249) NOT NULL,
+  kafka_key           VARCHAR(100) NOT NULL,
+  kafka_value         VARCHAR(10000),
+  kafka_header_keys   TEXT[] NOT NULL,
+  kafka_header_values TEXT[] NOT NULL,
+  leader_id           UUID
+)"""
+
+
 def outbox_count(database_url: str) -> int:
     with psycopg.connect(database_url) as conn:
         return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
@@ -48,7 +62,7 @@ class Generator(threading.Thread):
     """Stashes keyed records with stash_many() in transactions of `batch`, round-robin over `keys` keys.
 
     One thread, one transaction after another: per key, commit order is id order, which is the
-    causal order the harvester must keep.
+    causal order the harvester must keep. Subclasses write another way (write(), close()).
     """
 
     def __init__(self, topic: str, *, keys: int = 10, batch: int = 20, pause: float = 0.01,
@@ -59,11 +73,21 @@ class Generator(threading.Thread):
         self.halt = threading.Event()
         self.failure: BaseException | None = None
 
-    def run(self) -> None:
-        from django.db import connection, transaction
+    def write(self, records: list[dict[str, Any]]) -> list[int]:
+        """One transaction of `records`; their ids."""
+        from django.db import transaction
 
         from outbox import stash_many
 
+        with transaction.atomic():
+            return stash_many(records)
+
+    def close(self) -> None:
+        from django.db import connection
+
+        connection.close()
+
+    def run(self) -> None:
         sequence = 0
         try:
             while not self.halt.is_set() and (self.limit is None or len(self.ids) < self.limit):
@@ -72,15 +96,13 @@ class Generator(threading.Thread):
                     records.append({"topic": self.topic, "key": f"key-{sequence % self.keys}",
                                     "value": f"value-{sequence}", "headers": [("seq", str(sequence))]})
                     sequence += 1
-                with transaction.atomic():
-                    ids = stash_many(records)
-                self.ids.extend(ids)
+                self.ids.extend(self.write(records))
                 if self.pause:
                     time.sleep(self.pause)
         except BaseException as error:
             self.failure = error
         finally:
-            connection.close()
+            self.close()
 
     def stop(self) -> list[int]:
         self.halt.set()
