@@ -27,7 +27,6 @@ from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.shards import ShardedHarvester
-from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.metrics")
 
@@ -213,61 +212,11 @@ class HarvesterCollector(Collector):
         yield backlog
 
 
-def read_parked() -> int | None:
-    """The dead-letter table's row count, or None (logged) when it cannot be read."""
-    from django.db import DatabaseError, connections
-
-    from outbox.states import parked_count
-
-    try:
-        return parked_count().value
-    except DatabaseError as error:
-        log.warning("Could not count parked records: %s", first_line(error))
-        return None
-    finally:
-        connections.close_all()  # every scrape runs on a thread of its own: leave no connection behind
-
-
-def read_oldest_age() -> float | None:
-    """Seconds since the oldest outbox row was written (0 when the outbox is empty), or None (logged) when it
-    cannot be read: one lookup at the primary key's head."""
-    from django.db import DatabaseError, connections
-    from django.utils import timezone
-
-    from outbox import conf
-    from outbox.models import OutboxRecord
-
-    try:
-        oldest = (OutboxRecord.objects.using(conf.database_alias()).order_by("id")
-                  .values_list("create_time", flat=True).first())
-    except DatabaseError as error:
-        log.warning("Could not read the oldest outbox row: %s", first_line(error))
-        return None
-    finally:
-        connections.close_all()
-    return 0.0 if oldest is None else max(0.0, (timezone.now() - oldest).total_seconds())
-
-
-def read_horizon() -> Any:
-    """Who holds the database's horizon back (outbox.horizon), or None (logged) when it cannot be read."""
-    from django.db import DatabaseError, connections
-
-    from outbox import horizon
-
-    try:
-        return horizon.read()
-    except DatabaseError as error:
-        log.warning("Could not read the database's horizon: %s", first_line(error))
-        return None
-    finally:
-        connections.close_all()
-
-
 def serve(harvester: Harvester | ShardedHarvester | ManyHarvester, registry: CollectorRegistry, port: int,
-          address: str = "0.0.0.0", *, parked: Callable[[], int | None] | None = read_parked,
-          oldest_age: Callable[[], float | None] | None = read_oldest_age,
-          horizon: Callable[[], Any] | None = read_horizon) -> None:
-    """Expose `registry` plus the harvester's gauges on http://address:port/metrics. The readers of what the
-    harvester does not know default to Django's (the stand-alone harvester brings its own)."""
+          address: str = "0.0.0.0", *, parked: Callable[[], int | None] | None = None,
+          oldest_age: Callable[[], float | None] | None = None, horizon: Callable[[], Any] | None = None) -> None:
+    """Expose `registry` plus the harvester's gauges on http://address:port/metrics; the readers of what the
+    harvester does not know are the entry point's (manage.py harvest's read Django's database,
+    outbox/metrics_readers.py; outbox-harvest's read it by psycopg)."""
     registry.register(HarvesterCollector(harvester, parked=parked, oldest_age=oldest_age, horizon=horizon))
     start_http_server(port, addr=address, registry=registry)

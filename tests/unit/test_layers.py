@@ -131,3 +131,35 @@ CONSOLE_USERS = {"outbox.admin", "outbox.queue.admin", "outbox.queue.history"}
 def test_only_the_pages_import_the_console(module):
     """The write path, the engine, the commands and the metrics never need the operator console."""
     assert _reaches(module, ("outbox.console",)) == []
+
+
+def _imports_django(module: str) -> bool:
+    """Whether `module` imports Django at run time (at its top or inside a function)."""
+    for node in _runtime_nodes(ast.parse(MODULES[module].read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(name == "django" or name.startswith("django.") for name in names):
+            return True
+    return False
+
+
+def _reached(module: str) -> set[str]:
+    """Every outbox module `module` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for target in GRAPH[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(("outbox.harvest", "outbox.kafka"))))
+def test_the_engine_and_the_stand_alone_harvester_reach_no_module_that_imports_django(module):
+    """outbox-harvest runs where Django is not installed: nothing it can import, even lazily, imports it."""
+    assert sorted(m for m in _reached(module) | {module} if _imports_django(m)) == []
+
+
+def test_a_planted_django_import_is_found(monkeypatch):
+    monkeypatch.setitem(GRAPH, "outbox.harvest.cli", GRAPH["outbox.harvest.cli"] | {"outbox.conf"})
+    assert "outbox.conf" in _reached("outbox.harvest.cli") and _imports_django("outbox.conf")

@@ -119,9 +119,10 @@ class Command(BaseCommand):
         serve = None
         if registry is not None:
             from outbox.metrics import serve as serve_registry
+            from outbox.metrics_readers import READERS
 
             def serve() -> None:
-                serve_registry(harvester, registry, options["metrics_port"], options["metrics_address"])
+                serve_registry(harvester, registry, options["metrics_port"], options["metrics_address"], **READERS)
         try:
             running.run_until_stopped(harvester, serve, options["metrics_address"], options["metrics_port"])
         except running.RunFailure as error:
