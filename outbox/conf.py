@@ -22,11 +22,10 @@ from django.conf import settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
-from outbox.harvest.config import SETTING_KEYS, HarvestConfig, Limits, leader_name
+from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, HarvestConfig, Limits, leader_name
 from outbox.kafka import redaction
 from outbox.kafka.names import default_name
 
-LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(Limits))
 #: HarvestConfig fields a user sets through OUTBOX (dsn comes from DATABASES, the limits are LIMIT_NAMES).
 ENGINE_KEYS = SETTING_KEYS
 #: Settings that belong to the Django side, with their defaults.

@@ -15,6 +15,7 @@ from outbox import conf, signals
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.outboxes import ManyHarvester
+from outbox.harvest.running import engine_for
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.tracing import PublishTracer
 from outbox.tracing.switch import tracing_on
@@ -33,12 +34,7 @@ def create_harvester(*, instruments: Instruments | None = None, tracer: PublishT
         from outbox.tracing.publish import OtelPublishTracer
 
         tracer = OtelPublishTracer()
-    config = conf.harvest_config(**overrides)
-    if config.shards > 1:
-        # One set of instruments for the replica: its engines' marks and purges add up in the same metrics.
-        return ShardedHarvester(config, on_event=signals.send_event, tracer=tracer,
-                                instruments=None if instruments is None else lambda _shard: instruments)
-    return Harvester.sending_events_to(signals.send_event, config, instruments=instruments, tracer=tracer)
+    return engine_for(conf.harvest_config(**overrides), signals.send_event, tracer, instruments)
 
 
 def create_many_harvester(names: list[str] | None = None, *, tenant_schemas: bool = False,

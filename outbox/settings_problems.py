@@ -5,7 +5,6 @@ so the parts it gathers from may read them through it."""
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from django.conf import settings
@@ -13,7 +12,7 @@ from django.conf import settings
 from outbox import conf
 from outbox.cloudevents import settings_problems as cloudevent_problems
 from outbox.harvest.kafka import client_config_problems
-from outbox.kafka.problems import Problem
+from outbox.kafka.problems import Problem, unknown_keys
 from outbox.many import problems as outboxes_problems
 from outbox.tracing import switch
 
@@ -57,12 +56,7 @@ def settings_problems() -> list[Problem]:
     raw = conf.raw_settings()
     if not isinstance(raw, dict):
         return [Problem("E001", "OUTBOX", f"must be a dict, got {type(raw).__name__}")]
-    found = []
-    known = conf.known_keys()
-    for key in sorted(set(raw) - known, key=str):
-        close = difflib.get_close_matches(str(key), sorted(known), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        found.append(Problem("E002", str(key), f"is not a known setting{hint}"))
+    found = unknown_keys(raw, conf.known_keys())
     for key in ("max_value_bytes", "max_header_bytes", "stuck_reset_count"):
         value = raw.get(key, conf.DJANGO_DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

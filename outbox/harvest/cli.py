@@ -16,7 +16,6 @@ Nothing here imports Django: a test runs it with Django made unimportable.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import logging
 import os
@@ -32,13 +31,11 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox import logs
 from outbox.harvest import horizon, replicas, running, schema
-from outbox.harvest.config import SETTING_KEYS, TABLE_PATTERN, HarvestConfig, Limits, leader_name
-from outbox.harvest.harvester import Harvester
+from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, TABLE_PATTERN, HarvestConfig, Limits, leader_name
 from outbox.harvest.kafka import client_config_problems
-from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.store import StoreError, table_identifier
 from outbox.kafka.names import default_name
-from outbox.kafka.problems import Problem
+from outbox.kafka.problems import Problem, unknown_keys
 from outbox.kafka.redaction import dsn_problem, remember_secrets, scrub, secret_values
 from outbox.reasons import first_line
 
@@ -46,9 +43,9 @@ PROG = "outbox-harvest"
 COMMANDS = ("run", "check", "schema", "health")
 DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 #: What a TOML file may set: the engine's keys, its limits, and the database.
-FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *running.LIMIT_FLAGS})
+FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES})
 #: Flags that set an engine key of the same name.
-FLAG_KEYS = ("table", "leader_topic", "leader_group", "name", "listen", "shards", *running.LIMIT_FLAGS)
+FLAG_KEYS = ("table", "leader_topic", "leader_group", "name", "listen", "shards", *LIMIT_NAMES)
 
 
 class Settings:
@@ -135,27 +132,29 @@ def read_file(path: Path | None) -> tuple[dict[str, Any], list[Problem]]:
         raise running.RunFailure(f"--config: cannot read {path}: {error.strerror or error}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise running.RunFailure(f"--config: {path} is not valid TOML (UTF-8): {first_line(error)}") from None
-    unknown = []
-    for key in sorted(set(values) - FILE_KEYS):
-        close = difflib.get_close_matches(key, sorted(FILE_KEYS), n=1)
-        unknown.append(Problem("E002", key, "is not a known setting" + (f" (did you mean {close[0]!r}?)" if close
-                                                                         else "")))
-    return values, unknown
+    return values, unknown_keys(values, FILE_KEYS)
 
 
 NO_DATABASE = "no database: set DATABASE_URL (or dsn in the --config file)"
 
 
-def dsn_of(values: Mapping[str, Any], environ: Mapping[str, str]) -> str:
-    """The file's dsn, else DATABASE_URL; RunFailure (one line, quoting no part of it) when there is none or
-    libpq cannot parse it."""
-    dsn = values.get("dsn") or environ.get("DATABASE_URL", "")
+def database_problem(dsn: Any) -> Problem | None:
+    """Why `dsn` (the file's, else DATABASE_URL) names no database, in words that quote none of it; else None."""
     if not isinstance(dsn, str):
-        raise running.RunFailure(f"dsn: must be a libpq connection string or URL, got a {type(dsn).__name__}")
+        return Problem("E005", "dsn", f"must be a libpq connection string or URL, got {dsn!r}")
     if not dsn:
-        raise running.RunFailure(NO_DATABASE)
-    if (problem := dsn_problem(dsn)) is not None:
-        raise running.RunFailure(f"dsn: {problem}")
+        return Problem("E005", "dsn", NO_DATABASE)
+    problem = dsn_problem(dsn)
+    return None if problem is None else Problem("E005", "dsn", problem)
+
+
+def dsn_of(values: Mapping[str, Any], environ: Mapping[str, str]) -> str:
+    """The file's dsn, else DATABASE_URL (its secrets remembered for masking); RunFailure when it names no
+    database."""
+    dsn = values.get("dsn") or environ.get("DATABASE_URL", "")
+    if (problem := database_problem(dsn)) is not None:
+        raise running.RunFailure(str(problem))
+    remember_secrets(dsn)
     return dsn
 
 
@@ -167,14 +166,8 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         if getattr(args, key, None) is not None:
             values[key] = getattr(args, key)
     dsn = values.pop("dsn", None) or environ.get("DATABASE_URL", "")
-    dsn_problems = []
-    if not isinstance(dsn, str):
-        dsn_problems.append(Problem("E005", "dsn", f"must be a libpq connection string or URL, got {dsn!r}"))
-        dsn = ""
-    elif not dsn:
-        dsn_problems.append(Problem("E005", "dsn", NO_DATABASE))
-    elif (problem := dsn_problem(dsn)) is not None:
-        dsn_problems.append(Problem("E005", "dsn", problem))
+    dsn_problems = [problem] if (problem := database_problem(dsn)) is not None else []
+    dsn = dsn if isinstance(dsn, str) else ""
     remember_secrets(dsn, values)
     base = values.get("base_kafka_config", {})
     source = None
@@ -187,7 +180,7 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         else:
             base["bootstrap.servers"] = DEFAULT_BOOTSTRAP_SERVERS
         values["base_kafka_config"] = base
-    given = {key for key in running.LIMIT_FLAGS if key in values}
+    given = {key for key in LIMIT_NAMES if key in values}
     limits = Limits(**{key: values.pop(key) for key in given})
     derived = _derived_leader_name(dsn, values.get("table", "outbox"))
     # Only an absent value is derived: an empty one is the user's, and refused as manage.py harvest refuses it.
@@ -211,11 +204,17 @@ def _derived_leader_name(dsn: str, table: Any) -> str:
                        else "outbox")
 
 
-def create(config: HarvestConfig, instruments: Any = None) -> Harvester | ShardedHarvester:
-    """The engine for `config`: a ShardedHarvester when it has shards, else a Harvester."""
-    if config.shards > 1:
-        return ShardedHarvester(config, instruments=None if instruments is None else lambda _shard: instruments)
-    return Harvester(config, instruments=instruments)
+#: Parked records are counted exactly up to this many (a bounded scan, as the console counts them).
+PARKED_COUNT_LIMIT = 10_000
+
+
+def parked_count(conn: psycopg.Connection, table: str | None) -> int | None:
+    """Rows in the dead-letter table, at most PARKED_COUNT_LIMIT + 1; None when there is no such table
+    (parking is off: no figure, and nothing to warn about)."""
+    if table is None or conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+        return None
+    return conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT {}) AS parked").format(
+        table_identifier(table), sql.Literal(PARKED_COUNT_LIMIT + 1))).fetchone()[0]
 
 
 def database_readers(config: HarvestConfig) -> dict[str, Callable[[], Any]]:
@@ -231,20 +230,13 @@ def database_readers(config: HarvestConfig) -> dict[str, Callable[[], Any]]:
             log.warning("Could not read %s: %s", what, first_line(error))
             return None
 
-    def count_parked(conn: psycopg.Connection) -> int | None:
-        table = config.dead_letter_table
-        if table is None or conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
-            return None  # parking is off without the table: no figure, and nothing to warn about
-        return conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT 100001) AS parked").format(
-            table_identifier(table))).fetchone()[0]
-
     def oldest_age(conn: psycopg.Connection) -> float:
         age = conn.execute(sql.SQL("SELECT coalesce((SELECT extract(epoch FROM statement_timestamp() - create_time) "
                                    "FROM {} ORDER BY id LIMIT 1), 0)").format(table_identifier(config.table))
                            ).fetchone()[0]
         return max(0.0, float(age))
 
-    return {"parked": lambda: read("the parked records", count_parked),
+    return {"parked": lambda: read("the parked records", lambda conn: parked_count(conn, config.dead_letter_table)),
             "oldest_age": lambda: read("the oldest outbox row", oldest_age),
             "horizon": lambda: read("the database's horizon", lambda conn: horizon.read_with(conn.cursor(),
                                                                                               config.table))}
@@ -261,15 +253,9 @@ def run(args: argparse.Namespace, settings: Settings) -> None:
     for warning in settings.warnings():
         logging.getLogger("outbox").warning("%s (outbox.%s)", warning, warning.code)
     registry, instruments = running.metrics_registry(args.metrics_port)
-    harvester = create(settings.config, instruments)
-    serve = None
-    if registry is not None:
-        from outbox.metrics import serve as serve_registry
-
-        def serve() -> None:
-            serve_registry(harvester, registry, args.metrics_port, args.metrics_address,
-                           **database_readers(settings.config))
-    running.run_until_stopped(harvester, serve, args.metrics_address, args.metrics_port)
+    harvester = running.engine_for(settings.config, instruments=instruments)
+    running.run_until_stopped(harvester, registry, args.metrics_address, args.metrics_port,
+                              database_readers(settings.config))
 
 
 def check(settings: Settings) -> int:
@@ -291,7 +277,6 @@ def schema_command(args: argparse.Namespace, environ: Mapping[str, str]) -> None
         return
     values, _unknown = read_file(args.config)
     dsn = dsn_of(values, environ)
-    remember_secrets(dsn)
     try:
         ran = schema.apply(dsn, args.since)
     except (StoreError, ValueError) as error:
@@ -303,17 +288,13 @@ def health_command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """manage.py harvest_health's verdict, on status rows read by psycopg: one line, exit status 0 or 1."""
     values, _unknown = read_file(args.config)
     dsn = dsn_of(values, environ)
-    remember_secrets(dsn)
     status_table = values.get("status_table", HarvestConfig.status_table)
     if not isinstance(status_table, str) or not TABLE_PATTERN.fullmatch(status_table):
         raise running.RunFailure(f"status_table: must be an SQL identifier, got {status_table!r}")
-    dead_letters = HarvestConfig.dead_letter_table
     try:
         with psycopg.connect(dsn, connect_timeout=10, autocommit=True) as conn:
             rows, now = replicas.read(conn, status_table)
-            parked = conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT 10001) AS parked").format(
-                table_identifier(dead_letters))).fetchone()[0] if conn.execute(
-                "SELECT to_regclass(%s)", (dead_letters,)).fetchone()[0] else None
+            parked = parked_count(conn, HarvestConfig.dead_letter_table)
     except psycopg.Error as error:
         print(f"unhealthy: cannot read harvester status: {first_line(error)}")
         return 1

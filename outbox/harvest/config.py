@@ -142,6 +142,10 @@ class Limits:
         return found
 
 
+#: The limits' names: OUTBOX keys, TOML keys and flags alike.
+LIMIT_NAMES = tuple(spec.name for spec in dataclasses.fields(Limits))
+
+
 @dataclass(frozen=True)
 class HarvestConfig:
     """Everything a Harvester needs. Build it, call validate(), then hand it over."""

@@ -115,11 +115,10 @@ def shards_without_leader(found: Replicas) -> list[tuple[str, int, list[int]]]:
     return result
 
 
-def health(facts: Replicas, now: datetime, *, name: str | None = None, host: str | None = None, any: bool = False,
+def health(found: Replicas, now: datetime, *, name: str | None = None, host: str | None = None, any: bool = False,
            require_leader: bool = False, gone_after: float = GONE_AFTER, counts: str = "") -> tuple[bool, str]:
     """(healthy, why) for the replicas of `name` (a replica, or a sharded replica's engines, or a process's
     outboxes), else of `host` (default: this host), else of any host; `counts` ends the reason."""
-    found = facts
     tail = f"; {counts}" if counts else ""
     if name:
         scope = f"replica {name!r}"

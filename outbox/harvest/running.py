@@ -14,16 +14,18 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox.gc_tuning import tune_gc
-from outbox.harvest.config import Limits
+from outbox.harvest import events
+from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester, HarvestError
+from outbox.harvest.instruments import Instruments
 from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.shards import ShardedHarvester
+from outbox.harvest.tracing import PublishTracer
 from outbox.stopping import on_stop_signals
 
 log = logging.getLogger("outbox")
 
 AnyHarvester = Harvester | ShardedHarvester | ManyHarvester
-LIMIT_FLAGS = tuple(spec.name for spec in dataclasses.fields(Limits))
 
 
 class RunFailure(Exception):
@@ -61,18 +63,33 @@ def metrics_registry(port: int | None) -> tuple[Any, Any]:
     return registry, PrometheusInstruments(registry)
 
 
-def run_until_stopped(harvester: AnyHarvester, serve_metrics: Callable[[], None] | None = None,
-                      metrics_address: str = "", metrics_port: int | None = None) -> None:
-    """Start (RunFailure with the reason if it cannot), serve the metrics, harvest until a stop signal, and
-    return once everything in flight has settled (RunFailure if the harvester failed meanwhile)."""
+def engine_for(config: HarvestConfig, sink: Callable[[Harvester, events.Event], None] | None = None,
+               tracer: PublishTracer | None = None,
+               instruments: Instruments | None = None) -> Harvester | ShardedHarvester:
+    """The engine for one outbox: a ShardedHarvester (an engine per shard it leads, each the sender of its
+    events) when `config` has shards, else a Harvester. One set of instruments for the replica: its engines'
+    marks and purges add up in the same metrics."""
+    if config.shards > 1:
+        return ShardedHarvester(config, on_event=sink, tracer=tracer,
+                                instruments=None if instruments is None else lambda _shard: instruments)
+    return Harvester.sending_events_to(sink, config, instruments=instruments, tracer=tracer)
+
+
+def run_until_stopped(harvester: AnyHarvester, registry: Any = None, metrics_address: str = "",
+                      metrics_port: int | None = None, readers: dict[str, Callable[[], Any]] | None = None) -> None:
+    """Start (RunFailure with the reason if it cannot), serve `registry` and the harvester's gauges (read with
+    the entry point's `readers`) on the metrics port, harvest until a stop signal, and return once everything
+    in flight has settled (RunFailure if the harvester failed meanwhile)."""
     tune_gc()
     try:
         harvester.start()
     except HarvestError as error:
         raise RunFailure(str(error)) from None
-    if serve_metrics is not None:
+    if registry is not None:
+        from outbox.metrics import serve
+
         try:
-            serve_metrics()
+            serve(harvester, registry, metrics_port, metrics_address, **(readers or {}))
         except OSError as error:
             harvester.stop()
             harvester.wait()

@@ -14,7 +14,6 @@ Every key is known here: a typo is a system-check error (outbox_queue.E002), not
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -22,7 +21,7 @@ from typing import Any
 
 from django.conf import settings
 
-from outbox.kafka.problems import Problem
+from outbox.kafka.problems import Problem, unknown_keys
 from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
 
 #: Defaults of every OUTBOX["queues"] key that is not a per-queue limit (those default in QueueLimits).
@@ -146,7 +145,7 @@ def problems() -> list[Problem]:
     raw = raw_settings()
     if not isinstance(raw, Mapping):
         return [Problem("E001", "OUTBOX['queues']", f"must be a dict, got {type(raw).__name__}")]
-    found = _unknown(raw, KNOWN_KEYS, "")
+    found = unknown_keys(raw, KNOWN_KEYS)
     per_queue = raw.get("per_queue", {})
     if not isinstance(per_queue, Mapping):
         found.append(Problem("E003", "per_queue", f"must be a dict of queue name to limits, got {per_queue!r}"))
@@ -155,7 +154,7 @@ def problems() -> list[Problem]:
             if not isinstance(limits, Mapping):
                 found.append(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}"))
             else:
-                found.extend(_unknown(limits, frozenset(LIMIT_NAMES), f"per_queue[{queue!r}]."))
+                found.extend(unknown_keys(limits, LIMIT_NAMES, f"per_queue[{queue!r}]."))
     for key in ("status_interval", "status_gone_after", "inbox_retention", "history_retention"):
         value = setting(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -210,15 +209,6 @@ def queue_config(**overrides: Any) -> QueueConfig:
 
 def _limits(values: Mapping[str, Any]) -> QueueLimits:
     return QueueLimits(**{name: _seconds(values[name]) for name in LIMIT_NAMES if name in values})
-
-
-def _unknown(raw: Mapping[Any, Any], known: frozenset[str], where: str) -> list[Problem]:
-    found = []
-    for key in sorted(set(raw) - known, key=str):
-        close = difflib.get_close_matches(str(key), sorted(known), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        found.append(Problem("E002", f"{where}{key}", f"is not a known setting{hint}"))
-    return found
 
 
 def _seconds(value: Any) -> Any:

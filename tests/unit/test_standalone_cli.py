@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from outbox.harvest import cli, schema
-from outbox.harvest.config import Limits, leader_name
+from outbox.harvest.config import LIMIT_NAMES, Limits, leader_name
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"DATABASE_URL": "postgresql://shop:s3cret-pw@db.example:5433/shop", "KAFKA_BOOTSTRAP_SERVERS": "k1:9092"}
@@ -127,7 +127,7 @@ def test_secrets_are_never_printed(capsys, tmp_path):
 
 def test_the_limit_flags_are_the_limits():
     flags = {action.dest for action in cli.parser()._subparsers._group_actions[0].choices["run"]._actions}
-    assert set(cli.running.LIMIT_FLAGS) == {spec.name for spec in dataclasses.fields(Limits)} <= flags
+    assert set(LIMIT_NAMES) == {spec.name for spec in dataclasses.fields(Limits)} <= flags
 
 
 def test_the_derived_leader_name_stays_what_running_replicas_use():

@@ -116,15 +116,14 @@ class Command(BaseCommand):
 
     def _start_and_run(self, harvester: Any, registry: Any, options: dict[str, Any]) -> None:
         """Start (a one-line error if it cannot), serve the metrics, run until a stop signal."""
-        serve = None
+        readers = None
         if registry is not None:
-            from outbox.metrics import serve as serve_registry
             from outbox.metrics_readers import READERS
 
-            def serve() -> None:
-                serve_registry(harvester, registry, options["metrics_port"], options["metrics_address"], **READERS)
+            readers = READERS
         try:
-            running.run_until_stopped(harvester, serve, options["metrics_address"], options["metrics_port"])
+            running.run_until_stopped(harvester, registry, options["metrics_address"], options["metrics_port"],
+                                      readers)
         except running.RunFailure as error:
             raise CommandError(str(error)) from None
 
