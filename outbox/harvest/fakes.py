@@ -152,6 +152,8 @@ class FakeConsumer:
         self.topic = ""
         self.position: int | None = None
         self.closed = False
+        #: How often consume() was called: a test that proves something does not happen waits on progress.
+        self.polls = 0
         self._callbacks: dict[str, Callable[..., Any] | None] = {}
         kafka.consumers.append(self)
 
@@ -178,6 +180,7 @@ class FakeConsumer:
                     self.group.revoked(member)
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[StoredMessage]:
+        self.polls += 1
         self._serve_events()
         with self.kafka.lock:
             if self.position is None:

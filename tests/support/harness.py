@@ -12,13 +12,15 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from tests.support.waiting import wait_until as wait_until  # the tests' one wait, re-exported
 
 ROOT = Path(__file__).resolve().parents[2]
 #: librdkafka's log lines of the tests' own consumers go nowhere (brokers die on purpose here).
@@ -27,16 +29,6 @@ QUIET.addHandler(logging.NullHandler())
 QUIET.propagate = False
 #: The small_topic fixture's max.message.bytes (tests/conftest.py): a record twice this is refused.
 SMALL_TOPIC_BYTES = 4096
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 #: goharvest's README, "1. Create an outbox table", as written there (its table name aside).

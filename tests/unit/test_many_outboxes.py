@@ -27,6 +27,7 @@ from outbox.harvest.notify_hub import NotifyHub
 from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.supervisor import MAX_BACKOFF, RESTART_BACKOFF
 from outbox.harvest.tenants import find_tenant_tables
+from tests.support import waiting
 
 # ---------------------------------------------------------------------------------------------- the supervisor
 
@@ -252,10 +253,7 @@ def test_stop_stops_every_engine_and_wait_returns():
     world = World("acme", "globex")
     harvester = world.supervisor()
     harvester.start()
-    deadline = time.monotonic() + 10
-    while len(world.running(harvester)) < 2 and time.monotonic() < deadline:  # waits for the supervisor's thread
-        time.sleep(0.01)
-    assert len(world.running(harvester)) == 2, "both engines started within 10 s"
+    wait_for(lambda: len(world.running(harvester)) == 2, "both engines to start", timeout=10)
     assert harvester.replica_state is ReplicaState.STANDBY
     harvester.stop()
     assert harvester.wait(timeout=10), "stopped within 10 s"
@@ -279,10 +277,7 @@ def test_the_real_engine_runs_under_the_supervisor_with_fakes():
     harvester = ManyHarvester(world.discover, engine_factory=factory, name="replica")
     harvester.start()
     try:
-        deadline = time.monotonic() + 20
-        while sorted(harvester.leading) != ["acme", "globex"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert sorted(harvester.leading) == ["acme", "globex"], "each outbox led by its engine within 20 s"
+        wait_for(lambda: sorted(harvester.leading) == ["acme", "globex"], "each outbox led by its engine", timeout=20)
         assert harvester.replica_state is ReplicaState.LEADER
         # Its metrics carry each outbox's label as the `outbox` label (tables of two databases may share a name).
         from prometheus_client import CollectorRegistry, generate_latest
@@ -356,10 +351,7 @@ class FakeSession:
 
 
 def wait_for(condition: Any, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up after {timeout}s waiting for {what}"
-        time.sleep(0.005)
+    waiting.wait_until(condition, timeout, what, interval=0.005)
 
 
 def woken(listener: Any, timeout: float = 0.0) -> int:

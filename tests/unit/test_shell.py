@@ -21,17 +21,13 @@ from outbox.harvest.fakes import FakeConnector, FakeKafka, FakeStore
 from outbox.harvest.harvester import Harvester, HarvestError, State
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.store import FenceHolder, StoreError
+from tests.support import waiting
 
 TOPIC = "orders"
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"timed out waiting for {what}")
+    waiting.wait_until(condition, timeout, what, interval=0.002)
 
 
 class Rig:
@@ -202,7 +198,10 @@ def test_a_revoked_leader_lets_partition_zero_go_only_once_its_records_settled(r
     wait_until(lambda: leader.producer.outstanding() == 3, what="three records in flight")
     leader.kafka.move_partition_zero(to=leader.kafka.consumers[1])
     wait_until(lambda: not leader.harvester.is_leader, what="the revoke to reach the leader")
-    time.sleep(0.3)  # the revoke waits in its callback: nobody leads while the records fly
+    # The revoke waits in its callback: nobody leads while the records fly, however often the standby polls.
+    standby_consumer = leader.kafka.consumers[1]
+    polled = standby_consumer.polls
+    wait_until(lambda: standby_consumer.polls >= polled + 20, what="the standby to poll twenty times")
     assert leader.kafka.group.revoking is not None and not standby.harvester.is_leader
     leader.producer.deliver()
     wait_until(lambda: standby.harvester.is_leader, what="the standby to lead once the records settled")
@@ -234,13 +233,15 @@ def test_a_lost_partition_stops_sending_and_another_replica_leads(rig_factory):
 
 
 def test_lost_heartbeats_fence_the_leader_until_they_come_back(rig_factory):
-    rig = rig_factory(heartbeat_timeout=0.2)
+    rig = rig_factory(heartbeat_timeout=0.2, min_metrics_interval=0.02)
     rig.harvester.start()
     wait_until(lambda: rig.harvester.is_leader)
     rig.kafka.heartbeats_lost = True
     wait_until(lambda: rig.harvester.is_fenced, what="the leader to fence itself")
     rig.store.add(TOPIC, "k")
-    time.sleep(0.3)
+    turns = sum(isinstance(e, events.MeterRead) for e in rig.events)
+    wait_until(lambda: sum(isinstance(e, events.MeterRead) for e in rig.events) >= turns + 5,
+               what="the engine to meter five more times (a turn at least each) after the record was written")
     assert rig.published() == [], "a fenced leader sends nothing"
     rig.kafka.heartbeats_lost = False
     wait_until(lambda: not rig.store.rows, what="the leader to resume and publish")
