@@ -70,7 +70,7 @@ class Purge:
     With `fenced`, also tell whether this replica's fence session still holds the fence (without, the
     store does not read it: contract.PURGE_UNFENCED). Without `durable`, the purge may answer before
     the server flushed it (Postgres' asynchronous commit): a crash of the database server can then
-    undo it, and the records are published again (Lanes.purges_durable says when that is allowed).
+    undo it, and the records are published again (Settling.purges_durable says when that is allowed).
     """
 
     ids: tuple[int, ...]

@@ -158,7 +158,7 @@ WHERE locktype = 'relation' AND relation = %(table_oid)s AND mode = 'RowExclusiv
 # resets run on another session and answer this too, so a leader whose fence session ended (and
 # someone else may be marking) learns it at its next mark (which fails on the ended session) or at its
 # next purge that reads it, and stops sending. A purge nothing waits on reads it only if no mark
-# succeeded since the previous purge (PURGE_UNFENCED otherwise; Lanes.purge_reads_fence): reading
+# succeeded since the previous purge (PURGE_UNFENCED otherwise; Settling.purge_reads_fence): reading
 # pg_locks costs the server more than the DELETE (docs/benchmarks.md).
 FENCE_HELD = """
 SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = %(class)s AND objid = %(table_oid)s

@@ -10,7 +10,7 @@ a whole run, faults included.
 parts, one concern each (goharvest's mark/purge/reset, "MP/R", with the differences noted there):
 - leadership.py: partition 0, heartbeats, the database fence, terms, revoke and stop;
 - marking.py: when and from where to mark, and the watermark;
-- lanes.py: per-key lanes, sending within the throttle, settling (purge, reset);
+- lanes.py: per-key lanes, sending within the throttle, what settling frees (settling.py: purge, reset);
 - poison.py: records that fail on their own, and the keys they hold.
 """
 
@@ -267,7 +267,7 @@ class Core:
         (their virtual transaction ids; None: not read, as a mark without gaps does not)."""
         taken = self.marking.marked(mark, records, writers)
         if taken is not None:
-            self.lanes.mark_saw_fence = True  # it ran on the fence session, which held the fence
+            self.lanes.settling.mark_saw_fence = True  # it ran on the fence session, which held the fence
         for record in taken or ():
             self.lanes.take(record)
 

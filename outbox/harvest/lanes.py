@@ -1,4 +1,5 @@
-"""The core's records: per-key lanes, sending within the throttle, and settling (purge, reset).
+"""The core's records: per-key lanes, sending within the throttle, and what settling them frees (the purge and
+reset batches themselves: settling.py).
 
 A marked record waits in its key's lane, in id order. At most `max_in_flight_per_key` records of a
 key are in flight (1 is goharvest's barrier) and `max_in_flight_records` in all (the throttle). A
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 from outbox.harvest import commands as cmd
 from outbox.harvest.commands import DeliveryError
 from outbox.harvest.contract import Record
+from outbox.harvest.settling import Settling
 
 if TYPE_CHECKING:
     from outbox.harvest.core import Core
@@ -102,6 +104,9 @@ class Lane:
 class Lanes:
     """Every record the core tracks, by key; what is sent, and what is settled."""
 
+    #: The purge and reset batches' class (a mutation in the simulator swaps it).
+    settling_class: type[Settling] = Settling
+
     def __init__(self, core: Core) -> None:
         self.core = core
         self.limits = core.limits
@@ -118,24 +123,13 @@ class Lanes:
         self._next_queue_check = now
         self.aborted = False  # AbortSends issued; nothing more is sent until all in flight settled
         self.restarting = False  # RestartProducer issued, not yet answered
-        # settling
-        self._to_purge: list[Entry] = []
-        self._purging: list[Entry] | None = None
-        self._purge_retry_at = now
-        self._next_purge_at = now  # purges are coalesced: one at most every purge_interval
-        self._to_purge_since = now  # when the oldest of _to_purge was queued (purge_delay counts from it)
+        #: Acknowledged records to purge and failed ones to reset, in batches.
+        self.settling = self.settling_class(self.limits, now)
         #: The last dispatch left something waiting for a record to settle (a key's slots, the throttle,
         #: a solo record): purges then go every purge_interval, not after purge_delay.
         self.settle_wanted = True
         #: Keys with records queued behind their full slots: they wait for a purge.
         self._blocked: set[str] = set()
-        #: A mark succeeded since the last purge was issued: the fence session held the fence then, so
-        #: the next purge need not read it if nothing waits on it (contract.PURGE_UNFENCED). Set by
-        #: Core.on_marked.
-        self.mark_saw_fence = False
-        self._to_reset: list[Entry] = []
-        self._resetting: list[Entry] | None = None
-        self._reset_retry_at = now
 
     # -- time -----------------------------------------------------------------------------------
 
@@ -161,10 +155,7 @@ class Lanes:
     def deadline(self, deadline: float, active: bool) -> float:
         if active and self.ready and self._paused_until > self.core.now:
             deadline = min(deadline, self._paused_until)
-        if self._to_purge and self._purging is None:
-            deadline = min(deadline, self._purge_due(active))
-        if self._to_reset and self._resetting is None:
-            deadline = min(deadline, self._reset_retry_at)
+        deadline = self.settling.deadline(deadline, active, self.settle_wanted)
         if self._sent and not self.aborted:
             deadline = min(deadline, self._sent[0].sent_at + self.limits.delivery_timeout)
         return deadline
@@ -412,9 +403,7 @@ class Lanes:
         while index < len(unsettled) and unsettled[index].state is EntryState.ACKED:
             entry = unsettled[index]
             entry.purging = True
-            if not self._to_purge:
-                self._to_purge_since = self.core.now
-            self._to_purge.append(entry)
+            self.settling.queue_purge(entry, self.core.now)
             index += 1
         lane.purge_queued = index
 
@@ -438,7 +427,7 @@ class Lanes:
                 return
         elif error.permanent:
             poison.suspect(entry.record.id, str(error))
-        self._to_reset.append(entry)
+        self.settling.queue_reset(entry)
         leadership = self.core.leadership
         if not leadership.force_remark:
             log.warning("Delivery of record %d (topic %s, key %r) failed: %s; re-marking", entry.record.id,
@@ -477,75 +466,27 @@ class Lanes:
         if not unsettled:
             self.busy.pop(lane.key, None)
 
-    def _purge_due(self, active: bool) -> float:
-        """When the records to purge go. At a steady rate nothing waits on most acknowledged records
-        (a key's next record goes out before its last is purged, up to max_in_flight_per_key): while
-        the term is active and nothing waits, they are purged together after purge_delay, which costs
-        the database one statement for many records instead of one for each wake."""
-        due = max(self._purge_retry_at, self._next_purge_at)
-        if active and not self.settle_wanted and len(self._to_purge) < self.limits.mark_query_records:
-            due = max(due, self._to_purge_since + self.limits.purge_delay)
-        return due
-
-    def purge_reads_fence(self) -> bool:
-        """Whether the next purge reads the fence. It must before a purge that frees what waits to be
-        sent (a key's slot, the throttle, a solo record): the next send must follow a purge that ran
-        while the fence was held. A purge nothing waits on leads to no send: it need not if a mark
-        succeeded since the last purge (the mark ran on the fence session while that held the fence;
-        a mark on an ended session fails, and the term starts again)."""
-        return self.settle_wanted or not self.mark_saw_fence
-
-    def purges_durable(self) -> bool:
-        """Whether a purge must be on disk before it answers. With one record per key in flight it must:
-        its answer lowers the key's barrier, and a purge a database crash undid would publish the record
-        again after the key's next one (R0 R1 R0). With several in flight, a key's later records may go
-        out before its earlier ones are purged anyway, and a crash of the harvester can then publish
-        them again (R0 R1 R0 R1, repeats DESIGN.md allows); a purge undone by a crash of the database
-        does no more than that. Not waiting for the flush spares the server a WAL flush a purge."""
-        return self.limits.max_in_flight_per_key == 1
-
     def flush_settling(self, fenced: bool, active: bool = False) -> None:
-        """Purge and reset what is due; `fenced`: each also checks that the fence is still held (a purge
-        nothing waits on not when a mark saw it since the last purge);
-        `active`: the term is active (not draining, revoked or stopping), so purges may wait (_purge_due)."""
-        now = self.core.now
-        if self._to_purge and self._purging is None and now >= self._purge_due(active):
-            self._next_purge_at = now + self.limits.purge_interval
-            self._purging, self._to_purge = self._to_purge, []
-            read_fence = fenced and self.purge_reads_fence()
-            self.mark_saw_fence = False
-            self.core.command(cmd.Purge(tuple(e.record.id for e in self._purging), read_fence,
-                                        self.purges_durable()))
-        if self._to_reset and self._resetting is None and now >= self._reset_retry_at:
-            self._resetting, self._to_reset = self._to_reset, []
-            self.core.command(cmd.Reset(tuple(e.record.id for e in self._resetting),
-                                        tuple(str(e.error) for e in self._resetting), fenced))
+        """Purge and reset what is due (Settling.flush)."""
+        for command in self.settling.flush(self.core.now, fenced, active, self.settle_wanted):
+            self.core.command(command)
 
     def purged(self) -> int:
         """The last Purge committed; returns how many records it settled."""
-        purging, self._purging = self._purging or [], None
-        for entry in purging:
+        purged = self.settling.purge_done()
+        for entry in purged:
             self.settle(entry)
-        return len(purging)
+        return len(purged)
 
     def purge_failed(self, error: str) -> None:
-        log.warning("Purge of %d record(s) failed, retrying in %.1fs: %s", len(self._purging or ()),
-                    self.limits.io_error_backoff, error)
-        self._to_purge[:0] = self._purging or []
-        self._to_purge_since = self.core.now - self.limits.purge_delay  # retried at _purge_retry_at
-        self._purging = None
-        self._purge_retry_at = self.core.now + self.limits.io_error_backoff
+        self.settling.purge_failed(self.core.now, error)
 
     def reset_done(self) -> int:
         """The last Reset committed; returns how many records it settled."""
-        resetting, self._resetting = self._resetting or [], None
-        for entry in resetting:
+        reset = self.settling.reset_done()
+        for entry in reset:
             self.settle(entry)
-        return len(resetting)
+        return len(reset)
 
     def reset_failed(self, error: str) -> None:
-        log.warning("Reset of %d record(s) failed, retrying in %.1fs: %s", len(self._resetting or ()),
-                    self.limits.io_error_backoff, error)
-        self._to_reset[:0] = self._resetting or []
-        self._resetting = None
-        self._reset_retry_at = self.core.now + self.limits.io_error_backoff
+        self.settling.reset_failed(self.core.now, error)

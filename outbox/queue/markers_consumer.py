@@ -40,14 +40,15 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.kafka.names import default_name
-from outbox.kafka.outage import Outage, fatal
+from outbox.kafka.outage import Outage
 from outbox.queue import clients, markers
 from outbox.queue.config import QueueConfig, QueueLimits, check_queue_name
 from outbox.queue.consumer_state import ConsumerState, Delivery, Held, Plan, StartBatch
 from outbox.queue.delivery_spans import DeliverySpans, NoSpans
 from outbox.queue.errors import QueueError
 from outbox.queue.instruments import QueueInstruments
-from outbox.queue.markers import Kind, Marker, Ref
+from outbox.queue.marker_sender import MarkerSender
+from outbox.queue.markers import Kind, Ref
 from outbox.queue.receiving import wait_for_delivery
 from outbox.queue.topics import ensure_topics
 from outbox.queue.transactional import Caller, TransactionalWriter, call_with_deadline
@@ -171,7 +172,7 @@ class QueueConsumer:
         self._closed = False
         self._failure: BaseException | None = None
         self._consumer: Any = None
-        self._markers: Any = None
+        self._markers: MarkerSender | None = None
         #: What the consumer waits for while Kafka is away (said once; waiting_for() for status and health).
         self._kafka = Outage(log, f"Consumer of queue {self.queue}", clock, stall_after=clients.STALL_AFTER)
         #: The Start markers' transactions; batches fit the topics' max.message.bytes (None: no limit known).
@@ -208,7 +209,10 @@ class QueueConsumer:
             raise QueueError("invalid queue configuration: " + "; ".join(map(str, problems)))
         try:
             self._batch_limit = self._create_topics(self.config, KAFKA_START_TIMEOUT)
-            self._markers = self._new_marker_producer()
+            # Watched as the consumer is: the keep-alive thread polls it all the time, so its errors come when
+            # they happen.
+            self._markers = MarkerSender(self.queue, self.config.markers_topic, lambda: self._producer_factory(
+                self._kafka.watch(clients.marker_producer_config(self.config, self.name, self._batch_limit))))
             self._starts.open(lambda producer, timeout: clients.init_transactions(producer, self.config, timeout))
             self._consumer = self._consumer_factory(self._kafka.watch(clients.queue_consumer_config(
                 self.config, self.queue, self.name)))
@@ -285,7 +289,7 @@ class QueueConsumer:
         """Hand messages never received back (Release markers: redelivered at once, no delivery counted)."""
         with self._lock:
             for delivery, marker in self._state.release_buffered():
-                self._send_marker(delivery, marker)
+                self._markers.send(marker, delivery.marker_partition, delivery.id)
                 self.spans.finish(delivery, "released")
 
     def drop_held(self) -> None:
@@ -299,9 +303,7 @@ class QueueConsumer:
 
     def close_clients(self) -> None:
         if self._markers is not None:
-            remaining = self._markers.flush(10)
-            if remaining:
-                log.warning("%d marker(s) of queue %s not delivered at close", remaining, self.queue)
+            self._markers.close(10)
         self._markers = None
         self._starts.producer = None
 
@@ -341,11 +343,11 @@ class QueueConsumer:
 
     # -- settling (any thread) --------------------------------------------------------------------
 
-
     def _after_failure(self, message: Message) -> tuple[str, bool]:
         """The tracker redelivers an abandoned message once its deadline passes (and counts it towards
         max_deliveries there): the traceback goes with the one line, as a failure is that rare."""
         return f"redelivered after the redelivery timeout ({self.limits.redelivery_timeout:g} s)", True
+
     def _settle(self, message: Message, kind: Kind | None, delay: float = 0.0) -> None:
         delivery = message._delivery
         with self._lock:
@@ -354,7 +356,7 @@ class QueueConsumer:
             marker = self._state.settle(delivery, kind, delay)
             self._room.set()
             if marker is not None:
-                self._send_marker(delivery, marker)
+                self._markers.send(marker, delivery.marker_partition, delivery.id)
             if self.spans:
                 self.spans.finish(delivery, "acked" if kind is Kind.END else "retried" if kind is Kind.KEEPALIVE
                                   else "abandoned", delay if kind is Kind.KEEPALIVE else None)
@@ -365,49 +367,13 @@ class QueueConsumer:
         else:
             self._instruments.abandoned(self.queue)
 
-    def _new_marker_producer(self) -> Any:
-        # Watched as the consumer is: the keep-alive thread polls it all the time, so its errors come when they happen.
-        return self._producer_factory(self._kafka.watch(clients.marker_producer_config(self.config, self.name,
-                                                                                       self._batch_limit)))
-
-    def _send_marker(self, delivery: Delivery, marker: Marker) -> None:
-        value, headers = markers.encode(marker)
-        where: dict[str, Any] = {} if delivery.marker_partition is None else {"partition": delivery.marker_partition}
-
-        def produce() -> None:
-            self._markers.produce(self.config.markers_topic, key=self._key, value=value, headers=headers,
-                                  on_delivery=self._marker_delivered, **where)
-
-        try:
-            try:
-                produce()
-            except BufferError:
-                self._markers.poll(0.1)
-                produce()
-            except KafkaException as error:
-                if not fatal(error):
-                    raise
-                # An idempotent producer that failed for good is replaced; the marker goes out on the new one.
-                log.warning("The marker producer of queue %s failed for good (%s): a new one takes over", self.queue,
-                            kafka_reason(error))
-                self._markers = self._new_marker_producer()
-                produce()
-        except KafkaException as error:
-            log.warning("Could not send a %s marker for %s/%s: %s", marker.kind.value, self.queue, delivery.id,
-                        kafka_reason(error))
-
-    def _marker_delivered(self, error: KafkaError | None, record: Any) -> None:
-        if error is not None:
-            log.warning("A marker of queue %s was not delivered (%s): its message may be redelivered", self.queue,
-                        error.str())
-
     # -- keep-alives ------------------------------------------------------------------------------
 
     def keep_alive(self) -> None:
         """One round: a KeepAlive marker for each held message that is due one."""
         with self._lock:
             for delivery, marker in self._state.keep_alives(self._clock()):
-                self._send_marker(delivery, marker)
+                self._markers.send(marker, delivery.marker_partition, delivery.id)
 
     def _keep_alive_loop(self) -> None:
         interval = self.limits.keep_alive_interval

@@ -2,7 +2,7 @@
 nothing is flushed on the way down, and the next start recovers from the WAL on disk), on a cluster of its
 own (`bin/services up --postgres 14 --postgres-only`, as test_postgres_majors.py starts it).
 
-With several records per key in flight (the default) purges commit asynchronously (Lanes.purges_durable):
+With several records per key in flight (the default) purges commit asynchronously (Settling.purges_durable):
 the crash may undo the last of them and their rows come back; the records are published again, repeats and
 nothing else. With one per key a purge is on disk before it answers, so no row the harvester had deleted
 comes back, and no key's records go back (the strict order)."""

@@ -28,6 +28,7 @@ from outbox.harvest.lanes import EntryState, Lane, Lanes
 from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
 from outbox.harvest.memory_table import MemoryTable, Row, Session
+from outbox.harvest.settling import Settling
 from outbox.kafka.sizes import UNLIMITED
 from tests.sim import queue_scenario, shard_scenario, share_scenario
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
@@ -53,7 +54,7 @@ class KeysPipelinedFromTheStart(Lanes):
         return (1 if lane.single or lane.retrying else self.limits.max_in_flight_per_key) - len(lane.unsettled)
 
 
-class PurgesNeverDurable(Lanes):
+class PurgesNeverDurable(Settling):
     """Lets every purge commit asynchronously, with one record per key in flight too: a key's next
     record goes out on a purge that a crash of the database can still undo (R0 R1 R0)."""
 
@@ -61,19 +62,24 @@ class PurgesNeverDurable(Lanes):
         return False
 
 
-class FenceSeenByAMarkBeforeAWaitedPurge(Lanes):
+class FenceSeenByAMarkBeforeAWaitedPurge(Settling):
     """Skips the fence's read after a mark also when the purge frees what waits to be sent: the next
     send may then follow a purge that ran after the fence was lost (the mark ran before)."""
 
-    def purge_reads_fence(self) -> bool:
+    def purge_reads_fence(self, settle_wanted: bool) -> bool:
         return not self.mark_saw_fence
 
 
-class PurgesNeverReadTheFence(Lanes):
+class PurgesNeverReadTheFence(Settling):
     """No purge or reset reads the fence."""
 
-    def flush_settling(self, fenced: bool, active: bool = False) -> None:
-        super().flush_settling(False, active)
+    def flush(self, now: float, fenced: bool, active: bool, settle_wanted: bool) -> list[cmd.Command]:
+        return super().flush(now, False, active, settle_wanted)
+
+
+def settling(part: type[Settling]) -> type[Lanes]:
+    """Lanes whose purge and reset batches are the given mutant."""
+    return type(f"LanesWith{part.__name__}", (Lanes,), {"settling_class": part})
 
 
 class ReusedLeaderId(Leadership):
@@ -100,7 +106,7 @@ class ResendBeforeRefresh(Leadership):
     """After a failed delivery, resets the row and carries on under the same leader id."""
 
     def remark(self) -> None:
-        if self.force_remark or self.core.lanes._to_reset:  # the failed-delivery path: skip the re-mark
+        if self.force_remark or self.core.lanes.settling.to_reset:  # the failed-delivery path: skip the re-mark
             self.force_remark = False
             return
         super().remark()
@@ -248,14 +254,15 @@ MUTATIONS: dict[str, Options] = {
     "barrier lowered on the ack instead of after the purge": Options(core_factory=with_part(lanes=BarrierOnAck),
                                                                      per_key=1),
     "a leader id reused": Options(core_factory=with_part(leadership=ReusedLeaderId), per_key=1),
-    # A purge reads the fence unless a mark saw it since the last purge (lanes.flush_settling). What the
+    # A purge reads the fence unless a mark saw it since the last purge (Settling.flush). What the
     # reads add shows where a leader does not fence itself on missing heartbeats: then the database
     # fence alone must stop it (tests/unit/test_simulation.py runs that with the real lanes).
     "purges and resets never read the fence, no heartbeat fence": Options(
-        core_factory=with_part(leadership=NoHeartbeatFence, lanes=PurgesNeverReadTheFence), per_key=1, db_fence=True),
-    "a purge something waits on not reading the fence after a mark, no heartbeat fence": Options(
-        core_factory=with_part(leadership=NoHeartbeatFence, lanes=FenceSeenByAMarkBeforeAWaitedPurge), per_key=1,
+        core_factory=with_part(leadership=NoHeartbeatFence, lanes=settling(PurgesNeverReadTheFence)), per_key=1,
         db_fence=True),
+    "a purge something waits on not reading the fence after a mark, no heartbeat fence": Options(
+        core_factory=with_part(leadership=NoHeartbeatFence, lanes=settling(FenceSeenByAMarkBeforeAWaitedPurge)),
+        per_key=1, db_fence=True),
     # The database fence stops a stale leader too; without it (PgBouncer in transaction mode) only
     # the heartbeat fence does.
     "no fencing on missing heartbeats": Options(core_factory=with_part(leadership=NoHeartbeatFence), per_key=1,
@@ -287,7 +294,7 @@ MUTATIONS: dict[str, Options] = {
     # A database that crashes now and then undoes the purges that committed asynchronously and were
     # not flushed yet (MemoryTable.restart): with one record per key in flight, a purge must be durable.
     "purges committed asynchronously with one record per key in flight": Options(
-        core_factory=with_part(lanes=PurgesNeverDurable), per_key=1, db_restarts=True),
+        core_factory=with_part(lanes=settling(PurgesNeverDurable)), per_key=1, db_restarts=True),
 }
 
 def moved_shard_kept(shard: int, owned: set[int], election: Any) -> bool:

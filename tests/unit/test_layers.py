@@ -163,3 +163,23 @@ def test_the_engine_and_the_stand_alone_harvester_reach_no_module_that_imports_d
 def test_a_planted_django_import_is_found(monkeypatch):
     monkeypatch.setitem(GRAPH, "outbox.harvest.cli", GRAPH["outbox.harvest.cli"] | {"outbox.conf"})
     assert "outbox.conf" in _reached("outbox.harvest.cli") and _imports_django("outbox.conf")
+
+
+#: The house rule (docs/architecture.md): a class that grows past this holds two concerns.
+MAX_CLASS_LINES = 400
+
+
+def long_classes(source: str, limit: int = MAX_CLASS_LINES) -> list[tuple[str, int]]:
+    """The classes of `source` longer than `limit` lines (their decorators, docstring and blank lines counted)."""
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_class_in_the_package_is_over_400_lines():
+    found = [f"{module}.{name} ({lines} lines)" for module, path in sorted(MODULES.items())
+             for name, lines in long_classes(path.read_text())]
+    assert found == [], "split by concern: " + ", ".join(found)
+
+
+def test_a_long_class_is_found():
+    assert long_classes("class Short:\n    pass\n" + "class Long:\n" + "    x = 1\n" * 400) == [("Long", 401)]

@@ -36,7 +36,7 @@ def test_each_deliberate_bug_is_caught(name):
 
 def test_the_database_fence_alone_stops_a_leader_that_does_not_fence_itself():
     """A leader that goes on when it no longer sees its heartbeats is stopped by the database fence: its
-    next mark fails, or its next purge that reads the fence finds it gone (Lanes.purge_reads_fence).
+    next mark fails, or its next purge that reads the fence finds it gone (Settling.purge_reads_fence).
     The seeds where that same leader breaks order without the fence included (CAUGHT_BY of "no
     fencing on missing heartbeats"), and those where purges that do not read it do."""
     replay.quiet()
@@ -67,7 +67,7 @@ def test_records_that_kafka_takes_for_duplicates_are_sent_again():
 def test_database_restarts_undo_asynchronous_purges_without_breaking_order(per_key):
     """The database server crashes and restarts now and then (MemoryTable.restart): the purges that
     committed asynchronously and were not flushed come back. With several records per key in flight
-    purges are asynchronous (Lanes.purges_durable), and the records they bring back are published again,
+    purges are asynchronous (Settling.purges_durable), and the records they bring back are published again,
     as repeats; with one per key they are durable. The seeds include those that catch asynchronous
     purges with one record per key (CAUGHT_BY)."""
     replay.quiet()
