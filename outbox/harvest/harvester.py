@@ -33,7 +33,7 @@ from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.runtime import ThreadedIO
-from outbox.harvest.status import StatusReporter, StatusSnapshot
+from outbox.harvest.status import StatusReporter, StatusSnapshot, snapshot_of
 from outbox.harvest.store import StoreError
 from outbox.harvest.tracing import PublishTracer
 from outbox.kafka.clients import KafkaUnavailable
@@ -185,16 +185,9 @@ class Harvester(Lifecycle):
 
     def status(self) -> StatusSnapshot:
         """What this replica would report now."""
-        snapshot = self._snapshot
-        state = ReplicaState.STOPPING if self._state is State.STOPPING else snapshot.state
         meter = self.last_meter
-        return StatusSnapshot(state=state, leader_id=snapshot.marking_id, since=self._since,
-                              in_flight=snapshot.in_flight, queued=snapshot.queued,
-                              in_flight_keys=snapshot.in_flight_keys, in_flight_key_count=snapshot.in_flight_key_count,
-                              held=snapshot.held, blocked_by=snapshot.fence_holder,
-                              throughput=meter.rate if meter else 0.0, published=snapshot.published,
-                              failed=snapshot.failed, marked_upto=snapshot.marked_upto,
-                              round_trips=self._driver.round_trips.totals())
+        return snapshot_of(self._snapshot, stopping=self._state is State.STOPPING, since=self._since,
+                           throughput=meter.rate if meter else 0.0, round_trips=self._driver.round_trips.totals())
 
     @property
     def round_trips(self) -> dbtime.Totals:

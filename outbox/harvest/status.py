@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
@@ -35,6 +36,9 @@ from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.retention import DeadLetterRetention
 from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
 from outbox.reasons import first_line
+
+if TYPE_CHECKING:
+    from outbox.harvest.core import Snapshot
 
 log = logging.getLogger("outbox.harvest")
 
@@ -137,6 +141,48 @@ WHERE attrelid = to_regclass(%(table)s) AND attname IN ('db_round_trips', 'db_st
 PRUNE_HISTORY = "DELETE FROM {history} WHERE at < now() - make_interval(secs => %(age)s)"
 
 
+def snapshot_of(core: Snapshot, *, stopping: bool, since: datetime, throughput: float,
+                round_trips: dbtime.Totals) -> StatusSnapshot:
+    """What an engine reports, from its core's snapshot (`stopping`: asked to stop, settling): Harvester.status,
+    and the simulator's engines."""
+    return StatusSnapshot(state=ReplicaState.STOPPING if stopping else core.state, leader_id=core.marking_id,
+                          since=since, in_flight=core.in_flight, queued=core.queued,
+                          in_flight_keys=core.in_flight_keys, in_flight_key_count=core.in_flight_key_count,
+                          held=core.held, blocked_by=core.fence_holder, throughput=throughput,
+                          published=core.published, failed=core.failed, marked_upto=core.marked_upto,
+                          round_trips=round_trips)
+
+
+def identity(config: HarvestConfig, started: datetime, *, host: str | None = None,
+             pid: int | None = None) -> dict[str, object]:
+    """Who writes a status row: the replica or engine `config` names, on this host and process by default."""
+    return {"name": config.name, "host": host or socket.gethostname(), "pid": os.getpid() if pid is None else pid,
+            "started": started, "harvested_table": config.table, "leader_topic": config.leader_topic,
+            "leader_group": config.leader_group}
+
+
+def shard_columns(config: HarvestConfig, sharded_replica: bool = False) -> dict[str, int | None] | None:
+    """SET_SHARD's values: a shard's engine says its shard, a sharded replica's own row none; None unsharded."""
+    if config.shards <= 1:
+        return None
+    return {"shard": None if sharded_replica else config.shard, "shards": config.shards}
+
+
+def row_values(identity: dict[str, object], snapshot: StatusSnapshot) -> dict[str, object]:
+    """The status row's values (UPSERT's parameters) for a replica or engine (`identity`: name, host, pid, started,
+    harvested_table, leader_topic, leader_group) reporting `snapshot`."""
+    return {
+        **identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id,
+        "marked_upto": snapshot.marked_upto, "since": snapshot.since,
+        "in_flight": snapshot.in_flight, "queued": snapshot.queued, "in_flight_keys": snapshot.in_flight_keys,
+        "in_flight_key_count": snapshot.in_flight_key_count,
+        "held_keys": [f"{held.key}: {held.reason}" for held in snapshot.held],
+        "held": json.dumps([held.as_json() for held in snapshot.held]),
+        "blocked_by": snapshot.blocked_by, "throughput": snapshot.throughput, "published": snapshot.published,
+        "failed": snapshot.failed,
+    }
+
+
 def history_table(status_table: str) -> str:
     """The history table beside a status table: `outbox_harvester` -> `outbox_harvester_history`."""
     return f"{status_table}_history"
@@ -161,8 +207,7 @@ class StatusReporter(threading.Thread):
         self._upsert = sql.SQL(UPSERT).format(table=ident)
         self._set_shard = sql.SQL(SET_SHARD).format(table=ident)
         self._status_table = table_name(config.status_table)
-        self._shard = ({"shard": None if sharded_replica else config.shard, "shards": config.shards}
-                       if config.shards > 1 else None)
+        self._shard = shard_columns(config, sharded_replica)
         self._engine_row = config.shards > 1 and not sharded_replica
         self._sharded_replica = sharded_replica
         self._forget = sql.SQL(FORGET).format(table=ident)
@@ -172,9 +217,7 @@ class StatusReporter(threading.Thread):
         self._leaders = sql.SQL(LEADERS).format(table=ident)
         self._other_tables = sql.SQL(OTHER_TABLES).format(table=ident)
         self._shared_said: set[str] = set()
-        self._identity = {"name": config.name, "host": socket.gethostname(), "pid": os.getpid(),
-                          "started": started or datetime.now(UTC), "harvested_table": config.table,
-                          "leader_topic": config.leader_topic, "leader_group": config.leader_group}
+        self._identity = identity(config, started or datetime.now(UTC))
         self._group = config.leader_group
         self._harvested = table_name(config.table)
         self._interval = config.limits.status_interval
@@ -241,16 +284,7 @@ class StatusReporter(threading.Thread):
         self._add_sample(conn, self._params(snapshot), len(snapshot.held), snapshot.round_trips)
 
     def _params(self, snapshot: StatusSnapshot) -> dict[str, object]:
-        return {
-            **self._identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id,
-            "marked_upto": snapshot.marked_upto, "since": snapshot.since,
-            "in_flight": snapshot.in_flight, "queued": snapshot.queued, "in_flight_keys": snapshot.in_flight_keys,
-            "in_flight_key_count": snapshot.in_flight_key_count,
-            "held_keys": [f"{held.key}: {held.reason}" for held in snapshot.held],
-            "held": json.dumps([held.as_json() for held in snapshot.held]),
-            "blocked_by": snapshot.blocked_by, "throughput": snapshot.throughput, "published": snapshot.published,
-            "failed": snapshot.failed,
-        }
+        return row_values(self._identity, snapshot)
 
     def _report(self) -> None:
         snapshot = self._snapshot()

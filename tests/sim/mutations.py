@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from outbox.harvest import commands as cmd
+from outbox.harvest import sharding
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.lanes import EntryState, Lane, Lanes
@@ -29,6 +31,7 @@ from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
 from outbox.harvest.memory_table import MemoryTable, Row, Session
 from outbox.harvest.settling import Settling
+from outbox.harvest.supervisor import Slot, Supervisor
 from outbox.kafka.sizes import UNLIMITED
 from tests.sim import queue_scenario, shard_scenario, share_scenario
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
@@ -303,8 +306,35 @@ def moved_shard_kept(shard: int, owned: set[int], election: Any) -> bool:
     return election is not None and election.gone and shard in owned
 
 
+class RestartedAtOnce(Supervisor[Any, Any]):
+    """Starts a failed engine again at the next reconcile, without the backoff."""
+
+    def _failed(self, key: Any, slot: Slot[Any], now: float, why: str) -> None:
+        super()._failed(key, slot, now, why)
+        slot.retry_at = now
+
+
+class NeverRestarted(Supervisor[Any, Any]):
+    """Forgets to start a failed engine again: its shard stays assigned to the replica, and nobody leads it."""
+
+    def _failed(self, key: Any, slot: Slot[Any], now: float, why: str) -> None:
+        super()._failed(key, slot, now, why)
+        slot.retry_at = math.inf
+
+
+def credited_to_one(engines: list[Any]) -> list[tuple[str, list[Any]]]:
+    """replicas._by_replica as harvest_health first had it: every leading engine's shard credited to the replica
+    of the first row."""
+    rows = sorted(engines, key=lambda r: (r.leader_group, r.shard))
+    return [(sharding.replica_of(rows[0].name, rows[0].shard), rows)] if rows else []
+
+
 SHARD_MUTATIONS: dict[str, ShardOptions] = {
+    "a status report that credits one replica with another's shards": ShardOptions(
+        patches={"outbox.harvest.replicas._by_replica": credited_to_one}),
     "an engine whose shard moved keeps running": ShardOptions(retires=moved_shard_kept),
+    "a failed engine started again at once, without a backoff": ShardOptions(supervisor_class=RestartedAtOnce),
+    "a failed engine never started again": ShardOptions(supervisor_class=NeverRestarted),
     "a shard's fence let go at once when its term ends": ShardOptions(
         core_factory=with_part(leadership=ShardFenceLetGoAtOnce)),
     "a shard's mark reads every shard's rows": ShardOptions(table_factory=UnfilteredShardMark),
@@ -336,6 +366,9 @@ CAUGHT_BY: dict[str, list[int]] = {
     # Shards (SHARD_MUTATIONS, tests/sim/shard_scenario.py).
     "a shard's fence let go at once when its term ends": [13, 34, 68],
     "an engine whose shard moved keeps running": [1, 2, 3],
+    "a failed engine started again at once, without a backoff": [3, 8, 10],
+    "a failed engine never started again": [3, 8, 10],
+    "a status report that credits one replica with another's shards": [1, 2, 3],
     "a shard's mark reads every shard's rows": [1, 2, 3],
     "a shard taken from a leader that did not settle, at once": [103, 403, 556],
     # The queue (tests/sim/queue_mutations.py).

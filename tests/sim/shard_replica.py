@@ -14,7 +14,9 @@ started on assignment, stopped once its revoke settled or its shard was lost: th
 supervisor.Supervisor with the real shards.retires).
 
 The process can crash, pause (SIGSTOP), stop gracefully (every engine settles, then the consumer
-leaves the group) and lose its links to the leader topic, the record brokers or Postgres.
+leaves the group) and lose its links to the leader topic, the record brokers or Postgres; an engine's
+thread can fail (the supervisor then restarts it after a backoff). Its status thread writes each engine's
+row (status_table.py) as the production status code makes it from the engine's core.
 """
 
 from __future__ import annotations
@@ -24,17 +26,19 @@ from operator import methodcaller
 from types import SimpleNamespace
 from typing import Any
 
+from outbox.harvest import sharding, status
 from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
-from outbox.harvest.harvester import State
+from outbox.harvest.harvester import HarvestError, State
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.shards import MANAGE_INTERVAL, ShardElection, ShardGroup, retires
-from outbox.harvest.supervisor import Supervisor
+from outbox.harvest.supervisor import RESTART_BACKOFF, Supervisor
 from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
 from outbox.kafka.memory.consumer import MemoryConsumer
 from outbox.kafka.memory.world import SimWorld, Violation
 from tests.sim.replica import Links, Log, SimIO
+from tests.sim.status_table import EPOCH, REPORT_EVERY, StatusTable
 
 #: The engine whose turn runs now (a trace's log lines name it).
 RUNNING: list[str] = [""]
@@ -90,9 +94,15 @@ class ShardEngine:
         self.driver = replica.driver_factory(self.core, self.io)
         self.driver.wake = lambda: self._wake(0.0)
         self.election = ShardElection(replica.group, shard, self.name)
+        #: What its status row says it is (the engine's HarvestConfig, as far as the row reads it).
+        self.config = SimpleNamespace(name=sharding.engine_name(replica.name, shard), table="outbox",
+                                      leader_topic=replica.leader_topic, leader_group=replica.group_name,
+                                      shard=shard, shards=replica.shards)
         #: Publish heartbeats (the driver says so after each turn).
         self.heartbeat = False
         self.state = State.RUNNING  # RUNNING, STOPPING, STOPPED: Harvester's lifecycle, as the supervisor reads it
+        #: Why the engine failed (its wait() re-raises it, as Harvester.wait does), if it did.
+        self.failure: str | None = None
         self._revoking = False  # the election thread is inside the revoke callback
         self._election_stopped = False
         self._wake_at: float | None = None
@@ -156,8 +166,21 @@ class ShardEngine:
             self._wake(0.0)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Harvester.wait: a simulated engine never fails, so a stopped one has nothing to re-raise."""
+        """Harvester.wait: True once stopped, re-raising a failure as HarvestError."""
+        if self.state is State.STOPPED and self.failure is not None:
+            raise HarvestError(f"harvester failed: {self.failure}")
         return self.state is State.STOPPED
+
+    def fail(self, why: str) -> None:
+        """The engine thread raised (Harvester._run's `except`): everything closes at once, its fence with its
+        sessions, and what was not transmitted is gone; wait() re-raises it, and the supervisor starts the
+        shard's engine again after its backoff."""
+        if self.crashed or self.state is State.STOPPED:
+            return
+        self.failure = why
+        self.world.note(f"{self.name} failed: {why}")
+        self.replica.failed_at[self.shard] = self.world.now
+        self._close()
 
     def crash(self) -> None:
         self.store.close()
@@ -172,6 +195,7 @@ class ShardEngine:
         self.io.producer.close()
         self.store.close()
         self.state = State.STOPPED
+        self.replica.status.forget(self.config.name)
         self.world.note(f"{self.name} stopped")
 
     def _stop_election(self) -> None:
@@ -247,7 +271,9 @@ class ShardedReplica:
     def __init__(self, world: SimWorld, name: str, group: str, shards: int, limits: Limits, kafka: MemoryBroker,
                  table: MemoryTable, log: Log, *, park_after: int | None = None,
                  core_factory: Callable[..., Core] = Core, driver_factory: Callable[..., Driver] = Driver,
-                 retires: Callable[..., bool] = retires) -> None:
+                 retires: Callable[..., bool] = retires,
+                 supervisor_class: type[Supervisor[int, ShardEngine]] = Supervisor,
+                 status_table: StatusTable | None = None) -> None:
         self.world = world
         self.name = name
         self.group_name = group
@@ -259,6 +285,7 @@ class ShardedReplica:
         self.park_after = park_after
         self.core_factory, self.driver_factory, self.retires = core_factory, driver_factory, retires
         self.links = Links()
+        self.status = status_table if status_table is not None else StatusTable(world)
         self.running = False
         self.crashed = False
         self.stopped = False  # asked to stop
@@ -273,9 +300,16 @@ class ShardedReplica:
         config = SimpleNamespace(leader_topic=self.leader_topic, limits=limits)
         self.group = ShardGroup(config, self.consumer, HeartbeatProducer(self),  # type: ignore[arg-type]
                                 clock=lambda: self.world.now)
-        self.supervisor: Supervisor[int, ShardEngine] = Supervisor(
+        self.supervisor: Supervisor[int, ShardEngine] = supervisor_class(
             self._start_engine, describe=lambda shard: f"{name}: shard {shard}'s engine")
         self._numbers = 0
+        #: Every engine this process started (the world's view of its threads: the supervisor's may forget one).
+        self.started: list[ShardEngine] = []
+        #: When the engine of a shard this replica has owned since then failed.
+        self.failed_at: dict[int, float] = {}
+        #: Engines started too early: within the restart backoff, or beside one of their shard that had not
+        #: stopped (the scenario's watch reports them).
+        self.restarted_early: list[str] = []
 
     @property
     def engines(self) -> dict[int, ShardEngine]:
@@ -299,6 +333,7 @@ class ShardedReplica:
         self.world.note(f"{self.name} started ({self.shards} shards)")
         self.world.after(0.0, self._poll_group)
         self.world.after(0.0, self._manage)
+        self.world.after(0.0, self._report)
 
     def pause(self, seconds: float) -> None:
         """SIGSTOP for `seconds`, then SIGCONT."""
@@ -341,6 +376,21 @@ class ShardedReplica:
                 self.group.route(message.partition(), message.value() or b"")
         self.world.after(self.limits.min_poll_interval, self._poll_group)
 
+    # -- the engines' status threads (status.StatusReporter) -----------------------------------------
+
+    def _report(self) -> None:
+        """Each engine that has not stopped writes its row, from its core's snapshot (Harvester.status)."""
+        if self.crashed or self.finished:
+            return
+        if not self.process_running():
+            self.world.at(self.paused_until, self._report)
+            return
+        for engine in list(self.engines_not_stopped()):
+            snapshot = status.snapshot_of(engine.core.snapshot(), stopping=engine.state is State.STOPPING,
+                                          since=EPOCH, throughput=0.0, round_trips={})
+            self.status.write(self.name, engine.config, snapshot)
+        self.world.after(REPORT_EVERY, self._report)
+
     # -- the manager thread (ShardedHarvester._manage and _reconcile) -----------------------------
 
     def _manage(self) -> None:
@@ -358,14 +408,32 @@ class ShardedReplica:
 
     def _reconcile(self, owned: set[int]) -> None:
         """ShardedHarvester._reconcile: the production step over this replica's engines."""
+        for shard in [shard for shard in self.failed_at if shard not in owned]:
+            del self.failed_at[shard]  # the shard went: its next engine is a new start, not a restart
         self.supervisor.reconcile(owned, self.world.now,
                                   lambda shard, engine: self.retires(shard, owned, engine.election))
 
     def _start_engine(self, shard: int) -> ShardEngine:
+        failed_at = self.failed_at.pop(shard, None)
+        if failed_at is not None and self.world.now - failed_at < RESTART_BACKOFF:
+            # Said by the scenario's watch: a Violation raised here would be an engine that cannot start.
+            self.restarted_early.append(f"{self.name} started shard {shard}'s engine again "
+                                        f"{self.world.now - failed_at:.2f}s after it failed, within the restart "
+                                        f"backoff ({RESTART_BACKOFF:g}s)")
+        settling = [engine.name for engine in self.engines_not_stopped() if engine.shard == shard]
+        if settling:
+            self.restarted_early.append(f"{self.name} started an engine of shard {shard} while "
+                                        f"{', '.join(settling)} had not stopped")
         self._numbers += 1
         engine = ShardEngine(self, shard, self._numbers)
+        self.started.append(engine)
         engine.start()
         return engine
+
+    def engines_not_stopped(self) -> list[ShardEngine]:
+        """The engines this process started that have not stopped (the supervisor's view aside)."""
+        self.started = [engine for engine in self.started if engine.state is not State.STOPPED]
+        return self.started
 
     def _shut_down(self) -> None:
         """The manager's `finally`: stop every engine, wait for each, then the group thread closes the consumer."""

@@ -8,33 +8,42 @@ records per key in flight, the keys and their causal writers (late commits and r
 shard), poison records now and then, and a schedule of faults: crashes, pauses (some past the session
 timeout: zombies), graceful restarts, rolling restarts of every replica one by one, joins of new
 replicas, links to Kafka or Postgres cut, database sessions dropped, statements that fail, batches
-refused or their acknowledgement lost. Faults stop at a fixed time; the run then goes on until every
-record is published (or a deadline passes).
+refused or their acknowledgement lost, and (drawn apart) engine threads that fail. Faults stop at a fixed
+time; the run then goes on until every record is published (or a deadline passes).
 
 Checked as the run goes: nobody marks a shard without holding its fence (memory/table.py), and no
 engine publishes a record of a shard for the first time after another engine marked that shard (the
-hand-off: a shard moves only once its old leader settled or fenced itself). At the end, as for the
-unsharded runs (checks.py): per-key order, nothing lost, everything published, leader ids never reused.
+hand-off: a shard moves only once its old leader settled or fenced itself). The process's own duties: an
+engine whose shard was taken away stops, no two engines of one shard run in one process, a failed engine
+waits out its backoff, and the health probe's verdict on the status rows (status_table.py) credits each
+replica with its own shards. At the end, as for the unsharded runs (checks.py): per-key order, nothing
+lost, everything published, leader ids never reused.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
 
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.harvester import State
 from outbox.harvest.memory_table import MemoryTable, TableFaults, key_shard
 from outbox.harvest.shards import retires as engine_retires
+from outbox.harvest.supervisor import Supervisor
 from outbox.kafka.memory.broker import HUGE, POISON, MemoryBroker, ProducerFaults, StoredMessage
 from outbox.kafka.memory.world import SimWorld, Violation
 from tests.sim import checks, replay, shard_replica
 from tests.sim.replica import Log
 from tests.sim.scenario import Result, finished_when_drained, limits_for, operate_on_poison
 from tests.sim.shard_replica import ShardedReplica
+from tests.sim.status_table import REPORT_EVERY, StatusTable
 
 #: Seeds that broke an invariant through what the simulator found in the shard code, now fixed
 #: (docs/simulation.md, "Shards"); they run with every test of the sharded runs, and must pass.
@@ -66,6 +75,10 @@ class ShardOptions:
     per_key: int | None = None
     #: The manager's rule for an engine to retire (shards.retires).
     retires: Callable[..., bool] = engine_retires
+    #: The reconcile step of each replica's engines (supervisor.Supervisor).
+    supervisor_class: type[Supervisor[int, Any]] = Supervisor
+    #: Production functions replaced for the run, by dotted name (unittest.mock.patch).
+    patches: dict[str, Any] = field(default_factory=dict)
 
 
 class TraceLog(logging.Handler):
@@ -116,7 +129,10 @@ def run(seed: int, options: ShardOptions | None = None, *, trace: bool = False) 
         logger.setLevel(logging.INFO)
         logger.propagate = False
     try:
-        return _run(seed, options, world)
+        with ExitStack() as patched:
+            for target, replacement in options.patches.items():
+                patched.enter_context(mock.patch(target, replacement))
+            return _run(seed, options, world)
     finally:
         if handler is not None:
             logger.removeHandler(handler)
@@ -136,11 +152,13 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
     park_after = 2 if world.chance(0.15) else None
     replicas: list[ShardedReplica] = []
     counter = iter(range(1_000_000))
+    status_table = StatusTable(world)
 
     def spawn(delay: float = 0.0) -> ShardedReplica:
         replica = ShardedReplica(world, f"r{next(counter)}", "g1", shards, limits, kafka, table, log,
                                  park_after=park_after, core_factory=options.core_factory,
-                                 driver_factory=options.driver_factory, retires=options.retires)
+                                 driver_factory=options.driver_factory, retires=options.retires,
+                                 supervisor_class=options.supervisor_class, status_table=status_table)
         replicas.append(replica)
         world.after(delay, replica.start)
         return replica
@@ -263,6 +281,20 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
         if not live():
             spawn()
 
+    # An engine's thread fails now and then (a bug, a surprise from a client): the process starts the shard's
+    # engine again after a backoff. Drawn from a stream of its own, so the other faults draw as before.
+    failures = random.Random(seed * 1_000_003 + 17)
+
+    def engine_fails() -> None:
+        engines = sorted((engine for replica in live() for engine in replica.engines.values()
+                          if engine.state is State.RUNNING), key=lambda engine: engine.name)
+        if engines:
+            failures.choice(engines).fail("a simulated failure of its thread")
+
+    if failures.random() < 0.5:
+        for _ in range(failures.randint(1, 4)):
+            world.at(failures.uniform(0.5, FAULTS_END - 1), engine_fails)
+
     world.at(FAULTS_END, calm)
 
     operator = operate_on_poison(world, rng, table, poison_ids, poison_count, FAULTS_END)
@@ -274,6 +306,8 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
         """A replica stops the engine of a shard it let go (its revoke or loss taken in) within RETIRE_WITHIN of
         running time; a paused replica's clock does not count."""
         for replica in replicas:
+            if replica.restarted_early:
+                raise Violation(replica.restarted_early[0])
             running = replica.live and replica.process_running()
             for engine in replica.engines.values():
                 if not running or engine.state is not State.RUNNING or not engine.election.gone:
@@ -286,6 +320,12 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
         world.after(CHECK_EVERY, watch_engines)
 
     world.after(CHECK_EVERY, watch_engines)
+
+    def watch_status() -> None:
+        status_table.check_verdict()
+        world.after(REPORT_EVERY, watch_status)
+
+    world.after(REPORT_EVERY + CHECK_EVERY, watch_status)  # between the processes' writes
 
     # -- run ----------------------------------------------------------------------------------------
     done = finished_when_drained(world, table, written, total, FAULTS_END)
