@@ -112,6 +112,15 @@ def share_sim_seeds(request: pytest.FixtureRequest) -> list[int]:
     return _seeds(request, share_scenario.run, max(1, request.config.getoption("--sim-seeds") // 5))
 
 
+@pytest.fixture
+def many_sim_seeds(request: pytest.FixtureRequest) -> list[int]:
+    """Processes harvesting many outboxes (tests/sim/many_scenario.py): a twentieth of --sim-seeds (100 by default),
+    or --sim-seed's."""
+    from tests.sim import many_scenario
+
+    return _seeds(request, many_scenario.run, max(1, request.config.getoption("--sim-seeds") // 20))
+
+
 def _seeds(request: pytest.FixtureRequest, run: Any, count: int) -> list[int]:
     """--sim-seed's one seed (its run printed with its trace first), else seeds 1 to `count`."""
     seed = request.config.getoption("--sim-seed")

@@ -16,7 +16,8 @@ The manager thread asks `discover` for the outboxes at start and every `rescan_i
 reconciles them with its engines (supervisor.py): an outbox that appears gets an engine (a tenant
 schema created while running is picked up), one that disappears or changes has its engine stopped
 (it settles first). An engine that fails is logged and started again after a backoff that doubles:
-one broken outbox never stops the others, and the process stops only when asked to.
+one broken outbox never stops the others, and the process stops only when asked to. The simulator
+(tests/sim/many_process.py) runs the same `open()` and `tick()` on its clock.
 """
 
 from __future__ import annotations
@@ -117,7 +118,9 @@ class ManyHarvester(Lifecycle):
                  engine_factory: Callable[[str, HarvestConfig], Engine] | None = None,
                  on_event: Callable[[Any, events.Event], None] | None = None,
                  instruments: Callable[[str], Instruments] | None = None, tracer: PublishTracer | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 supervisor_class: type[Supervisor[str, Engine]] = Supervisor) -> None:
+        """`supervisor_class`: the reconcile step's class (the simulator swaps in a deliberate bug)."""
         super().__init__()
         self.name = name
         self._discover = discover
@@ -130,8 +133,8 @@ class ManyHarvester(Lifecycle):
         self.boards = StatusBoards(name=name)
         self._factory = engine_factory or self._live_engine
         self._lock = threading.Lock()
-        self._supervisor: Supervisor[str, Engine] = Supervisor(self._start_engine,
-                                                               describe=lambda label: f"Outbox {label}'s engine")
+        self._supervisor: Supervisor[str, Engine] = supervisor_class(self._start_engine,
+                                                                     describe=lambda label: f"Outbox {label}'s engine")
         self._wanted: dict[str, HarvestConfig] = {}
         self._next_scan = 0.0
         self._scan_failing = False
@@ -184,6 +187,15 @@ class ManyHarvester(Lifecycle):
 
     def start(self) -> None:
         """Discover the outboxes (raises HarvestError if that fails) and start supervising them."""
+        if not self.open():
+            return  # stop() came during the first discovery (a SIGTERM at start): nothing was started
+        with self._state_lock:  # a stop() from now on finds the manager, which ends at once and says so
+            self._manager = threading.Thread(target=self._manage, name="outbox-outboxes", daemon=True)
+            self._manager.start()
+
+    def open(self) -> bool:
+        """The first discovery (HarvestError if it fails), starting no thread: start() then runs tick() on the
+        manager thread, the simulator on its clock. False if stop() came meanwhile."""
         if self._state is not State.CREATED:
             raise HarvestError(f"cannot start a harvester that is {self._state.value}")
         try:
@@ -197,12 +209,11 @@ class ManyHarvester(Lifecycle):
             log.warning("No outbox to harvest yet (looked again every %gs)", self._rescan_interval)
         with self._state_lock:
             if self._state is not State.CREATED:
-                return  # stop() came during the first discovery (a SIGTERM at start): nothing was started
+                return False
             self._state = State.RUNNING
-            self._manager = threading.Thread(target=self._manage, name="outbox-outboxes", daemon=True)
-            self._manager.start()
         log.info("Harvesting %d outbox(es) as %s: %s", len(found), self.name or "this process",
                  ", ".join(sorted(found)) or "none yet")
+        return True
 
 
     # -- the supervisor thread --------------------------------------------------------------------

@@ -5,12 +5,14 @@
     python -m tests.sim.mutations --queue    # the queue's only (--only TEXT: those whose name has TEXT)
     python -m tests.sim.mutations --shards   # the shards' only
     python -m tests.sim.mutations --share    # the share backend's only
+    python -m tests.sim.mutations --many     # the many-outboxes process's only
 
 Each mutation is a small change to the real core or driver (a subclass) or to the simulated table's
 SQL; the runs use one record per key in flight, goharvest's mode, where the stricter order applies.
 The queue's mutations (tests/sim/queue_mutations.py) run in the queue's simulator, the shards'
 (SHARD_MUTATIONS) in the sharded runs (tests/sim/shard_scenario.py), the share backend's
-(tests/sim/share_mutations.py) in the share queue's runs (tests/sim/share_scenario.py).
+(tests/sim/share_mutations.py) in the share queue's runs (tests/sim/share_scenario.py), the many-outboxes
+process's (MANY_MUTATIONS) in its runs (tests/sim/many_scenario.py).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from outbox.harvest.lanes import EntryState, Lane, Lanes
 from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
 from outbox.harvest.memory_table import MemoryTable, Row, Session
+from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.settling import Settling
 from outbox.harvest.supervisor import Slot, Supervisor
 from outbox.kafka.sizes import UNLIMITED
-from tests.sim import queue_scenario, shard_scenario, share_scenario
+from tests.sim import many_scenario, queue_scenario, shard_scenario, share_scenario
+from tests.sim.many_scenario import ManyOptions
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
 from tests.sim.replay import quiet
 from tests.sim.scenario import Options, run
@@ -329,6 +333,39 @@ def credited_to_one(engines: list[Any]) -> list[tuple[str, list[Any]]]:
     return [(sharding.replica_of(rows[0].name, rows[0].shard), rows)] if rows else []
 
 
+class DroppedOutboxKept(ManyHarvester):
+    """Retires an engine only when its outbox changed, not when discovery no longer finds it: a dropped tenant's
+    engine keeps running, and its fence."""
+
+    def _reconcile(self, now: float) -> None:
+        with self._lock:
+            wanted = dict(self._wanted)
+        kept = {**{label: engine.config for label, engine in self.engines.items()}, **wanted}
+        self._supervisor.reconcile(kept, now, lambda label, engine: kept[label] != engine.config,
+                                   stopping=self._stopping.is_set)
+
+
+class DiscoveryFailureDropsAll(ManyHarvester):
+    """Takes a failed discovery for one that found nothing: every engine stops while the catalog is away."""
+
+    def _rescan(self) -> None:
+        try:
+            self._discover()
+        except Exception:
+            with self._lock:
+                self._wanted = {}
+            return
+        super()._rescan()
+
+
+#: Many outboxes in one process (tests/sim/many_scenario.py).
+MANY_MUTATIONS: dict[str, ManyOptions] = {
+    "a dropped outbox's engine kept running": ManyOptions(harvester_class=DroppedOutboxKept),
+    "a failed discovery taken for no outbox at all": ManyOptions(harvester_class=DiscoveryFailureDropsAll),
+    "a failed outbox engine started again at once": ManyOptions(supervisor_class=RestartedAtOnce),
+}
+
+
 SHARD_MUTATIONS: dict[str, ShardOptions] = {
     "a status report that credits one replica with another's shards": ShardOptions(
         patches={"outbox.harvest.replicas._by_replica": credited_to_one}),
@@ -371,6 +408,10 @@ CAUGHT_BY: dict[str, list[int]] = {
     "a status report that credits one replica with another's shards": [1, 2, 3],
     "a shard's mark reads every shard's rows": [1, 2, 3],
     "a shard taken from a leader that did not settle, at once": [103, 403, 556],
+    # Many outboxes in one process (MANY_MUTATIONS, tests/sim/many_scenario.py).
+    "a dropped outbox's engine kept running": [6, 9, 12],
+    "a failed discovery taken for no outbox at all": [83, 107, 190],
+    "a failed outbox engine started again at once": [4, 5, 7],
     # The queue (tests/sim/queue_mutations.py).
     "a tracker that takes the last stable offset for the end of its partition": [30, 109, 121],
     "a tracker that redelivers before reading its partition to the end": [138, 410, 596],
@@ -404,6 +445,8 @@ def run_mutant(name: str, seed: int) -> str | None:
         return shard_scenario.run(seed, SHARD_MUTATIONS[name]).violation
     if name in SHARE_MUTATIONS:
         return share_scenario.run(seed, SHARE_MUTATIONS[name]).violation
+    if name in MANY_MUTATIONS:
+        return many_scenario.run(seed, MANY_MUTATIONS[name]).violation
     return run(seed, MUTATIONS[name]).violation
 
 
@@ -427,14 +470,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--queue", action="store_true", help="only the queue's mutations")
     parser.add_argument("--shards", action="store_true", help="only the shards' mutations")
     parser.add_argument("--share", action="store_true", help="only the share backend's mutations")
+    parser.add_argument("--many", action="store_true", help="only the many-outboxes process's mutations")
     args = parser.parse_args(argv)
     quiet()
 
     missed = 0
-    only = [flag for flag in ("queue", "shards", "share") if getattr(args, flag)]
+    only = [flag for flag in ("queue", "shards", "share", "many") if getattr(args, flag)]
     names = [*([] if only else MUTATIONS), *(QUEUE_MUTATIONS if not only or "queue" in only else []),
              *(SHARD_MUTATIONS if not only or "shards" in only else []),
-             *(SHARE_MUTATIONS if not only or "share" in only else [])]
+             *(SHARE_MUTATIONS if not only or "share" in only else []),
+             *(MANY_MUTATIONS if not only or "many" in only else [])]
     for name in names:
         if args.only not in name:
             continue

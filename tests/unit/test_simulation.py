@@ -82,7 +82,7 @@ def test_database_restarts_undo_asynchronous_purges_without_breaking_order(per_k
     assert bool(undone) == (per_key > 1), f"runs where a restart undid purges: {undone}"
 
 
-@pytest.mark.parametrize("module", ["scenario", "shard_scenario", "queue_scenario"])
+@pytest.mark.parametrize("module", ["scenario", "shard_scenario", "queue_scenario", "many_scenario"])
 def test_docs_simulation_replay_command_runs_a_seed(module):
     """docs/simulation.md's `python -m tests.sim.<scenario> SEED`, outside pytest."""
     done = subprocess.run([sys.executable, "-m", f"tests.sim.{module}", "1"], capture_output=True, text=True,
