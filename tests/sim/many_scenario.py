@@ -13,10 +13,10 @@ before go on). Faults stop at a fixed time; the run then goes on until every rec
 is published (or a deadline passes).
 
 Checked as the run goes: an engine of an outbox discovery no longer finds is asked to stop within RETIRE_WITHIN
-of its process's running time after the next rescan, and no other is (a failed discovery stops nothing); an engine of an outbox starts in a process only once the
-last one stopped and not within the restart backoff after it failed. At the end, for each outbox still there,
-as for one table (checks.py): per-key order, nothing lost, everything published; for a dropped one, per-key order
-of what it published; leader ids never reused anywhere.
+of its process's running time after the next rescan, and no other is (a failed discovery stops nothing); an
+engine of an outbox starts in a process only once the last one stopped and not within the restart backoff after
+it failed. At the end, for each outbox still there, as for one table (checks.py): per-key order, nothing lost,
+everything published; for a dropped one, per-key order of what it published; leader ids never reused anywhere.
 """
 
 from __future__ import annotations
