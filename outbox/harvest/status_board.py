@@ -20,9 +20,8 @@ every RETENTION_INTERVAL.
 
 from __future__ import annotations
 
+import json
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,16 @@ from outbox.harvest import dbtime
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.retention import DeadLetterRetention
-from outbox.harvest.status import PRUNE, STOPPED, UPSERT, StatusReporter, StatusSnapshot, status_table_exists
+from outbox.harvest.status import (
+    PRUNE,
+    STOPPED,
+    UPSERT,
+    StatusReporter,
+    StatusSnapshot,
+    identity,
+    row_values,
+    status_table_exists,
+)
 from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
 from outbox.reasons import first_line
 
@@ -71,9 +79,7 @@ class BoardReporter:
         self.board = board
         self.name = config.name
         self.table = table_name(config.table)
-        self.identity = {"name": config.name, "host": socket.gethostname(), "pid": os.getpid(),
-                         "started": datetime.now(UTC).isoformat(), "harvested_table": config.table,
-                         "leader_topic": config.leader_topic, "leader_group": config.leader_group}
+        self.identity = identity(config, datetime.now(UTC))
         self.snapshot = snapshot
         self.on_backlog = on_backlog
         self.retention = DeadLetterRetention(config, pass_interval=RETENTION_INTERVAL)
@@ -105,15 +111,12 @@ class BoardReporter:
         return self._alive
 
     def row(self) -> dict[str, Any]:
-        snapshot = self.snapshot()
-        return {**self.identity, "state": str(snapshot.state),
-                "leader_id": None if snapshot.leader_id is None else str(snapshot.leader_id),
-                "marked_upto": snapshot.marked_upto, "since": snapshot.since.isoformat(),
-                "in_flight": snapshot.in_flight, "queued": snapshot.queued,
-                "in_flight_keys": list(snapshot.in_flight_keys), "in_flight_key_count": snapshot.in_flight_key_count,
-                "held_keys": [f"{held.key}: {held.reason}" for held in snapshot.held],
-                "held": [held.as_json() for held in snapshot.held], "blocked_by": snapshot.blocked_by,
-                "throughput": snapshot.throughput, "published": snapshot.published, "failed": snapshot.failed}
+        """The engine's row as UPSERT_MANY reads it: status.row_values, its values as JSON."""
+        values = row_values(self.identity, self.snapshot())
+        leader_id = values["leader_id"]
+        return {**values, "started": values["started"].isoformat(), "since": values["since"].isoformat(),
+                "leader_id": None if leader_id is None else str(leader_id), "held": json.loads(values["held"]),
+                "in_flight_keys": list(values["in_flight_keys"])}
 
 
 class StatusBoard(threading.Thread):
