@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from outbox.harvest.config import HarvestConfig
@@ -295,11 +296,8 @@ def _run(seed: int, options: ManyOptions, world: SimWorld) -> Result:
     return Result(seed, True, None, text, world.trace)
 
 
-def run_quietly(seed: int) -> tuple[int, str | None, str]:
-    """run(), for a pool of processes: (seed, violation or None, summary)."""
-    replay.quiet()
-    result = run(seed)
-    return seed, result.violation, result.summary
+#: run(), for a pool of processes: (seed, violation or None, summary).
+run_quietly = partial(replay.quietly, run)
 
 
 def main(argv: list[str]) -> int:

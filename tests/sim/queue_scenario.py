@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 
 from outbox.kafka.memory.broker import MemoryBroker, ProducerFaults
 from outbox.kafka.memory.transactions import TransactionFaults
@@ -264,11 +265,8 @@ def run(seed: int, options: QueueOptions | None = None, *, trace: bool = False) 
     return Result(seed, True, None, text, world.trace)
 
 
-def run_quietly(seed: int) -> tuple[int, str | None, str]:
-    """run(), for a pool of processes: (seed, violation or None, summary)."""
-    replay.quiet()
-    result = run(seed)
-    return seed, result.violation, result.summary
+#: run(), for a pool of processes: (seed, violation or None, summary).
+run_quietly = partial(replay.quietly, run)
 
 
 def main(argv: list[str]) -> int:

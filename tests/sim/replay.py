@@ -14,6 +14,14 @@ def quiet() -> None:
     logging.getLogger("outbox").setLevel(logging.CRITICAL)
 
 
+def quietly(run: Callable[..., Any], seed: int) -> tuple[int, str | None, str]:
+    """`run(seed)`, quiet, as a pool of processes wants it: (seed, violation or None, summary). Each scenario's
+    `run_quietly` is this with its own `run` (a partial, which a spawned worker can unpickle)."""
+    quiet()
+    result = run(seed)
+    return seed, result.violation, result.summary
+
+
 def main(argv: list[str], run: Callable[..., Any], description: str | None) -> int:
     """Run each seed given, print ok/FAIL with its summary (and its trace with --trace); 1 if any failed."""
     quiet()

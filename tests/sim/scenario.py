@@ -17,6 +17,7 @@ import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
@@ -265,11 +266,8 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
     return Result(seed, True, None, text, world.trace)
 
 
-def run_quietly(seed: int) -> tuple[int, str | None, str]:
-    """run(), for a pool of processes: (seed, violation or None, summary)."""
-    replay.quiet()
-    result = run(seed)
-    return seed, result.violation, result.summary
+#: run(), for a pool of processes: (seed, violation or None, summary).
+run_quietly = partial(replay.quietly, run)
 
 
 def main(argv: list[str]) -> int:

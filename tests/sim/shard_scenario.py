@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -350,11 +351,8 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
     return Result(seed, True, None, text, world.trace)
 
 
-def run_quietly(seed: int) -> tuple[int, str | None, str]:
-    """run(), for a pool of processes: (seed, violation or None, summary)."""
-    replay.quiet()
-    result = run(seed)
-    return seed, result.violation, result.summary
+#: run(), for a pool of processes: (seed, violation or None, summary).
+run_quietly = partial(replay.quietly, run)
 
 
 def main(argv: list[str]) -> int:

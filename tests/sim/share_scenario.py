@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 
 from outbox.kafka.memory.broker import MemoryBroker
 from outbox.kafka.memory.share_groups import share_group
@@ -188,11 +189,8 @@ def run(seed: int, options: ShareOptions | None = None, *, trace: bool = False) 
     return Result(seed, True, None, text, world.trace)
 
 
-def run_quietly(seed: int) -> tuple[int, str | None, str]:
-    """run(), for a pool of processes: (seed, violation or None, summary)."""
-    replay.quiet()
-    result = run(seed)
-    return seed, result.violation, result.summary
+#: run(), for a pool of processes: (seed, violation or None, summary).
+run_quietly = partial(replay.quietly, run)
 
 
 def main(argv: list[str]) -> int:
