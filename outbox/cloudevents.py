@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from django.core.signals import setting_changed
-from django.dispatch import receiver
-
+from outbox import conf
 from outbox.errors import InvalidRecord
 from outbox.harvest import contract
 from outbox.harvest.contract import Record
@@ -24,18 +22,12 @@ SETTING_KEYS = frozenset({"source", "types", "content_type"})
 CALL_KEYS = frozenset({"type", "source", "id", "subject", "content_type"})
 DEFAULT_CONTENT_TYPE = "application/json"
 
-#: OUTBOX["cloudevents"] as read once (None: not read yet; {}: not configured).
-_settings: dict[str, Any] | None = None
 
 
-def configured() -> dict[str, Any]:
-    global _settings
-    if _settings is None:
-        from outbox import conf
-
-        value = conf.setting("cloudevents")
-        _settings = dict(value) if isinstance(value, Mapping) else {}
-    return _settings
+def configured() -> Mapping[str, Any]:
+    """OUTBOX["cloudevents"] as read once ({}: not configured, or not a dict: check says so)."""
+    value = conf.current().keys.cloudevents
+    return value if isinstance(value, Mapping) else {}
 
 
 def add_headers(record: Record, spec: Any, prefix: str = "") -> None:
@@ -109,10 +101,3 @@ def settings_problems(value: Any) -> list[tuple[str, str]]:
         found.append(("cloudevents.content_type", f"must be a media type such as 'application/json', "
                                                   f"got {content_type!r}"))
     return found
-
-
-@receiver(setting_changed)
-def _settings_changed(setting: str, **kwargs: Any) -> None:
-    global _settings
-    if setting == "OUTBOX":
-        _settings = None

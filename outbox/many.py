@@ -76,7 +76,7 @@ def problems(raw: Any) -> list[Problem]:
         for key in sorted(set(entry) - ENTRY_KEYS, key=str):
             found.append(Problem("E018", f"{where}.{key}", f"is not a key of an outbox (known: "
                                                            f"{', '.join(sorted(ENTRY_KEYS))})"))
-        alias = entry.get("database", conf.DJANGO_DEFAULTS["database"])
+        alias = entry.get("database", conf.OutboxKeys.database)
         if (problem := conf.alias_problem(alias)) is not None:
             found.append(Problem("E018", f"{where}.database", problem))
         tenant = entry.get("tenant_schemas", False)

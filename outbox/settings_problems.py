@@ -12,6 +12,7 @@ from django.conf import settings
 from outbox import conf
 from outbox.cloudevents import settings_problems as cloudevent_problems
 from outbox.harvest.kafka import client_config_problems
+from outbox.kafka.keys import NO_BOOTSTRAP
 from outbox.kafka.problems import Problem, unknown_keys
 from outbox.many import problems as outboxes_problems
 from outbox.tracing import switch
@@ -53,31 +54,14 @@ CHECK_CODES: dict[str, str] = {
 
 def settings_problems() -> list[Problem]:
     """Problems with OUTBOX itself and its Django-side keys (the engine's are HarvestConfig's)."""
-    raw = conf.raw_settings()
-    if not isinstance(raw, dict):
-        return [Problem("E001", "OUTBOX", f"must be a dict, got {type(raw).__name__}")]
-    found = unknown_keys(raw, conf.known_keys())
-    for key in ("max_value_bytes", "max_header_bytes", "stuck_reset_count"):
-        value = raw.get(key, conf.DJANGO_DEFAULTS[key])
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            found.append(Problem("E003", key, f"must be a positive integer, got {value!r}"))
-    for key in ("status_gone_after", "stuck_after", "horizon_warn_after", "discover_interval"):
-        value = conf.seconds(raw.get(key, conf.DJANGO_DEFAULTS[key]))
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            found.append(Problem("E003", key, f"must be a positive number of seconds, got {value!r}"))
-    spark_jars = raw.get("spark_jars")
-    if spark_jars is not None and not (isinstance(spark_jars, str) or (
-            isinstance(spark_jars, list | tuple) and all(isinstance(item, str) for item in spark_jars))):
-        found.append(Problem("E003", "spark_jars", f"must be a path or a list of paths, got {spark_jars!r}"))
-    tracing = raw.get("tracing", True)
-    if not isinstance(tracing, bool):
-        found.append(Problem("E015", "tracing", f"must be True or False, got {tracing!r}"))
-    strict = raw.get("tests_require_atomic", True)
-    if not isinstance(strict, bool):
-        found.append(Problem("E003", "tests_require_atomic", f"must be True or False, got {strict!r}"))
+    read_once = conf.current()
+    if read_once.problems and read_once.problems[0].code == "E001":
+        return list(read_once.problems)
+    raw = read_once.raw
+    found = unknown_keys(raw, conf.known_keys()) + list(read_once.problems)
     found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))
     found.extend(outboxes_problems(raw.get("outboxes")))
-    database = raw.get("database", conf.DJANGO_DEFAULTS["database"])
+    database = raw.get("database", conf.OutboxKeys.database)
     problem = conf.alias_problem(database)
     if problem is not None:
         found.append(Problem("E011" if database not in settings.DATABASES else "E012", "database", problem))
@@ -117,9 +101,7 @@ def warnings() -> list[Problem]:
         found.append(Problem("W005", "tracing", "is True but opentelemetry-api is not installed, so nothing is "
                                                 "traced: install django-outbox-harvest[otel]"))
     if conf.bootstrap_source() is None:
-        found.append(Problem("W006", "base_kafka_config", f"sets no bootstrap.servers and KAFKA_BOOTSTRAP_SERVERS is "
-                                                          f"not set either, so Kafka is looked for at "
-                                                          f"{conf.DEFAULT_BOOTSTRAP_SERVERS}: set one of them"))
+        found.append(NO_BOOTSTRAP)
     if config.table != OutboxRecord._meta.db_table:
         found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
                                               f"use the model's table {OutboxRecord._meta.db_table!r}"))

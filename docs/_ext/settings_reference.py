@@ -1,8 +1,9 @@
 """Sphinx extension: writes reference/settings.md from the settings' own declarations, so a setting added in code
-appears here without anyone writing it twice: OUTBOX's keys (conf.MEANINGS and their defaults), the engine's
-limits (harvest.config.Limits: default, least and most value, and conf.LIMIT_MEANINGS), OUTBOX["queues"]
-(outbox.queue.app_settings, QueueLimits) and every check code (settings_problems.CHECK_CODES,
-app_settings.CHECK_CODES). tests/unit/test_docs.py holds every known key to having a meaning there."""
+appears here without anyone writing it twice: each key is a field of a settings dataclass holding its default,
+meaning and rule (outbox/kafka/keys.py): OUTBOX's own keys (conf.OutboxKeys), the engine's (harvest.config
+.HarvestConfig) and its limits (Limits, with their least values), OUTBOX["queues"] (queue.app_settings.QueueKeys,
+queue.config.QueueLimits); and every check code (settings_problems.CHECK_CODES, app_settings.CHECK_CODES).
+tests/unit/test_docs.py holds every known key to a line here."""
 
 from __future__ import annotations
 
@@ -15,14 +16,19 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _value(value: Any) -> str:
-    return f"`{value!r}`"
+def _rows(*sections: type) -> list[tuple[str, str, Any, str]]:
+    """(name, default as shown, least value, meaning) of each field with a meaning."""
+    from outbox.kafka.keys import shown_default
+
+    return [(spec.name, shown_default(spec), spec.metadata.get("minimum"), spec.metadata["doc"])
+            for section in sections for spec in dataclasses.fields(section) if "doc" in spec.metadata]
 
 
 def settings_markdown() -> str:
     from outbox import conf, settings_problems
-    from outbox.harvest.config import Limits
+    from outbox.harvest.config import HarvestConfig, Limits
     from outbox.queue import app_settings
+    from outbox.queue.config import QueueLimits
 
     out = ["# Settings", "",
            "Everything goes in one dict, `OUTBOX = {...}` in `settings.py`, read the same way by `stash()`, the "
@@ -30,26 +36,23 @@ def settings_markdown() -> str:
            "`manage.py check` with one line naming the key and the limit, and a code (below). This page is written "
            "from the code at every build.", "",
            "## `OUTBOX`", "", "| key | default | meaning |", "|---|---|---|"]
-    for key, (default, meaning) in conf.MEANINGS.items():
-        out.append(f"| `{key}` | {_cell(default or _value(conf.setting(key)))} | {_cell(meaning)} |")
+    rows = [(name, shown, meaning) for name, shown, _, meaning in _rows(conf.OutboxKeys, HarvestConfig)]
+    rows += [(name, "`{}`", meaning) for name, (_, meaning) in conf.APP_KEYS.items()]
+    rows += [(name, "none", f"retired: accepted with `outbox.W004`, does nothing ({why})")
+             for name, why in conf.RETIRED_KEYS.items()]
+    out += [f"| `{name}` | {_cell(shown)} | {_cell(meaning)} |" for name, shown, meaning in rows]
     out += ["", "## Limits", "",
             "Timing and sizing limits of the harvester, in `OUTBOX` beside the keys above (and as `manage.py "
             "harvest` flags); goharvest's names where it has them. The defaults are chosen for speed on a stock "
             "Postgres, with the figures in [tuning](../tuning.md#choosing-the-limits).", "",
             "| limit | default | least | meaning |", "|---|---|---|---|"]
-    for field in dataclasses.fields(Limits):
-        default, meaning = conf.LIMIT_MEANINGS.get(field.name, (None, field.metadata.get("doc", "")))
-        least = field.metadata.get("minimum")
-        out.append(f"| `{field.name}` | {_cell(default or _value(field.default))} | "
-                   f"{'' if least is None else _cell(str(least))} | {_cell(meaning)} |")
-    for name, (default, meaning) in conf.LIMIT_MEANINGS.items():
-        if name not in {f.name for f in dataclasses.fields(Limits)}:
-            out.append(f"| `{name}` | {_cell(default)} |  | {_cell(meaning)} |")
+    out += [f"| `{name}` | {_cell(shown)} | {'' if least is None else _cell(str(least))} | {_cell(meaning)} |"
+            for name, shown, least, meaning in _rows(Limits)]
     out += ["", "## `OUTBOX[\"queues\"]`", "",
             "The queues' settings ([queues](../queues.md)); the limits among them may also be set per queue, in "
             "`per_queue`.", "", "| key | default | meaning |", "|---|---|---|"]
-    for key, (default, meaning) in app_settings.MEANINGS.items():
-        out.append(f"| `{key}` | {_cell(default)} | {_cell(meaning)} |")
+    out += [f"| `{name}` | {_cell(shown)} | {_cell(meaning)} |"
+            for name, shown, _, meaning in _rows(app_settings.QueueKeys, QueueLimits)]
     out += ["", "## Check codes", "", "| code | what |", "|---|---|"]
     for code, what in {**settings_problems.CHECK_CODES, **app_settings.CHECK_CODES}.items():
         out.append(f"| `{code}` | {_cell(what)} |")

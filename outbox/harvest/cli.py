@@ -31,17 +31,16 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox import logs
 from outbox.harvest import horizon, replicas, running, schema
-from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, TABLE_PATTERN, HarvestConfig, Limits, leader_name
+from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, TABLE_PATTERN, HarvestConfig, from_values, leader_name
 from outbox.harvest.kafka import client_config_problems
 from outbox.harvest.store import StoreError, table_identifier
-from outbox.kafka.names import default_name
+from outbox.kafka.keys import NO_BOOTSTRAP
 from outbox.kafka.problems import Problem, unknown_keys
 from outbox.kafka.redaction import dsn_problem, remember_secrets, scrub, secret_values
 from outbox.reasons import first_line
 
 PROG = "outbox-harvest"
 COMMANDS = ("run", "check", "schema", "health")
-DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
 #: What a TOML file may set: the engine's keys, its limits, and the database.
 FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES})
 #: Flags that set an engine key of the same name.
@@ -60,12 +59,7 @@ class Settings:
         self.secrets = secrets
 
     def warnings(self) -> list[Problem]:
-        found = self.config.warnings()
-        if self.bootstrap_source is None:
-            found.append(Problem("W006", "base_kafka_config", f"sets no bootstrap.servers and KAFKA_BOOTSTRAP_SERVERS "
-                                                              f"is not set either, so Kafka is looked for at "
-                                                              f"{DEFAULT_BOOTSTRAP_SERVERS}: set one of them"))
-        return found
+        return self.config.warnings() + ([NO_BOOTSTRAP] if self.bootstrap_source is None else [])
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -169,25 +163,8 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     dsn_problems = [problem] if (problem := database_problem(dsn)) is not None else []
     dsn = dsn if isinstance(dsn, str) else ""
     remember_secrets(dsn, values)
-    base = values.get("base_kafka_config", {})
-    source = None
-    if isinstance(base, Mapping):
-        base = dict(base)
-        if base.get("bootstrap.servers"):
-            source = "base_kafka_config"
-        elif environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-            base["bootstrap.servers"], source = environ["KAFKA_BOOTSTRAP_SERVERS"], "KAFKA_BOOTSTRAP_SERVERS"
-        else:
-            base["bootstrap.servers"] = DEFAULT_BOOTSTRAP_SERVERS
-        values["base_kafka_config"] = base
-    given = {key for key in LIMIT_NAMES if key in values}
-    limits = Limits(**{key: values.pop(key) for key in given})
-    derived = _derived_leader_name(dsn, values.get("table", "outbox"))
-    # Only an absent value is derived: an empty one is the user's, and refused as manage.py harvest refuses it.
-    config = HarvestConfig(dsn=dsn, limits=limits, **{
-        **values, "leader_topic": derived if values.get("leader_topic") is None else values["leader_topic"],
-        "leader_group": derived if values.get("leader_group") is None else values["leader_group"],
-        "name": default_name() if values.get("name") is None else values["name"]})
+    config, given, source = from_values(values, dsn=dsn, derived_leader=_derived_leader_name(dsn, values.get("table")),
+                                        environ=environ, given_by="base_kafka_config")
     problems = found + dsn_problems + [p for p in config.validate(given_limits=given) if p.field != "dsn"]
     if not problems:
         problems = client_config_problems(config)

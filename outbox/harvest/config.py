@@ -9,28 +9,34 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from outbox.harvest.sharding import shards_problem
+from outbox.kafka.keys import (
+    DEFAULT_BOOTSTRAP_SERVERS,
+    boolean,
+    bootstrap,
+    key,
+    positive_int,
+    positive_seconds,
+    positive_seconds_or_none,
+    seconds,
+)
 from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN, default_name, name_problem
 from outbox.kafka.problems import Problem
 from outbox.kafka.redaction import redact_dsn, redact_mapping
 
 # An unquoted SQL identifier, optionally schema-qualified: [schema.]table.
 TABLE_PATTERN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_$]{0,62}\.)?[A-Za-z_][A-Za-z0-9_$]{0,62}")
-#: HarvestConfig fields a user sets by name (OUTBOX in Django, the stand-alone harvester's TOML file), besides the
-#: limits; dsn, shard and the dead-letter and status tables' names come other ways.
-SETTING_KEYS = ("table", "base_kafka_config", "producer_kafka_config", "leader_topic", "leader_group", "name",
-                "listen", "status_table", "status_prune_after", "history_retention", "dead_letter_topic",
-                "dead_letter_retention", "park_after", "shards")
 
 
-def limit(default: float | int | None, minimum: float | str, doc: str, maximum: float | None = None) -> Any:
+def limit(default: float | int | None, minimum: float | str, doc: str, maximum: float | None = None,
+          shown: str | None = None) -> Any:
     """A Limits field: its default, the least value it accepts (or the name of the field that is
-    its least value), the most (if any), and what it does."""
-    return field(default=default, metadata={"minimum": minimum, "maximum": maximum, "doc": doc})
+    its least value), the most (if any), what it does, and its default as the reference shows a derived one."""
+    return field(default=default, metadata={"minimum": minimum, "maximum": maximum, "doc": doc, "shown": shown})
 
 
 #: The limits whose default is derived from others (Limits.__post_init__), and those others: a problem is
@@ -42,59 +48,58 @@ DERIVED_FROM = {"max_poll_interval": ("heartbeat_timeout",),
 
 @dataclass(frozen=True)
 class Limits:
-    """Timing and sizing limits, in seconds and counts; goharvest's names where goharvest has one."""
+    """Timing and sizing limits, in seconds and counts; goharvest's names where goharvest has one. Each field's doc
+    is its line in the settings reference; the defaults are measured on a stock Postgres (docs/tuning.md)."""
 
-    io_error_backoff: float = limit(0.5, 0.0, "Pause after a failed database or Kafka call before trying again.")
-    min_poll_interval: float = limit(0.1, 0.001, "The leader topic is polled at least this often, so Kafka sees "
-                                                 "the replica alive.")
-    heartbeat_timeout: float = limit(5.0, 0.001, "A leader fences itself when it has not seen its own heartbeat "
-                                                 "for this long; Kafka's session timeout is three times it.",
+    io_error_backoff: float = limit(0.5, 0.0, "pause before retrying a failed database or Kafka call")
+    min_poll_interval: float = limit(0.1, 0.001, "the leader topic is polled at least this often, so Kafka sees the "
+                                                 "replica alive")
+    heartbeat_timeout: float = limit(5.0, 0.001, "a leader that sees none of its own heartbeats for this long fences "
+                                                 "itself; Kafka's session timeout is 3x this (at most 1200: "
+                                                 "librdkafka takes a session timeout of an hour at most)",
                                      maximum=1200.0)
-    max_poll_interval: float | None = limit(None, "min_poll_interval",
-                                            "Longest gap between polls of the leader topic before the leader "
-                                            "re-marks (default: heartbeat_timeout / 2).")
-    drain_interval: float | None = limit(None, 0.001, "Longest sleep of the engine between checks of its "
-                                                      "deadlines (default: min(max_poll_interval, queue_timeout)).")
-    queue_timeout: float = limit(30.0, 0.001, "A marked record waiting longer than this to be sent forces a "
-                                              "re-mark.")
-    delivery_timeout: float | None = limit(None, 0.001, "A record not acknowledged by Kafka within this long is "
-                                                        "given up and re-marked (default: 1.5 x "
-                                                        "heartbeat_timeout, so a fenced leader's last records "
-                                                        "cannot land after a new leader has started).")
-    mark_backoff: float = limit(0.01, 0.0, "Pause after a mark that found no more rows, when nothing wakes the "
-                                           "leader (LISTEN off, or the table has no NOTIFY trigger).")
-    idle_poll_interval: float = limit(1.0, 0.001, "Safety-net poll of an idle leader whose table's trigger "
-                                                  "wakes it with NOTIFY.")
-    # Defaults measured on a stock Postgres (docs/tuning.md, "Choosing the limits").
-    max_in_flight_records: int = limit(4000, 1, "At most this many records are sent and not yet acknowledged "
-                                                "and purged.")
-    max_in_flight_per_key: int = limit(256, 1, "At most this many records of one key in flight at once (1 is "
-                                               "goharvest's barrier; more pipelines hot keys, see "
-                                               "docs/guarantees.md).")
-    mark_query_records: int = limit(1000, 1, "Rows marked by one mark query.")
-    purge_interval: float = limit(0.01, 0.0, "Purges are coalesced: at most one statement this often, deleting every "
-                                             "record acknowledged meanwhile (a key's slot frees a little later).")
-    purge_delay: float = limit(0.1, 0.0, "Acknowledged records that nothing waits on (no record of their key, the "
-                                         "throttle, a stop or a revoke) are purged together, at most this long "
-                                         "after the first of them was acknowledged: one DELETE for many wakes at "
-                                         "a steady rate, which costs the database a tenth of the purges' CPU "
-                                         "(docs/benchmarks.md, issue 28). 0: every purge_interval.")
-    held_check_interval: float = limit(1.0, 0.001, "How often a leader re-reads its held (poison) rows, so a "
-                                                   "fix, a deletion or an operator's retry is seen at once.")
-    held_retry_after: float = limit(60.0, 0.001, "A held record is tried again after this long (doubling each "
-                                                 "time, up to 16 times it), in case its cause went away.")
-    fence_retry_interval: float = limit(5.0, 0.001, "How often a leader blocked by another replica's database "
-                                                    "fence tries to take it.")
-    topic_limits_interval: float = limit(60.0, 0.001, "How often each topic's max.message.bytes is read again "
-                                                      "from Kafka (the record producer's batches fit the smallest; "
-                                                      "a record that cannot fit is held before it is produced).")
-    min_metrics_interval: float = limit(5.0, 0.0, "Throughput is measured (and logged, when it moved) at most "
-                                                  "this often.")
-    status_interval: float = limit(2.0, 0.0, "The replica's status row is written this often (0 turns status "
-                                             "rows off).")
-    history_interval: float = limit(10.0, 0.0, "A sample of the replica's figures is added to the history (the "
-                                               "dashboard's charts) this often, with its status row (0 turns "
-                                               "history off).")
+    max_poll_interval: float | None = limit(None, "min_poll_interval", "an engine stalled this long between polls "
+                                                                       "re-marks", shown="`heartbeat_timeout / 2`")
+    drain_interval: float | None = limit(None, 0.001, "longest wait on one condition before deadlines are rechecked",
+                                         shown="`min(max_poll_interval, queue_timeout)`")
+    queue_timeout: float = limit(30.0, 0.001, "a marked record waiting this long to be sent forces a re-mark")
+    delivery_timeout: float | None = limit(None, 0.001, "a record not acknowledged this long is given up and "
+                                                        "re-marked (so a fenced leader's last records cannot land "
+                                                        "after a new leader has started)",
+                                           shown="`1.5 x heartbeat_timeout`")
+    mark_backoff: float = limit(0.01, 0.0, "pause after a mark that found nothing when nothing wakes the leader (no "
+                                           "trigger, LISTEN off)")
+    idle_poll_interval: float = limit(1.0, 0.001, "safety-net poll of an idle leader that the trigger's NOTIFY "
+                                                  "wakes (60 by default when one process harvests several outboxes, "
+                                                  "`OUTBOX[\"outboxes\"]`: their shared LISTEN session wakes them "
+                                                  "after every reconnect too)")
+    max_in_flight_records: int = limit(4000, 1, "records sent and not yet acknowledged and purged (the throttle)")
+    max_in_flight_per_key: int = limit(256, 1, "records of one key in flight at once (1: goharvest's barrier; more "
+                                               "pipelines hot keys, docs/guarantees.md)")
+    mark_query_records: int = limit(1000, 1, "rows marked by one mark query")
+    purge_interval: float = limit(0.01, 0.0, "purges are coalesced: at most one statement this often, deleting "
+                                             "everything acknowledged meanwhile")
+    purge_delay: float = limit(0.1, 0.0, "acknowledged records nothing waits on (no later record of their key, the "
+                                         "throttle, a stop or a revoke) are purged together, at most this long after "
+                                         "the first was acknowledged: one `DELETE` for many wakes at a steady rate, "
+                                         "a tenth of the purges' database CPU at 2,000 records/s "
+                                         "(docs/benchmarks.md); they stay in the table that much longer, so a crash "
+                                         "of the harvester may repeat them; 0: every `purge_interval`")
+    held_check_interval: float = limit(1.0, 0.001, "held (poison) rows are re-read this often, so a fix, a deletion "
+                                                   "or an operator's action is seen")
+    held_retry_after: float = limit(60.0, 0.001, "a held record is tried again after this long (doubling, up to 16 "
+                                                 "times it)")
+    fence_retry_interval: float = limit(5.0, 0.001, "a leader blocked by another's database fence tries again this "
+                                                    "often")
+    topic_limits_interval: float = limit(60.0, 0.001, "each topic's `max.message.bytes` is read again from Kafka "
+                                                      "this often (also at once after Kafka refused a batch for its "
+                                                      "size): the record producer's batches fit the smallest, and a "
+                                                      "record that cannot fit is held before it is produced")
+    min_metrics_interval: float = limit(5.0, 0.0, "throughput is logged (when it moved) and signalled at most this "
+                                                  "often")
+    status_interval: float = limit(2.0, 0.0, "the replica's status row is written this often (0: never)")
+    history_interval: float = limit(10.0, 0.0, "a sample of the replica's figures is added to the history (the "
+                                               "dashboard's charts) this often, with its status row (0: never)")
 
     def __post_init__(self) -> None:
         # Derived defaults, as goharvest's SetDefaults; left unset when their inputs are bad so
@@ -146,44 +151,85 @@ class Limits:
 LIMIT_NAMES = tuple(spec.name for spec in dataclasses.fields(Limits))
 
 
+def _sql_name(value: Any) -> bool:
+    return isinstance(value, str) and TABLE_PATTERN.fullmatch(value) is not None
+
+
+def _topic(value: Any) -> bool:
+    return isinstance(value, str) and TOPIC_PATTERN.fullmatch(value) is not None and value not in {".", ".."}
+
+
+def _mapping(value: Any) -> str | None:
+    ok = isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
+    return None if ok else "must be a mapping of librdkafka property names to values"
+
+
+def _rule(ok: Callable[[Any], bool], message: str) -> Callable[[Any], str | None]:
+    return lambda value: None if ok(value) else f"{message}, got {value!r}"
+
+
+_TOPIC = f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -)"
+
+
 @dataclass(frozen=True)
 class HarvestConfig:
-    """Everything a Harvester needs. Build it, call validate(), then hand it over."""
+    """Everything a Harvester needs. Build it, call validate(), then hand it over.
+
+    The fields a user sets by name (OUTBOX's keys, the stand-alone harvester's file keys: SETTING_KEYS) carry their
+    meaning, the rule their value must meet and its check code; validate() reports each breach."""
 
     #: libpq connection string or URL for the database holding the outbox table (may carry a password).
-    dsn: str
-    table: str = "outbox"
-    #: librdkafka settings shared by every client (bootstrap.servers, security.protocol, sasl.*).
-    base_kafka_config: Mapping[str, Any] = field(default_factory=lambda: {"bootstrap.servers": "localhost:9092"})
-    #: librdkafka settings for the outbox producer only (compression.type, linger.ms, ...).
-    producer_kafka_config: Mapping[str, Any] = field(default_factory=dict)
-    leader_topic: str = "outbox-harvest"
-    leader_group: str = "outbox-harvest"
-    name: str = field(default_factory=default_name)
+    dsn: str = field(metadata={"rule": lambda dsn: None if isinstance(dsn, str) and dsn.strip() else
+                               "must name the database holding the outbox table", "code": "E005"})
+    table: str = key("outbox", "table to harvest, optionally `schema.table` (harvester only: `stash()` writes the "
+                               "model's table; `outbox.W003` when they differ)",
+                     _rule(_sql_name, "must be an SQL identifier, optionally schema.table (at most 63 characters "
+                                      "each)"), code="E006", shown='`"outbox"`')
+    base_kafka_config: Mapping[str, Any] = key(
+        {"bootstrap.servers": DEFAULT_BOOTSTRAP_SERVERS}, "librdkafka settings for every client: `bootstrap.servers` "
+        "(else `KAFKA_BOOTSTRAP_SERVERS`, else `localhost:9092`), `security.protocol`, `sasl.*`, `ssl.*`", _mapping,
+        code="E009", shown="`{}`")
+    producer_kafka_config: Mapping[str, Any] = key({}, "librdkafka settings for the record producer only: "
+                                                       "`compression.type`, `batch.size`, ...", _mapping, code="E009")
+    leader_topic: str = key("outbox-harvest", "leader-election topic, created if missing; derived from the database "
+                                              "and table so two outboxes never share one", _rule(_topic, _TOPIC),
+                            code="E007", shown="`outbox-leader.<database>.<table>.<hash>`")
+    leader_group: str = key("outbox-harvest", "leader-election consumer group", name_problem, code="E008",
+                            shown="as `leader_topic`")
+    name: str = key(None, "replica name in logs, heartbeats and status rows", name_problem, code="E008",
+                    shown="`host_pid_starttime`")
     limits: Limits = field(default_factory=Limits)
-    #: LISTEN for stash()'s NOTIFY so committed records are picked up at once.
-    listen: bool = True
-    #: Table of replica status rows (None: do not report); skipped if it does not exist.
-    status_table: str | None = "outbox_harvester"
-    #: Status rows not seen for this long (seconds) are deleted.
-    status_prune_after: float = 3600.0
-    #: History samples (the `<status_table>_history` table, the dashboard's charts) older than this
-    #: (seconds) are deleted.
-    history_retention: float = 86400.0
-    #: Where parked (dead-letter) records go; parking is off if it does not exist.
-    dead_letter_table: str | None = "outbox_dead_letter"
-    #: Also publish parked records here (None: the table only).
-    dead_letter_topic: str | None = None
-    #: Parked records older than this (seconds) are deleted (None: kept until an operator acts).
-    dead_letter_retention: float | None = 30 * 86400.0
-    #: Park a held record after it failed this many times on its own (None: hold it until an
-    #: operator acts; holding keeps its key's order, parking trades it for liveness).
-    park_after: int | None = None
-    #: The table's rows are harvested in this many shards, each led by its own leader (sharding.py,
-    #: shards.py); 1 is goharvest's one leader per table.
-    shards: int = 1
+    listen: bool = key(True, "LISTEN for the table trigger's NOTIFY and wake at once", boolean)
+    status_table: str | None = key("outbox_harvester", "table of replica status rows (`None`: do not write them)",
+                                   _rule(lambda v: v is None or _sql_name(v), "must be an SQL identifier or None"),
+                                   code="E006")
+    status_prune_after: float = key(3600.0, "status rows not seen for this long are deleted", positive_seconds,
+                                    code="E004")
+    history_retention: float = key(86400.0, "history samples (the dashboard's charts, `outbox_harvester_history`) "
+                                            "older than this are deleted", positive_seconds, code="E004")
+    #: Where parked (dead-letter) records go; parking is off if it does not exist (not a setting: the migrations').
+    dead_letter_table: str | None = field(default="outbox_dead_letter", metadata={
+        "rule": _rule(lambda v: v is None or _sql_name(v), "must be an SQL identifier or None"), "code": "E006"})
+    dead_letter_topic: str | None = key(None, "also publish parked records (kept in the `outbox_dead_letter` table) "
+                                              "to this topic", _rule(lambda v: v is None or _topic(v),
+                                                                     f"{_TOPIC} or None"), code="E007")
+    dead_letter_retention: float | None = key(30 * 86400.0, "parked records (`outbox_dead_letter`) parked longer ago "
+                                                            "than this (30 days) are deleted by the leader in batches "
+                                                            "of 10,000; `None` keeps them until an operator acts",
+                                              positive_seconds_or_none, code="E004")
+    park_after: int | None = key(None, "park a record automatically after this many permanent failures (off: a "
+                                       "poison record holds its key until an operator acts; parking trades order "
+                                       "for liveness)", _rule(lambda v: v is None or positive_int(v) is None,
+                                                              "must be a positive integer or None"), code="E004")
+    shards: int = key(1, "harvest the table in this many shards (1-256), each led by one replica of the group "
+                         "(`manage.py harvest --shards N`; docs/scaling.md); every replica of a group runs the same N",
+                      shards_problem, code="E017")
     #: Which shard this engine harvests (0 to shards - 1); set by the sharded harvester for each of its engines.
     shard: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            object.__setattr__(self, "name", default_name())
 
     def for_shard(self, shard: int) -> HarvestConfig:
         """The config of this replica's engine for one shard."""
@@ -194,55 +240,13 @@ class HarvestConfig:
 
         `given_limits` names the limits set explicitly (see Limits.problems)."""
         found: list[Problem] = []
-        if not isinstance(self.dsn, str) or not self.dsn.strip():
-            found.append(Problem("E005", "dsn", "must name the database holding the outbox table"))
-        if not isinstance(self.table, str) or not TABLE_PATTERN.fullmatch(self.table):
-            found.append(Problem("E006", "table",
-                                 f"must be an SQL identifier, optionally schema.table (at most 63 characters each), "
-                                 f"got {self.table!r}"))
-        for name in ("leader_topic",):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not TOPIC_PATTERN.fullmatch(value) or value in {".", ".."}:
-                found.append(Problem("E007", name,
-                                     f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -), "
-                                     f"got {value!r}"))
-        for name in ("leader_group", "name"):
-            problem = name_problem(getattr(self, name))
-            if problem is not None:
-                found.append(Problem("E008", name, problem))
-        for name in ("base_kafka_config", "producer_kafka_config"):
-            value = getattr(self, name)
-            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-                found.append(Problem("E009", name, "must be a mapping of librdkafka property names to values"))
+        for spec in dataclasses.fields(self):
+            rule = spec.metadata.get("rule")
+            if rule is not None and (problem := rule(getattr(self, spec.name))) is not None:
+                found.append(Problem(spec.metadata["code"], spec.name, problem))
         if isinstance(self.base_kafka_config, Mapping) and not self.base_kafka_config.get("bootstrap.servers"):
             found.append(Problem("E010", "base_kafka_config", "must set bootstrap.servers"))
-        for name in ("status_table", "dead_letter_table"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not TABLE_PATTERN.fullmatch(value)):
-                found.append(Problem("E006", name, f"must be an SQL identifier or None, got {value!r}"))
-        topic = self.dead_letter_topic
-        if topic is not None and (not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic)
-                                  or topic in {".", ".."}):
-            found.append(Problem("E007", "dead_letter_topic",
-                                 f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -) or None, "
-                                 f"got {topic!r}"))
-        if self.park_after is not None and (not _is_int(self.park_after) or self.park_after < 1):
-            found.append(Problem("E004", "park_after", f"must be a positive integer or None, got {self.park_after!r}"))
-        if not _is_number(self.status_prune_after) or self.status_prune_after <= 0:
-            found.append(Problem("E004", "status_prune_after", f"must be a positive number of seconds, "
-                                                               f"got {self.status_prune_after!r}"))
-        if not _is_number(self.history_retention) or self.history_retention <= 0:
-            found.append(Problem("E004", "history_retention", f"must be a positive number of seconds, "
-                                                              f"got {self.history_retention!r}"))
-        retention = self.dead_letter_retention
-        if retention is not None and (not _is_number(retention) or retention <= 0):
-            found.append(Problem("E004", "dead_letter_retention", f"must be a positive number of seconds or None, "
-                                                                  f"got {retention!r}"))
-        if not isinstance(self.listen, bool):
-            found.append(Problem("E003", "listen", f"must be True or False, got {self.listen!r}"))
-        if (problem := shards_problem(self.shards)) is not None:
-            found.append(Problem("E017", "shards", problem))
-        elif not _is_int(self.shard) or not 0 <= self.shard < self.shards:
+        if shards_problem(self.shards) is None and (not _is_int(self.shard) or not 0 <= self.shard < self.shards):
             found.append(Problem("E017", "shard", f"must be from 0 to {self.shards - 1}, got {self.shard!r}"))
         if isinstance(self.limits, Limits):
             found.extend(self.limits.problems(given_limits))
@@ -277,10 +281,10 @@ class HarvestConfig:
         found = []
         merged = {**self.base_kafka_config, **self.producer_kafka_config}
         field_name, delivery = "delivery_timeout", self.limits.delivery_timeout
-        for key in ("delivery.timeout.ms", "message.timeout.ms"):
-            if key in merged:
+        for name in ("delivery.timeout.ms", "message.timeout.ms"):
+            if name in merged:
                 try:
-                    field_name, delivery = "producer_kafka_config", float(merged[key]) / 1000
+                    field_name, delivery = "producer_kafka_config", float(merged[name]) / 1000
                 except (TypeError, ValueError):
                     pass
         heartbeat = self.limits.heartbeat_timeout
@@ -317,6 +321,29 @@ class HarvestConfig:
 
     def __repr__(self) -> str:  # never let a password reach a log line through repr()
         return f"HarvestConfig({self.redacted()!r})"
+
+
+#: HarvestConfig's fields a user sets by name (OUTBOX in Django, the stand-alone harvester's TOML file), besides the
+#: limits: those with a meaning; dsn, shard and the dead-letter table's name come other ways.
+SETTING_KEYS = tuple(spec.name for spec in dataclasses.fields(HarvestConfig) if "doc" in spec.metadata)
+
+
+def from_values(values: Mapping[str, Any], *, dsn: str, derived_leader: str, environ: Mapping[str, str],
+                given_by: str) -> tuple[HarvestConfig, set[str], str | None]:
+    """The engine's config from settings by name (OUTBOX's keys and `manage.py harvest`'s flags, or the stand-alone
+    harvester's file and flags), the database's DSN and the environment; with the limits the user gave, and where
+    bootstrap.servers came from (None: nowhere, W006). The leader topic and group are derived where absent (an empty
+    one is the user's, and refused)."""
+    given = {name for name in LIMIT_NAMES if name in values}
+    limits = Limits(**{name: seconds(values[name]) for name in given})
+    engine = {name: seconds(values[name]) for name in SETTING_KEYS if name in values}
+    source = None
+    if isinstance(engine.get("base_kafka_config", {}), Mapping):
+        engine["base_kafka_config"], source = bootstrap(engine.get("base_kafka_config", {}), environ, given_by)
+    for name in ("leader_topic", "leader_group"):
+        if engine.get(name) is None:
+            engine[name] = derived_leader
+    return HarvestConfig(dsn=dsn, limits=limits, **engine), given, source
 
 
 def leader_name(host: str | None, port: str | int | None, dbname: str | None, table: str) -> str:

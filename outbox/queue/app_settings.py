@@ -16,81 +16,49 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 
+from outbox import conf as outbox_conf
+from outbox.kafka.keys import bootstrap, key, positive_seconds, positive_seconds_or_none, read, seconds, seconds_or_zero
 from outbox.kafka.problems import Problem, unknown_keys
 from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
 
-#: Defaults of every OUTBOX["queues"] key that is not a per-queue limit (those default in QueueLimits).
-DEFAULTS: dict[str, Any] = {
-    "topic": None,  # "<project>-queue"
-    "markers_topic": None,  # "<project>-queue-markers"
-    "partitions": 8,
-    "markers_partitions": 4,
-    "consumer_group_prefix": None,  # "<project>-queue-"
-    "tracker_group": None,  # "<project>-queue-tracker"
-    "per_queue": {},
-    "poll_interval": 0.1,
-    # Status rows of consumers and trackers (the admin's queue pages).
-    "status_interval": 2.0,
-    "status_gone_after": 20.0,
-    # A tracker adds a sample per queue to the history (the queue pages' charts) this often (0: never)...
-    "history_interval": 10.0,
-    # ...and deletes samples older than this.
-    "history_retention": 24 * 3600.0,
-    # Inbox rows (manage.py outbox_consume --inbox) older than this are deleted.
-    "inbox_retention": 7 * 24 * 3600.0,
-    # Dead letters older than this are deleted by the trackers (None: kept until an operator acts).
-    "dead_letter_retention": 30 * 24 * 3600.0,
-}
-#: What each OUTBOX["queues"] key does, with its default as the reference shows it (docs/reference/settings.md).
-MEANINGS: dict[str, tuple[str, str]] = {
-    "topic": ("`\"<project>-queue\"`",
-        "the queue topic, shared by every logical queue"),
-    "markers_topic": ("`\"<project>-queue-markers\"`",
-        "the markers topic"),
-    "partitions": ("`8`",
-        "partition counts when the topics are created"),
-    "markers_partitions": ("`4`",
-        "partition counts when the topics are created"),
-    "consumer_group_prefix": ("`\"<project>-queue-\"`",
-        "consumers of queue Q share group `<prefix>Q`"),
-    "tracker_group": ("`\"<project>-queue-tracker\"`",
-        "the trackers' consumer group"),
-    "redelivery_timeout": ("`30`",
-        "seconds without a marker before a message is redelivered (0.1 to 43,200)"),
-    "keep_alive_interval": ("`redelivery_timeout / 3`",
-        "must be below the timeout; above half of it is warning `outbox_queue.W001`"),
-    "max_in_progress": ("`10`",
-        "messages a consumer holds at once (back-pressure; also its Start transaction's largest batch)"),
-    "max_deliveries": ("`5`",
-        "deliveries before a message becomes a dead letter; `None`: no limit"),
-    "backend": ("`\"markers\"`",
-        "`\"markers\"` (this page) or `\"share\"` (Kafka's share groups, 4.2+): "
-        "[queue-backends.md](../queue-backends.md)"),
-    "per_queue": ("`{}`",
-        "`{\"reports\": {\"redelivery_timeout\": 600, \"max_in_progress\": 1}}`: the four limits and the "
-        "backend above, per queue"),
-    "poll_interval": ("`0.1`",
-        "longest wait of a consumer's or tracker's loop"),
-    "status_interval": ("`2`",
-        "status rows (admin) are written this often"),
-    "status_gone_after": ("`20`",
-        "admin calls a process not seen for this long gone"),
-    "inbox_retention": ("`604800`",
-        "inbox rows older than this (seconds) are pruned"),
-    "history_interval": ("`10`",
-        "a tracker adds a sample per queue (in progress, redeliveries, dead letters) to `outbox_queue_history`, the "
-        "admin's charts, this often, with its status row (0: never)"),
-    "history_retention": ("`86400`",
-        "samples older than this (seconds) are deleted"),
-    "dead_letter_retention": ("`2592000`",
-        "dead letters written longer ago than this (30 days) are deleted by the trackers, once a minute; `None` "
-        "keeps them until an operator acts"),
-}
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """The keys of OUTBOX["queues"] that are not a queue's limits (those are QueueLimits'), each with its default,
+    its line in the settings reference and its rule; the topics' and groups' names derive from the project's when
+    unset, and QueueConfig.validate checks what needs the whole config."""
+
+    topic: str | None = key(None, "the queue topic, shared by every logical queue", shown='`"<project>-queue"`')
+    markers_topic: str | None = key(None, "the markers topic", shown='`"<project>-queue-markers"`')
+    partitions: int = key(8, "partition counts when the topics are created")
+    markers_partitions: int = key(4, "partition counts when the topics are created")
+    consumer_group_prefix: str | None = key(None, "consumers of queue Q share group `<prefix>Q`",
+                                            shown='`"<project>-queue-"`')
+    tracker_group: str | None = key(None, "the trackers' consumer group", shown='`"<project>-queue-tracker"`')
+    per_queue: Mapping[str, Any] = key({}, "`{\"reports\": {\"redelivery_timeout\": 600, \"max_in_progress\": 1}}`: "
+                                           "the four limits and the backend below, per queue")
+    poll_interval: float = key(0.1, "longest wait of a consumer's or tracker's loop")
+    status_interval: float = key(2.0, "status rows (admin) are written this often", positive_seconds, code="E004")
+    status_gone_after: float = key(20.0, "admin calls a process not seen for this long gone", positive_seconds,
+                                   code="E004")
+    inbox_retention: float = key(7 * 24 * 3600.0, "inbox rows (`outbox_consume --inbox`) older than this (seconds) "
+                                                  "are pruned", positive_seconds, code="E004")
+    history_interval: float = key(10.0, "a tracker adds a sample per queue (in progress, redeliveries, dead letters) "
+                                        "to `outbox_queue_history`, the admin's charts, this often, with its status "
+                                        "row (0: never)", seconds_or_zero, code="E004")
+    history_retention: float = key(24 * 3600.0, "samples older than this (seconds) are deleted", positive_seconds,
+                                   code="E004")
+    dead_letter_retention: float | None = key(30 * 24 * 3600.0, "dead letters written longer ago than this (30 days) "
+                                                                "are deleted by the trackers, once a minute; `None` "
+                                                                "keeps them until an operator acts",
+                                              positive_seconds_or_none, code="E004")
+
+
 #: What each check code of OUTBOX["queues"] means (docs/reference/settings.md is written from it).
 CHECK_CODES: dict[str, str] = {
     "outbox_queue.E001": "`OUTBOX['queues']` is not a dict",
@@ -105,28 +73,17 @@ CHECK_CODES: dict[str, str] = {
     "outbox_queue.W001": "`keep_alive_interval` above half the redelivery timeout: one late marker redelivers a "
         "message still in hand",
 }
-KNOWN_KEYS = frozenset(DEFAULTS) | frozenset(LIMIT_NAMES)
-DEFAULT_BOOTSTRAP_SERVERS = "localhost:9092"
-_SECONDS = {"redelivery_timeout", "keep_alive_interval", "poll_interval", "status_interval", "status_gone_after",
-            "inbox_retention", "history_interval", "history_retention", "dead_letter_retention"}
+KNOWN_KEYS = frozenset(QueueKeys.__dataclass_fields__) | frozenset(LIMIT_NAMES)
 
 
 def raw_settings() -> Any:
-    value = _outbox().get("queues", {})
+    value = outbox_conf.current().raw.get("queues", {})
     return {} if value is None else value
 
 
-def _outbox() -> Mapping[str, Any]:
-    outbox = getattr(settings, "OUTBOX", {})
-    return outbox if isinstance(outbox, Mapping) else {}
-
-
-def base_kafka_config() -> dict[str, Any]:
-    """OUTBOX["base_kafka_config"], shared with the harvester; bootstrap.servers falls back to the environment."""
-    base = _outbox().get("base_kafka_config") or {}
-    base = dict(base) if isinstance(base, Mapping) else {}
-    base.setdefault("bootstrap.servers", os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or DEFAULT_BOOTSTRAP_SERVERS)
-    return base
+def _keys() -> tuple[QueueKeys, list[Problem]]:
+    raw = raw_settings()
+    return read(QueueKeys, raw if isinstance(raw, Mapping) else {})
 
 
 def project_name() -> str:
@@ -136,8 +93,7 @@ def project_name() -> str:
 
 def setting(name: str) -> Any:
     """One OUTBOX["queues"] value with its default (durations in seconds)."""
-    raw = raw_settings()
-    return _seconds(raw.get(name, DEFAULTS[name]) if isinstance(raw, Mapping) else DEFAULTS[name])
+    return getattr(_keys()[0], name)
 
 
 def problems() -> list[Problem]:
@@ -155,18 +111,7 @@ def problems() -> list[Problem]:
                 found.append(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}"))
             else:
                 found.extend(unknown_keys(limits, LIMIT_NAMES, f"per_queue[{queue!r}]."))
-    for key in ("status_interval", "status_gone_after", "inbox_retention", "history_retention"):
-        value = setting(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            found.append(Problem("E004", key, f"must be a positive number of seconds, got {value!r}"))
-    retention = setting("dead_letter_retention")
-    if retention is not None and (isinstance(retention, bool) or not isinstance(retention, int | float)
-                                  or retention <= 0):
-        found.append(Problem("E004", "dead_letter_retention",
-                             f"must be a positive number of seconds or None, got {retention!r}"))
-    interval = setting("history_interval")
-    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0:
-        found.append(Problem("E004", "history_interval", f"must be a number of seconds, 0 or more, got {interval!r}"))
+    found.extend(_keys()[1])
     if found:
         return found
     try:
@@ -185,31 +130,28 @@ def warnings() -> list[Problem]:
 def queue_config(**overrides: Any) -> QueueConfig:
     """The queue's config from OUTBOX, the environment and overrides; None overrides are ignored."""
     raw = raw_settings()
-    raw = raw if isinstance(raw, Mapping) else {}
-    values = {**DEFAULTS, **raw, **{k: v for k, v in overrides.items() if v is not None}}
+    raw = {**(raw if isinstance(raw, Mapping) else {}), **{k: v for k, v in overrides.items() if v is not None}}
+    keys = read(QueueKeys, raw)[0]
+    per_queue = keys.per_queue if isinstance(keys.per_queue, Mapping) else {}
     project = project_name()
-    per_queue = values["per_queue"] if isinstance(values["per_queue"], Mapping) else {}
     # A queue's limits start from the shared ones the user set; what neither sets defaults (and a
     # keep-alive interval nobody set is derived from the queue's own redelivery timeout).
-    explicit = {name: values[name] for name in LIMIT_NAMES if name in raw}
+    explicit = {name: raw[name] for name in LIMIT_NAMES if name in raw}
+    given = outbox_conf.current().raw.get("base_kafka_config") or {}
     return QueueConfig(
-        base_kafka_config=base_kafka_config(),
-        topic=values["topic"] or f"{project}-queue",
-        markers_topic=values["markers_topic"] or f"{project}-queue-markers",
-        partitions=values["partitions"],
-        markers_partitions=values["markers_partitions"],
-        consumer_group_prefix=values["consumer_group_prefix"] or f"{project}-queue-",
-        tracker_group=values["tracker_group"] or f"{project}-queue-tracker",
-        limits=_limits(values),
+        base_kafka_config=bootstrap(given if isinstance(given, Mapping) else {}, os.environ, "")[0],
+        topic=keys.topic or f"{project}-queue",
+        markers_topic=keys.markers_topic or f"{project}-queue-markers",
+        partitions=keys.partitions,
+        markers_partitions=keys.markers_partitions,
+        consumer_group_prefix=keys.consumer_group_prefix or f"{project}-queue-",
+        tracker_group=keys.tracker_group or f"{project}-queue-tracker",
+        limits=_limits(explicit),
         per_queue={queue: _limits({**explicit, **limits}) for queue, limits in per_queue.items()
                    if isinstance(limits, Mapping)},
-        poll_interval=_seconds(values["poll_interval"]),
+        poll_interval=keys.poll_interval,
     )
 
 
 def _limits(values: Mapping[str, Any]) -> QueueLimits:
-    return QueueLimits(**{name: _seconds(values[name]) for name in LIMIT_NAMES if name in values})
-
-
-def _seconds(value: Any) -> Any:
-    return value.total_seconds() if isinstance(value, timedelta) else value
+    return QueueLimits(**{name: seconds(values[name]) for name in LIMIT_NAMES if name in values})

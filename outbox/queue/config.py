@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox.kafka.keys import key
 from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN
 from outbox.kafka.problems import Problem
 from outbox.kafka.redaction import redact_mapping
@@ -37,16 +38,15 @@ SHARE_MAX_DELIVERIES = 9
 class QueueLimits:
     """What a consumer of one logical queue promises the trackers, and how much it takes at once."""
 
-    #: A message whose consumer sends no marker for this long is redelivered.
-    redelivery_timeout: float = 30.0
-    #: Keep-alive markers are sent this often while a message is unacknowledged (default: a third of the timeout).
-    keep_alive_interval: float | None = None
-    #: Messages a consumer holds at once (received or buffered, not yet acknowledged): back-pressure.
-    max_in_progress: int = 10
-    #: A message delivered this many times goes to the dead letters instead of round again (None: no limit).
-    max_deliveries: int | None = 5
-    #: "markers" or "share" (BACKENDS): how the queue's messages are delivered and redelivered.
-    backend: str = "markers"
+    redelivery_timeout: float = key(30.0, "seconds without a marker before a message is redelivered (0.1 to 43,200)")
+    keep_alive_interval: float | None = key(None, "keep-alive markers are sent this often while a message is in hand; "
+                                                  "must be below the timeout; above half of it is warning "
+                                                  "`outbox_queue.W001`", shown="`redelivery_timeout / 3`")
+    max_in_progress: int = key(10, "messages a consumer holds at once (back-pressure; also its Start transaction's "
+                                   "largest batch)")
+    max_deliveries: int | None = key(5, "deliveries before a message becomes a dead letter; `None`: no limit")
+    backend: str = key("markers", "`\"markers\"` (this page) or `\"share\"` (Kafka's share groups, 4.2+): "
+                                  "[queue-backends.md](../queue-backends.md)")
 
     def __post_init__(self) -> None:
         if self.keep_alive_interval is None and _is_number(self.redelivery_timeout):

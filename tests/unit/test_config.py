@@ -239,3 +239,29 @@ def test_bootstrap_servers_come_from_outbox_else_the_environment_else_localhost_
         [warning] = [m for m in checks.run_checks(tags=["outbox"]) if m.id == "outbox.W006"]
     assert warning.msg == ("OUTBOX['base_kafka_config'] sets no bootstrap.servers and KAFKA_BOOTSTRAP_SERVERS is not "
                            "set either, so Kafka is looked for at localhost:9092: set one of them")
+    from outbox.management.commands.outbox_audit import Command as Audit
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "from-env:9092")
+    with override_settings(OUTBOX={}):  # the audit once took HarvestConfig's own default, localhost:9092
+        assert Audit._defaults().bootstrap_servers == "from-env:9092"
+
+
+def test_outbox_is_read_once_and_again_when_the_settings_change():
+    with override_settings(OUTBOX={"max_value_bytes": 10}):
+        first = conf.current()
+        assert conf.current() is first and conf.setting("max_value_bytes") == 10
+        with override_settings(OUTBOX={"max_value_bytes": 20, "stuck_after": timedelta(minutes=1)}):
+            assert conf.setting("max_value_bytes") == 20 and conf.setting("stuck_after") == 60.0
+        assert conf.setting("max_value_bytes") == 10
+
+
+def test_a_value_in_breach_of_its_rule_is_reported_and_its_default_used_meanwhile():
+    with override_settings(OUTBOX={"stuck_after": -1, "max_header_bytes": "big"}):
+        assert conf.setting("stuck_after") == 300.0 and conf.setting("max_header_bytes") == 65536
+        assert sorted(m.id for m in checks.run_checks(tags=["outbox"])) == ["outbox.E003", "outbox.E003"]
+
+
+@pytest.mark.parametrize("key", ["leader_topic", "leader_group", "name"])
+def test_an_empty_leader_topic_group_or_name_is_refused_not_derived(key):
+    """Only an absent one is derived, by manage.py harvest as by outbox-harvest (which always refused it)."""
+    assert ("outbox.E007" if key == "leader_topic" else "outbox.E008") in outbox_errors(**{key: ""})

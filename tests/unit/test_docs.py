@@ -9,32 +9,37 @@ import sys
 from pathlib import Path
 
 from outbox import conf, settings_problems
-from outbox.harvest.config import Limits
+from outbox.harvest.config import HarvestConfig, Limits
+from outbox.kafka.keys import shown_default
 from outbox.queue import app_settings
-from outbox.queue.config import LIMIT_NAMES
+from outbox.queue.config import LIMIT_NAMES, QueueLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _documented(*sections: type) -> set[str]:
+    return {spec.name for section in sections for spec in dataclasses.fields(section) if spec.metadata.get("doc")}
+
+
 def test_every_outbox_setting_has_a_meaning() -> None:
-    documented = set(conf.MEANINGS) | set(conf.LIMIT_MEANINGS)
-    assert conf.known_keys() - documented == set(), "settings without a meaning in conf.MEANINGS"
+    documented = _documented(conf.OutboxKeys, HarvestConfig, Limits) | set(conf.APP_KEYS) | set(conf.RETIRED_KEYS)
+    assert conf.known_keys() - documented == set(), "settings without a meaning"
     assert documented - conf.known_keys() == set(), "meanings of settings that do not exist"
 
 
-def test_each_limit_is_documented_with_its_default() -> None:
-    for spec in dataclasses.fields(Limits):
-        if spec.default is None:
-            continue  # derived from other limits, documented as a formula
-        default = conf.LIMIT_MEANINGS[spec.name][0].strip("`")
-        assert re.fullmatch(r"[\d.]+", default), f"{spec.name}: {default!r}"
-        assert float(default) == spec.default, f"{spec.name}: documented {default}, code {spec.default}"
+def test_each_default_is_shown_as_the_code_has_it() -> None:
+    for section in (conf.OutboxKeys, HarvestConfig, Limits, app_settings.QueueKeys, QueueLimits):
+        for spec in dataclasses.fields(section):
+            if "doc" not in spec.metadata or spec.metadata.get("shown"):
+                continue  # derived, documented as a formula or a name
+            default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+            assert shown_default(spec) == f"`{default!r}`".replace("'", '"'), spec.name
+    assert shown_default(dataclasses.fields(Limits)[0]) == "`0.5`"
 
 
 def test_every_queue_setting_has_a_meaning() -> None:
-    assert app_settings.KNOWN_KEYS - set(app_settings.MEANINGS) == set()
-    assert set(app_settings.MEANINGS) - app_settings.KNOWN_KEYS == set()
-    assert set(LIMIT_NAMES) <= set(app_settings.MEANINGS)
+    assert app_settings.KNOWN_KEYS == _documented(app_settings.QueueKeys, QueueLimits)
+    assert set(LIMIT_NAMES) == _documented(QueueLimits)
 
 
 def _codes_emitted(where: list[Path]) -> set[str]:
@@ -63,7 +68,7 @@ def test_the_reference_page_shows_them_all() -> None:
     finally:
         sys.path.remove(str(ROOT / "docs" / "_ext"))
     page = settings_markdown()
-    for name in [*conf.MEANINGS, *conf.LIMIT_MEANINGS, *app_settings.MEANINGS, *settings_problems.CHECK_CODES,
+    for name in [*conf.known_keys(), *app_settings.KNOWN_KEYS, *settings_problems.CHECK_CODES,
                  *app_settings.CHECK_CODES]:
         assert f"| `{name}` |" in page, name
 

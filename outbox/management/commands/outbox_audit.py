@@ -12,7 +12,6 @@ use, `--help` included, is one line saying what to install, and exit status 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -58,13 +57,12 @@ class Command(BaseCommand):
 
     @staticmethod
     def _defaults() -> cli.Defaults:
-        base = conf.setting("base_kafka_config") or {}
+        base = conf.kafka_config()  # bootstrap.servers: OUTBOX's, else KAFKA_BOOTSTRAP_SERVERS, as harvest's
         database = connections[conf.setting("database")].settings_dict
         host = database.get("HOST") or "localhost"
         port = database.get("PORT") or 5432
         url = f"jdbc:postgresql://{host}:{port}/{database.get('NAME') or ''}"
         properties = {key: str(database[name]) for key, name in (("user", "USER"), ("password", "PASSWORD"))
                       if database.get(name)}
-        bootstrap = base.get("bootstrap.servers") or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")  # as harvest does
-        return cli.Defaults(bootstrap_servers=bootstrap, spark_jars=conf.setting("spark_jars"),
+        return cli.Defaults(bootstrap_servers=base["bootstrap.servers"], spark_jars=conf.setting("spark_jars"),
                             ledger_url=url, ledger_properties=properties, kafka_config=dict(base))
