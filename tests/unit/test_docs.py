@@ -38,7 +38,7 @@ def test_each_default_is_shown_as_the_code_has_it() -> None:
 
 
 def test_every_queue_setting_has_a_meaning() -> None:
-    assert app_settings.KNOWN_KEYS == _documented(app_settings.QueueKeys, QueueLimits)
+    assert _documented(app_settings.QueueKeys, QueueLimits) == app_settings.KNOWN_KEYS
     assert set(LIMIT_NAMES) == _documented(QueueLimits)
 
 
