@@ -44,7 +44,7 @@ COMMANDS = ("run", "check", "schema", "health")
 #: What a TOML file may set: the engine's keys, its limits, and the database.
 FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES})
 #: Flags that set an engine key of the same name.
-FLAG_KEYS = ("table", "leader_topic", "leader_group", "name", "listen", "shards", *LIMIT_NAMES)
+FLAG_KEYS = (*running.SETTING_FLAGS, *LIMIT_NAMES)
 
 
 class Settings:
@@ -76,15 +76,7 @@ def parser() -> argparse.ArgumentParser:
     settings = argparse.ArgumentParser(add_help=False)
     settings.add_argument("--config", metavar="FILE.toml", type=Path,
                           help="a TOML file of settings (OUTBOX's engine keys); flags win over it")
-    settings.add_argument("--table", help="outbox table, optionally schema.table (default: outbox)")
-    settings.add_argument("--leader-topic", help="Kafka topic for leader election (default: derived from the "
-                                                 "database and table, as manage.py harvest derives it)")
-    settings.add_argument("--leader-group", help="Kafka consumer group for leader election (default: as the topic)")
-    settings.add_argument("--name", help="this replica's name in logs and status rows (default: host_pid_time)")
-    settings.add_argument("--shards", type=int, metavar="N", help="harvest the table in N shards (default 1); every "
-                                                                  "replica of a group runs the same N")
-    settings.add_argument("--no-listen", dest="listen", action="store_const", const=False,
-                          help="do not LISTEN for the table's NOTIFY; find new records by polling only")
+    running.add_setting_flags(settings)
     settings.add_argument("-v", "--verbosity", type=int, choices=(0, 1, 2, 3), default=1,
                           help="0 warnings, 1 info (default), 2 and 3 debug")
     running.add_limit_flags(settings)

@@ -18,10 +18,13 @@ from outbox.kafka.keys import (
     DEFAULT_BOOTSTRAP_SERVERS,
     boolean,
     bootstrap,
+    is_int,
+    is_number,
     key,
     positive_int,
     positive_seconds,
     positive_seconds_or_none,
+    rule_problems,
     seconds,
 )
 from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN, default_name, name_problem
@@ -104,11 +107,11 @@ class Limits:
     def __post_init__(self) -> None:
         # Derived defaults, as goharvest's SetDefaults; left unset when their inputs are bad so
         # that problems() reports the input rather than this raising.
-        if self.max_poll_interval is None and _is_number(self.heartbeat_timeout):
+        if self.max_poll_interval is None and is_number(self.heartbeat_timeout):
             object.__setattr__(self, "max_poll_interval", self.heartbeat_timeout / 2)
-        if self.drain_interval is None and _is_number(self.max_poll_interval) and _is_number(self.queue_timeout):
+        if self.drain_interval is None and is_number(self.max_poll_interval) and is_number(self.queue_timeout):
             object.__setattr__(self, "drain_interval", min(self.max_poll_interval, self.queue_timeout))
-        if self.delivery_timeout is None and _is_number(self.heartbeat_timeout):
+        if self.delivery_timeout is None and is_number(self.heartbeat_timeout):
             object.__setattr__(self, "delivery_timeout", 1.5 * self.heartbeat_timeout)
 
     @property
@@ -133,9 +136,9 @@ class Limits:
                 continue  # derived from an input that is itself reported
             minimum = spec.metadata["minimum"]
             if isinstance(minimum, str):
-                minimum = getattr(self, minimum) if _is_number(getattr(self, minimum)) else 0.001
+                minimum = getattr(self, minimum) if is_number(getattr(self, minimum)) else 0.001
             integral = spec.type == "int"
-            if isinstance(value, bool) or not (_is_int(value) if integral else _is_number(value)):
+            if isinstance(value, bool) or not (is_int(value) if integral else is_number(value)):
                 kind = "an integer" if integral else "a number of seconds"
                 found.append(Problem("E003", spec.name, f"must be {kind}, got {value!r}"))
             elif value < minimum:
@@ -239,14 +242,10 @@ class HarvestConfig:
         """Every problem at once; an empty list means the config is usable.
 
         `given_limits` names the limits set explicitly (see Limits.problems)."""
-        found: list[Problem] = []
-        for spec in dataclasses.fields(self):
-            rule = spec.metadata.get("rule")
-            if rule is not None and (problem := rule(getattr(self, spec.name))) is not None:
-                found.append(Problem(spec.metadata["code"], spec.name, problem))
+        found = rule_problems(self)
         if isinstance(self.base_kafka_config, Mapping) and not self.base_kafka_config.get("bootstrap.servers"):
             found.append(Problem("E010", "base_kafka_config", "must set bootstrap.servers"))
-        if shards_problem(self.shards) is None and (not _is_int(self.shard) or not 0 <= self.shard < self.shards):
+        if shards_problem(self.shards) is None and (not is_int(self.shard) or not 0 <= self.shard < self.shards):
             found.append(Problem("E017", "shard", f"must be from 0 to {self.shards - 1}, got {self.shard!r}"))
         if isinstance(self.limits, Limits):
             found.extend(self.limits.problems(given_limits))
@@ -353,11 +352,3 @@ def leader_name(host: str | None, port: str | int | None, dbname: str | None, ta
     where = f"{host or 'localhost'}:{port or 5432}/{dbname or ''}/{table}"
     readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{dbname or 'db'}.{table}")[:180]
     return f"outbox-leader.{readable}.{hashlib.sha1(where.encode()).hexdigest()[:8]}"
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN fails
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -32,6 +32,25 @@ class RunFailure(Exception):
     """The harvester cannot run, or stopped on an error: one line."""
 
 
+#: The engine's keys a flag sets, by the key's name, in manage.py harvest and outbox-harvest alike (flags win).
+SETTING_FLAGS = ("table", "leader_topic", "leader_group", "name", "shards", "listen")
+
+
+def add_setting_flags(parser: ArgumentParser) -> None:
+    """The flags of SETTING_FLAGS, as both ways of running the harvester take them."""
+    parser.add_argument("--table", help="outbox table, optionally schema.table (default: the settings', else outbox)")
+    parser.add_argument("--leader-topic", help="Kafka topic for leader election, created if missing (default: "
+                                               "derived from the database and table)")
+    parser.add_argument("--leader-group", help="Kafka consumer group for leader election (default: as the topic)")
+    parser.add_argument("--name", help="this replica's name in logs, heartbeats and status rows (default: "
+                                       "host_pid_time)")
+    parser.add_argument("--shards", type=int, metavar="N", help="harvest the table in N shards, each led by one "
+                                                                "replica of the group (default: the settings', else "
+                                                                "1); every replica of a group runs the same N")
+    parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
+                        help="do not LISTEN for the table's NOTIFY; find new records by polling only")
+
+
 def add_limit_flags(parser: ArgumentParser) -> None:
     """One flag per limit (counts take N, durations SECONDS), named as the setting is."""
     limits = parser.add_argument_group("limits (see the configuration reference)")

@@ -61,26 +61,39 @@ def read(section: type[Section], raw: Mapping[str, Any]) -> tuple[Section, list[
     return section(**values), found
 
 
-def _number(value: Any) -> bool:
+def rule_problems(instance: Any) -> list[Problem]:
+    """Each field of a built settings dataclass that breaks its rule (what a config built by hand is checked by)."""
+    found = []
+    for spec in dataclasses.fields(instance):
+        rule = spec.metadata.get("rule")
+        if rule is not None and (problem := rule(getattr(instance, spec.name))) is not None:
+            found.append(Problem(spec.metadata["code"], spec.name, problem))
+    return found
+
+
+def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN fails
 
 
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def positive_int(value: Any) -> str | None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    return None if ok else f"must be a positive integer, got {value!r}"
+    return None if is_int(value) and value >= 1 else f"must be a positive integer, got {value!r}"
 
 
 def positive_seconds(value: Any) -> str | None:
-    return None if _number(value) and value > 0 else f"must be a positive number of seconds, got {value!r}"
+    return None if is_number(value) and value > 0 else f"must be a positive number of seconds, got {value!r}"
 
 
 def positive_seconds_or_none(value: Any) -> str | None:
-    ok = value is None or (_number(value) and value > 0)
+    ok = value is None or (is_number(value) and value > 0)
     return None if ok else f"must be a positive number of seconds or None, got {value!r}"
 
 
 def seconds_or_zero(value: Any) -> str | None:
-    return None if _number(value) and value >= 0 else f"must be a number of seconds, 0 or more, got {value!r}"
+    return None if is_number(value) and value >= 0 else f"must be a number of seconds, 0 or more, got {value!r}"
 
 
 def boolean(value: Any) -> str | None:

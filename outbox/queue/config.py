@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.kafka.keys import key
+from outbox.kafka.keys import is_int, is_number, key, rule_problems
 from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN
 from outbox.kafka.problems import Problem
 from outbox.kafka.redaction import redact_mapping
@@ -49,29 +49,29 @@ class QueueLimits:
                                   "[queue-backends.md](../queue-backends.md)")
 
     def __post_init__(self) -> None:
-        if self.keep_alive_interval is None and _is_number(self.redelivery_timeout):
+        if self.keep_alive_interval is None and is_number(self.redelivery_timeout):
             object.__setattr__(self, "keep_alive_interval", self.redelivery_timeout / 3)
 
     def problems(self, prefix: str = "") -> list[Problem]:
         found = []
         timeout, interval = self.redelivery_timeout, self.keep_alive_interval
-        if not _is_number(timeout):
+        if not is_number(timeout):
             found.append(Problem("E003", f"{prefix}redelivery_timeout",
                                  f"must be a number of seconds, got {timeout!r}"))
         elif not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT:
             found.append(Problem("E004", f"{prefix}redelivery_timeout",
                                  f"must be between 0.1 and {MAX_REDELIVERY_TIMEOUT:g} seconds, got {timeout!r}"))
-        if not _is_number(interval):
+        if not is_number(interval):
             found.append(Problem("E003", f"{prefix}keep_alive_interval",
                                  f"must be a number of seconds, got {interval!r}"))
-        elif interval <= 0 or (_is_number(timeout) and interval >= timeout):
+        elif interval <= 0 or (is_number(timeout) and interval >= timeout):
             found.append(Problem("E004", f"{prefix}keep_alive_interval",
                                  f"must be above 0 and below redelivery_timeout ({timeout!r}s), got {interval!r}: "
                                  f"a keep-alive must arrive before the deadline it extends"))
-        if not _is_int(self.max_in_progress) or self.max_in_progress < 1:
+        if not is_int(self.max_in_progress) or self.max_in_progress < 1:
             found.append(Problem("E004", f"{prefix}max_in_progress",
                                  f"must be a positive integer, got {self.max_in_progress!r}"))
-        if self.max_deliveries is not None and (not _is_int(self.max_deliveries) or self.max_deliveries < 1):
+        if self.max_deliveries is not None and (not is_int(self.max_deliveries) or self.max_deliveries < 1):
             found.append(Problem("E004", f"{prefix}max_deliveries",
                                  f"must be a positive integer or None, got {self.max_deliveries!r}"))
         if self.backend not in BACKENDS:
@@ -85,11 +85,11 @@ class QueueLimits:
         """What Kafka's share groups cannot do: a lock outside the broker's range, unlimited deliveries."""
         found = []
         low, high = SHARE_LOCK_RANGE
-        if _is_number(self.redelivery_timeout) and not low <= self.redelivery_timeout <= high:
+        if is_number(self.redelivery_timeout) and not low <= self.redelivery_timeout <= high:
             found.append(Problem("E007", f"{prefix}redelivery_timeout",
                                  f"must be from {low:g} to {high:g} seconds with backend 'share' (the share "
                                  f"group's record lock duration), got {self.redelivery_timeout!r}"))
-        if self.max_deliveries is None or (_is_int(self.max_deliveries)
+        if self.max_deliveries is None or (is_int(self.max_deliveries)
                                            and self.max_deliveries > SHARE_MAX_DELIVERIES):
             found.append(Problem("E007", f"{prefix}max_deliveries",
                                  f"must be from 1 to {SHARE_MAX_DELIVERIES} with backend 'share' (the broker "
@@ -98,7 +98,7 @@ class QueueLimits:
 
     def warnings(self, prefix: str = "") -> list[Problem]:
         timeout, interval = self.redelivery_timeout, self.keep_alive_interval
-        if _is_number(timeout) and _is_number(interval) and timeout / 2 < interval < timeout:
+        if is_number(timeout) and is_number(interval) and timeout / 2 < interval < timeout:
             return [Problem("W001", f"{prefix}keep_alive_interval",
                             f"{interval:g}s leaves less than half the redelivery timeout ({timeout:g}s) for a "
                             f"keep-alive to reach the tracker; one slow marker means a needless redelivery")]
@@ -108,29 +108,52 @@ class QueueLimits:
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(QueueLimits))
 
 
+def checked(ok: Any, code: str, message: str, got: bool = True, **default: Any) -> Any:
+    """A QueueConfig field whose value must be `ok`, else a problem with `code`: "<message>, got <value>"."""
+    return field(**default, metadata={"code": code, "rule": lambda value: None if ok(value) else
+                                      f"{message}, got {value!r}" if got else message})
+
+
+def _topic(value: Any) -> bool:
+    return isinstance(value, str) and TOPIC_PATTERN.fullmatch(value) is not None and value not in {".", ".."}
+
+
+def _partitions(value: Any) -> bool:
+    return is_int(value) and 1 <= value <= 10_000
+
+
+_TOPIC = f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -)"
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     """The topic pair shared by every logical queue, the trackers' group, and the limits per queue."""
 
     #: librdkafka settings shared by every client (bootstrap.servers, security.protocol, sasl.*).
-    base_kafka_config: Mapping[str, Any] = field(default_factory=lambda: {"bootstrap.servers": "localhost:9092"})
+    base_kafka_config: Mapping[str, Any] = checked(
+        lambda v: isinstance(v, Mapping) and bool(v.get("bootstrap.servers")), "E003",
+        "must be a mapping that sets bootstrap.servers", got=False,
+        default_factory=lambda: {"bootstrap.servers": "localhost:9092"})
     #: Messages of every logical queue, keyed by queue name.
-    topic: str = "outbox-queue"
+    topic: str = checked(_topic, "E005", _TOPIC, default="outbox-queue")
     #: Start, KeepAlive and End markers of every logical queue, keyed by queue name.
-    markers_topic: str = "outbox-queue-markers"
+    markers_topic: str = checked(_topic, "E005", _TOPIC, default="outbox-queue-markers")
     #: Partition counts used when the topics are created (existing topics are left as they are).
-    partitions: int = 8
-    markers_partitions: int = 4
+    partitions: int = checked(_partitions, "E004", "must be an integer from 1 to 10000", default=8)
+    markers_partitions: int = checked(_partitions, "E004", "must be an integer from 1 to 10000", default=4)
     #: Consumers of queue Q share the consumer group f"{consumer_group_prefix}{Q}".
-    consumer_group_prefix: str = "outbox-queue-"
+    consumer_group_prefix: str = checked(lambda v: isinstance(v, str), "E003", "must be a non-empty string",
+                                         default="outbox-queue-")
     #: Redelivery trackers share this consumer group over the markers topic.
-    tracker_group: str = "outbox-queue-tracker"
+    tracker_group: str = checked(lambda v: isinstance(v, str) and bool(v.strip()), "E003",
+                                 "must be a non-empty string", default="outbox-queue-tracker")
     #: Limits of every queue not named in per_queue.
     limits: QueueLimits = field(default_factory=QueueLimits)
     #: Limits of named queues.
     per_queue: Mapping[str, QueueLimits] = field(default_factory=dict)
     #: Longest wait of a tracker or consumer loop; bounds how late a deadline is noticed.
-    poll_interval: float = 0.1
+    poll_interval: float = checked(lambda v: is_number(v) and 0.001 <= v <= 5, "E004",
+                                   "must be from 0.001 to 5 seconds", default=0.1)
 
     def limits_for(self, queue: str) -> QueueLimits:
         return self.per_queue.get(queue, self.limits)
@@ -155,27 +178,9 @@ class QueueConfig:
 
     def validate(self) -> list[Problem]:
         """Every problem at once; an empty list means the config is usable."""
-        found: list[Problem] = []
-        for name in ("topic", "markers_topic"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not TOPIC_PATTERN.fullmatch(value) or value in {".", ".."}:
-                found.append(Problem("E005", name, f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of "
-                                                   f"a-z A-Z 0-9 . _ -), got {value!r}"))
+        found = rule_problems(self)
         if self.topic == self.markers_topic:
             found.append(Problem("E005", "markers_topic", "must differ from topic"))
-        for name in ("partitions", "markers_partitions"):
-            value = getattr(self, name)
-            if not _is_int(value) or not 1 <= value <= 10_000:
-                found.append(Problem("E004", name, f"must be an integer from 1 to 10000, got {value!r}"))
-        for name in ("consumer_group_prefix", "tracker_group"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or (name == "tracker_group" and not value.strip()):
-                found.append(Problem("E003", name, f"must be a non-empty string, got {value!r}"))
-        if not isinstance(self.base_kafka_config, Mapping) or not self.base_kafka_config.get("bootstrap.servers"):
-            found.append(Problem("E003", "base_kafka_config", "must be a mapping that sets bootstrap.servers"))
-        if not _is_number(self.poll_interval) or not 0.001 <= self.poll_interval <= 5:
-            found.append(Problem("E004", "poll_interval",
-                                 f"must be from 0.001 to 5 seconds, got {self.poll_interval!r}"))
         found.extend(self.limits.problems())
         for queue, limits in self.per_queue.items():
             if not isinstance(queue, str) or not QUEUE_NAME_PATTERN.fullmatch(queue):
@@ -227,11 +232,3 @@ def check_queue_name(queue: object) -> str:
 def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN fails
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -18,18 +18,17 @@ from outbox.kafka.names import name_problem
 from outbox.kafka.redaction import scrub
 
 
+def refused(what: str, problems: list[Any]) -> CommandError:
+    """One line: what failed and every problem, secrets masked."""
+    return CommandError(scrub(f"{what}: " + "; ".join(map(str, problems)), conf.secret_values()))
+
+
 class Command(BaseCommand):
     help = "Publish outbox records to Kafka, with leader election among replicas, until SIGTERM or SIGINT."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--table", help="outbox table, optionally schema.table (default: OUTBOX['table'])")
+        running.add_setting_flags(parser)
         parser.add_argument("--database", help="Django database alias holding the table (default: 'default')")
-        parser.add_argument("--leader-topic", help="Kafka topic for leader election (created if missing)")
-        parser.add_argument("--leader-group", help="Kafka consumer group for leader election")
-        parser.add_argument("--name", help="this replica's name in logs and heartbeats (default: host_pid_time)")
-        parser.add_argument("--shards", type=int, metavar="N",
-                            help="harvest the table in N shards, each led by one replica of the group (default: "
-                                 "OUTBOX['shards'], 1); every replica of a group runs the same N")
         parser.add_argument("--outbox", action="append", metavar="NAME",
                             help="harvest this outbox of OUTBOX['outboxes'] (repeat for several; default: all of "
                                  "them, when OUTBOX['outboxes'] is set)")
@@ -38,18 +37,13 @@ class Command(BaseCommand):
                                  "django-tenants style; a schema created while running is picked up")
         parser.add_argument("--exclude-schema", action="append", metavar="SCHEMA",
                             help="with --tenant-schemas: leave this schema out (repeat for several)")
-        parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
-                            help="do not LISTEN for stash()'s NOTIFY; find new records by polling only")
         running.add_metrics_flags(parser)
         parser.add_argument("--print-config", action="store_true",
                             help="print the effective configuration (secrets redacted) as JSON and exit")
         running.add_limit_flags(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        overrides = {name: options.get(name) for name in conf.LIMIT_NAMES}
-        overrides.update(table=options["table"], database=options["database"], leader_topic=options["leader_topic"],
-                         leader_group=options["leader_group"], name=options["name"], listen=options["listen"],
-                         shards=options["shards"])
+        overrides = {name: options[name] for name in ("database", *running.SETTING_FLAGS, *conf.LIMIT_NAMES)}
         if options["database"] is not None and (problem := conf.alias_problem(options["database"])):
             raise CommandError(f"--database: {problem}")
         if options["name"] is not None and (problem := name_problem(options["name"])):
@@ -62,18 +56,15 @@ class Command(BaseCommand):
         try:
             config = conf.harvest_config(**overrides)
         except (TypeError, ValueError) as error:
-            raise CommandError(scrub(f"invalid configuration: {error}", conf.secret_values())) from None
+            raise refused("invalid configuration", [error]) from None
         if options["print_config"]:
             # Printed even when invalid (that is when it is wanted), then the problems, and a failure.
             self.stdout.write(json.dumps(config.redacted(), indent=2, default=str))
-            problems = settings_problems.problems(**overrides)
-            if problems:
-                raise CommandError(scrub("invalid configuration: " + "; ".join(map(str, problems)),
-                                         conf.secret_values()))
+            if problems := settings_problems.problems(**overrides):
+                raise refused("invalid configuration", problems)
             return
-        problems = settings_problems.settings_problems()
-        if problems:
-            raise CommandError(scrub("invalid OUTBOX setting: " + "; ".join(map(str, problems)), conf.secret_values()))
+        if problems := settings_problems.settings_problems():
+            raise refused("invalid OUTBOX setting", problems)
         logs.configure_logging(options["verbosity"])
         registry, instruments = self._metrics_registry(options)
         harvester = create_harvester(instruments=instruments, **overrides)
@@ -85,9 +76,8 @@ class Command(BaseCommand):
             if options[flag] is not None:
                 raise CommandError(f"--{flag.replace('_', '-')}: cannot be given with several outboxes; each derives "
                                    f"its own (or set it in its OUTBOX['outboxes'] entry)")
-        problems = settings_problems.settings_problems()
-        if problems:
-            raise CommandError(scrub("invalid OUTBOX setting: " + "; ".join(map(str, problems)), conf.secret_values()))
+        if problems := settings_problems.settings_problems():
+            raise refused("invalid OUTBOX setting", problems)
         for flag in ("table", "database"):
             if options[flag] is not None and not options["tenant_schemas"]:
                 raise CommandError(f"--{flag}: with OUTBOX['outboxes'], each outbox names its own (--{flag} goes "
@@ -98,18 +88,18 @@ class Command(BaseCommand):
                                               exclude_schemas=options["exclude_schema"], instruments=instruments,
                                               **overrides)
         except (TypeError, ValueError) as error:
-            raise CommandError(scrub(f"invalid configuration: {error}", conf.secret_values())) from None
+            raise refused("invalid configuration", [error]) from None
         if options["print_config"]:  # each outbox found now, by label
             try:
                 found = harvester.discover()
             except Exception as error:
-                raise CommandError(scrub(f"cannot find the outboxes: {error}", conf.secret_values())) from None
+                raise refused("cannot find the outboxes", [error]) from None
             self.stdout.write(json.dumps({label: config.redacted() for label, config in sorted(found.items())},
                                          indent=2, default=str))
             problems = [f"{label}: {problem}" for label, config in sorted(found.items())
                         for problem in config.validate()]
             if problems:
-                raise CommandError(scrub("invalid configuration: " + "; ".join(problems), conf.secret_values()))
+                raise refused("invalid configuration", problems)
             return
         logs.configure_logging(options["verbosity"])
         self._start_and_run(harvester, registry, options)
