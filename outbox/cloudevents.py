@@ -26,8 +26,7 @@ DEFAULT_CONTENT_TYPE = "application/json"
 
 def configured() -> Mapping[str, Any]:
     """OUTBOX["cloudevents"] as read once ({}: not configured, or not a dict: check says so)."""
-    value = conf.current().keys.cloudevents
-    return value if isinstance(value, Mapping) else {}
+    return conf.current().cloudevents
 
 
 def add_headers(record: Record, spec: Any, prefix: str = "") -> None:

@@ -1,6 +1,6 @@
 """Django settings (`OUTBOX = {...}` and the environment) to the engine's one frozen config, and OUTBOX read once.
 
-`current()` is OUTBOX as read once (again when settings.OUTBOX is another object): OutboxKeys holds the
+`current()` is OUTBOX as read once (again when Django's setting_changed says it changed): OutboxKeys holds the
 keys that belong to Django (which database, stash()'s limits, the console's thresholds, tracing, ...), each
 declared once with its default, meaning and rule. The engine's keys and limits are declared by HarvestConfig and
 Limits themselves (harvest/config.py), OUTBOX["queues"] by the queue app (queue/app_settings.py), OUTBOX["outboxes"]
@@ -21,7 +21,9 @@ from typing import Any
 
 from django.apps import apps
 from django.conf import settings
+from django.core.signals import setting_changed
 from django.db import connections
+from django.dispatch import receiver
 from psycopg.conninfo import make_conninfo
 
 from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, HarvestConfig, from_values, leader_name
@@ -98,29 +100,38 @@ class Settings:
     """OUTBOX as read: as written (`raw`, {} when it is not a dict), the Django side's keys with their defaults (a key
     in breach of its rule keeps its default), and what was wrong with it (E001, or the keys' rules)."""
 
-    source: Any
     raw: Mapping[str, Any]
     keys: OutboxKeys
     problems: tuple[Problem, ...]
+    #: OUTBOX["cloudevents"] when it is a dict, else {} (stash() asks for every record).
+    cloudevents: Mapping[str, Any]
 
 
-_NOT_SET: Mapping[str, Any] = {}
-_current = Settings(None, {}, OutboxKeys(), ())
+_current: Settings | None = None
 
 
 def current() -> Settings:
-    """OUTBOX as read, again whenever settings.OUTBOX is another object than last time (override_settings, or a
-    new dict assigned): stash() reads it at every call, a dict lookup then."""
+    """OUTBOX as read once, and again after Django's setting_changed (override_settings, pytest-django's `settings`):
+    stash() reads it for every record, so it must not touch django.conf.settings each time (a third of a
+    microsecond an attribute)."""
     global _current
-    value = getattr(settings, "OUTBOX", _NOT_SET)
-    if value is not _current.source:
+    if _current is None:
+        value = getattr(settings, "OUTBOX", {})
         if not isinstance(value, Mapping):
             problem = Problem("E001", "OUTBOX", f"must be a dict, got {type(value).__name__}")
-            _current = Settings(value, {}, OutboxKeys(), (problem,))
+            _current = Settings({}, OutboxKeys(), (problem,), {})
         else:
             keys, found = read(OutboxKeys, value)
-            _current = Settings(value, dict(value), keys, tuple(found))
+            events = keys.cloudevents if isinstance(keys.cloudevents, Mapping) else {}
+            _current = Settings(dict(value), keys, tuple(found), events)
     return _current
+
+
+@receiver(setting_changed)
+def _settings_changed(setting: str, **kwargs: Any) -> None:
+    global _current
+    if setting == "OUTBOX":
+        _current = None
 
 
 def known_keys() -> frozenset[str]:
@@ -177,7 +188,7 @@ def alias_problem(alias: Any) -> str | None:
 
 def secret_values() -> set[str]:
     """The secret values in OUTBOX and DATABASES, to mask wherever a message might quote them."""
-    return redaction.secret_values(raw_settings(), getattr(settings, "DATABASES", {}))
+    return redaction.secret_values(getattr(settings, "OUTBOX", {}), getattr(settings, "DATABASES", {}))
 
 
 def dsn_for(alias: str) -> str:

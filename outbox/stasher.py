@@ -42,7 +42,7 @@ def stash(topic: str, key: str, value: Any = None,
     _require_transaction(using)
     limits = _limits()
     row = clean(topic, key, value, headers, **limits)
-    _decorate(row, cloudevent, current_headers() if tracing_on() else None)
+    _decorate(row, cloudevent, current_headers() if tracing_on() else None, bool(cloudevents.configured()))
     return _insert(using, [row])[0]
 
 
@@ -56,7 +56,8 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None
     _require_transaction(using, "stash_many()")
     limits = _limits()
     context = current_headers() if tracing_on() else None
-    rows = [_clean_mapping(record, index, limits, context) for index, record in enumerate(records)]
+    events = bool(cloudevents.configured())
+    rows = [_clean_mapping(record, index, limits, context, events) for index, record in enumerate(records)]
     ids: list[int] = []
     iterator = iter(rows)
     while batch := list(islice(iterator, BATCH_SIZE)):
@@ -64,7 +65,8 @@ def stash_many(records: Iterable[Mapping[str, Any]], *, using: str | None = None
     return ids
 
 
-def _clean_mapping(record: Any, index: int, limits: dict[str, int], context: list[tuple[str, str]] | None) -> Record:
+def _clean_mapping(record: Any, index: int, limits: dict[str, int], context: list[tuple[str, str]] | None,
+                   events: bool) -> Record:
     prefix = f"records[{index}]."
     if not isinstance(record, Mapping):
         raise InvalidRecord(f"records[{index}]", f"must be a mapping with keys topic, key, value, headers, cloudevent, "
@@ -77,13 +79,15 @@ def _clean_mapping(record: Any, index: int, limits: dict[str, int], context: lis
         if required not in record:
             raise InvalidRecord(f"{prefix}{required}", "is required")
     row = clean(record["topic"], record["key"], record.get("value"), record.get("headers"), prefix=prefix, **limits)
-    _decorate(row, record.get("cloudevent"), context, prefix)
+    _decorate(row, record.get("cloudevent"), context, events, prefix)
     return row
 
 
-def _decorate(row: Record, cloudevent: Any, context: list[tuple[str, str]] | None, prefix: str = "") -> None:
-    """Headers the outbox adds to a cleaned record: CloudEvents' and the trace context (read once a call)."""
-    if cloudevent is not None or cloudevents.configured():
+def _decorate(row: Record, cloudevent: Any, context: list[tuple[str, str]] | None, events: bool,
+              prefix: str = "") -> None:
+    """Headers the outbox adds to a cleaned record: CloudEvents' (`events`: OUTBOX["cloudevents"] is set) and the
+    trace context (both read once a call)."""
+    if cloudevent is not None or events:
         cloudevents.add_headers(row, cloudevent, prefix)
     if context:
         add_headers(row, context)
