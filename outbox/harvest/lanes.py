@@ -473,7 +473,7 @@ class Lanes:
 
     def purged(self) -> int:
         """The last Purge committed; returns how many records it settled."""
-        purged = self.settling.purge_done()
+        purged = self.settling.purge.done()
         for entry in purged:
             self.settle(entry)
         return len(purged)
@@ -483,10 +483,10 @@ class Lanes:
 
     def reset_done(self) -> int:
         """The last Reset committed; returns how many records it settled."""
-        reset = self.settling.reset_done()
+        reset = self.settling.reset.done()
         for entry in reset:
             self.settle(entry)
         return len(reset)
 
     def reset_failed(self, error: str) -> None:
-        self.settling.reset_failed(self.core.now, error)
+        self.settling.reset.failed(self.core.now, self.limits.io_error_backoff, error)

@@ -21,37 +21,68 @@ if TYPE_CHECKING:
 log = logging.getLogger("outbox.harvest")
 
 
+class Batch:
+    """One kind of settling statement's records: those queued, the batch under way (one at most), and when a
+    failed batch may go again (its records go back to the front of the queue, in their order)."""
+
+    def __init__(self, kind: str, now: float) -> None:
+        self.kind = kind
+        self.queued: list[Entry] = []
+        self.under_way: list[Entry] | None = None
+        self.retry_at = now
+
+    def waiting(self) -> bool:
+        """Records are queued and no batch is under way."""
+        return bool(self.queued) and self.under_way is None
+
+    def start(self) -> list[Entry]:
+        self.under_way, self.queued = self.queued, []
+        return self.under_way
+
+    def done(self) -> list[Entry]:
+        """The batch under way committed: its records, to settle."""
+        under_way, self.under_way = self.under_way or [], None
+        return under_way
+
+    def failed(self, now: float, backoff: float, error: str) -> None:
+        log.warning("%s of %d record(s) failed, retrying in %.1fs: %s", self.kind, len(self.under_way or ()),
+                    backoff, error)
+        self.queued[:0] = self.under_way or []
+        self.under_way = None
+        self.retry_at = now + backoff
+
+
 class Settling:
-    """The purge and reset batches: queued, under way (one of each at most), and when the next may go."""
+    """The purge and reset batches, and when the next purge may go."""
 
     def __init__(self, limits: Limits, now: float) -> None:
         self.limits = limits
-        self.to_purge: list[Entry] = []
-        self.purging: list[Entry] | None = None
-        self._purge_retry_at = now
+        self.purge = Batch("Purge", now)
+        self.reset = Batch("Reset", now)
         self._next_purge_at = now  # purges are coalesced: one at most every purge_interval
-        self._to_purge_since = now  # when the oldest of to_purge was queued (purge_delay counts from it)
-        self.to_reset: list[Entry] = []
-        self.resetting: list[Entry] | None = None
-        self._reset_retry_at = now
+        self._to_purge_since = now  # when the oldest queued purge was queued (purge_delay counts from it)
         #: A mark succeeded since the last purge was issued: the fence session held the fence then, so
         #: the next purge need not read it if nothing waits on it (contract.PURGE_UNFENCED). Set by
         #: Core.on_marked.
         self.mark_saw_fence = False
 
+    @property
+    def to_reset(self) -> list[Entry]:
+        return self.reset.queued
+
     def queue_purge(self, entry: Entry, now: float) -> None:
-        if not self.to_purge:
+        if not self.purge.queued:
             self._to_purge_since = now
-        self.to_purge.append(entry)
+        self.purge.queued.append(entry)
 
     def queue_reset(self, entry: Entry) -> None:
-        self.to_reset.append(entry)
+        self.reset.queued.append(entry)
 
     def deadline(self, deadline: float, active: bool, settle_wanted: bool) -> float:
-        if self.to_purge and self.purging is None:
+        if self.purge.waiting():
             deadline = min(deadline, self.purge_due(active, settle_wanted))
-        if self.to_reset and self.resetting is None:
-            deadline = min(deadline, self._reset_retry_at)
+        if self.reset.waiting():
+            deadline = min(deadline, self.reset.retry_at)
         return deadline
 
     def purge_due(self, active: bool, settle_wanted: bool) -> float:
@@ -59,8 +90,8 @@ class Settling:
         (a key's next record goes out before its last is purged, up to max_in_flight_per_key): while
         the term is active and nothing waits (`settle_wanted` False), they are purged together after
         purge_delay, which costs the database one statement for many records instead of one for each wake."""
-        due = max(self._purge_retry_at, self._next_purge_at)
-        if active and not settle_wanted and len(self.to_purge) < self.limits.mark_query_records:
+        due = max(self.purge.retry_at, self._next_purge_at)
+        if active and not settle_wanted and len(self.purge.queued) < self.limits.mark_query_records:
             due = max(due, self._to_purge_since + self.limits.purge_delay)
         return due
 
@@ -86,39 +117,18 @@ class Settling:
         nothing waits on not when a mark saw it since the last purge); `active`: the term is active (not
         draining, revoked or stopping), so purges may wait (purge_due)."""
         commands: list[cmd.Command] = []
-        if self.to_purge and self.purging is None and now >= self.purge_due(active, settle_wanted):
+        if self.purge.waiting() and now >= self.purge_due(active, settle_wanted):
             self._next_purge_at = now + self.limits.purge_interval
-            self.purging, self.to_purge = self.to_purge, []
             read_fence = fenced and self.purge_reads_fence(settle_wanted)
             self.mark_saw_fence = False
-            commands.append(cmd.Purge(tuple(e.record.id for e in self.purging), read_fence, self.purges_durable()))
-        if self.to_reset and self.resetting is None and now >= self._reset_retry_at:
-            self.resetting, self.to_reset = self.to_reset, []
-            commands.append(cmd.Reset(tuple(e.record.id for e in self.resetting),
-                                      tuple(str(e.error) for e in self.resetting), fenced))
+            ids = tuple(e.record.id for e in self.purge.start())
+            commands.append(cmd.Purge(ids, read_fence, self.purges_durable()))
+        if self.reset.waiting() and now >= self.reset.retry_at:
+            entries = self.reset.start()
+            commands.append(cmd.Reset(tuple(e.record.id for e in entries), tuple(str(e.error) for e in entries),
+                                      fenced))
         return commands
 
-    def purge_done(self) -> list[Entry]:
-        """The Purge under way committed: its records, to settle."""
-        purging, self.purging = self.purging or [], None
-        return purging
-
     def purge_failed(self, now: float, error: str) -> None:
-        log.warning("Purge of %d record(s) failed, retrying in %.1fs: %s", len(self.purging or ()),
-                    self.limits.io_error_backoff, error)
-        self.to_purge[:0] = self.purging or []
-        self._to_purge_since = now - self.limits.purge_delay  # retried at _purge_retry_at
-        self.purging = None
-        self._purge_retry_at = now + self.limits.io_error_backoff
-
-    def reset_done(self) -> list[Entry]:
-        """The Reset under way committed: its records, to settle."""
-        resetting, self.resetting = self.resetting or [], None
-        return resetting
-
-    def reset_failed(self, now: float, error: str) -> None:
-        log.warning("Reset of %d record(s) failed, retrying in %.1fs: %s", len(self.resetting or ()),
-                    self.limits.io_error_backoff, error)
-        self.to_reset[:0] = self.resetting or []
-        self.resetting = None
-        self._reset_retry_at = now + self.limits.io_error_backoff
+        self.purge.failed(now, self.limits.io_error_backoff, error)
+        self._to_purge_since = now - self.limits.purge_delay  # retried at the batch's retry_at

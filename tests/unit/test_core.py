@@ -144,6 +144,24 @@ def test_acknowledged_records_nothing_waits_on_are_purged_together_after_purge_d
     assert d.one(cmd.Purge).ids == (1, 2, 3), "one statement for the three"
 
 
+def test_a_failed_purge_goes_again_after_io_error_backoff_with_what_came_meanwhile_behind_it():
+    """Its records go back in front, in their order: the purge after them must not settle a later record first."""
+    d = Driver(max_in_flight_per_key=4, purge_delay=0.0, io_error_backoff=0.5)
+    lid = d.lead()
+    d.marked([rec(1, "a", lid), rec(2, "b", lid), rec(3, "c", lid)])
+    d.deliver(1, 2)
+    assert d.one(cmd.Purge).ids == (1, 2)
+    d.deliver(3)
+    assert d.of(cmd.Purge) == [], "one purge under way at most"
+    d.core.on_purge_failed("connection lost")
+    assert d.of(cmd.Purge) == [], "nothing before io_error_backoff"
+    d.advance(0.49)
+    assert d.of(cmd.Purge) == []
+    d.advance(0.02)
+    assert d.one(cmd.Purge).ids == (1, 2, 3), "the failed batch first, in its order, then the newer"
+    assert d.purged() is not None and d.core.lanes.settling.purge.under_way is None
+
+
 def test_a_purge_goes_at_once_when_a_record_waits_for_its_keys_slot():
     d = Driver(max_in_flight_per_key=1, purge_delay=10.0)
     lid = d.lead()
