@@ -68,10 +68,8 @@ class OutboxKeys:
     outboxes: Mapping[str, Any] | None = key(
         None, "several outboxes in one `harvest` process, each with its own leader group (or shards), fence and "
               "status row: `{\"shop\": {}, \"billing\": {\"database\": \"billing\", \"shards\": 4}, "
-              "\"tenants\": {\"tenant_schemas\": True, \"exclude_schemas\": [\"public\"]}}`; an entry may set "
-              "`database`, `table`, `leader_topic`, `leader_group`, `shards`, `listen`, `dead_letter_topic`, "
-              "`park_after`, `tenant_schemas`, `exclude_schemas`: "
-              "[docs/scaling.md](../scaling.md#many-outboxes-in-one-process)")
+              "\"tenants\": {\"tenant_schemas\": True, \"exclude_schemas\": [\"public\"]}}`; what an entry may set "
+              "is below: [docs/scaling.md](../scaling.md#many-outboxes-in-one-process)")
     discover_interval: float = key(30.0, "how often those outboxes are looked for again: a tenant schema created "
                                          "meanwhile gets harvested, a dropped one's engine stops", positive_seconds)
     tests_require_atomic: bool = key(True, "under Django's `TestCase` and pytest-django's `db`, `stash()` outside an "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from outbox import conf
@@ -37,14 +38,44 @@ from outbox.harvest.config import TABLE_PATTERN, HarvestConfig
 from outbox.harvest.sharding import shards_problem
 from outbox.harvest.store import close_quietly, connect
 from outbox.harvest.tenants import find_tenant_tables
+from outbox.kafka.keys import boolean, key, read
 from outbox.kafka.names import name_problem
 from outbox.kafka.problems import Problem
 
 log = logging.getLogger("outbox.harvest.outboxes")
 
-#: The keys an entry of OUTBOX["outboxes"] may set (the rest come from OUTBOX itself).
-ENTRY_KEYS = frozenset({"database", "table", "leader_topic", "leader_group", "shards", "listen", "dead_letter_topic",
-                        "park_after", "tenant_schemas", "exclude_schemas"})
+
+
+def _schemas(value: Any) -> str | None:
+    ok = isinstance(value, list | tuple) and all(isinstance(schema, str) for schema in value)
+    return None if ok else f"must be a list of schema names, got {value!r}"
+
+
+_OUTBOX = "OUTBOX's"
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """What an entry of OUTBOX["outboxes"] may set, each key with its meaning and rule (E018); what an entry does
+    not set comes from OUTBOX itself. problems() adds the checks that need DATABASES or several keys."""
+
+    database: str | None = key(None, "its `DATABASES` alias", shown=_OUTBOX)
+    table: str | None = key(None, "its table, optionally `schema.table`; with `tenant_schemas`, the unqualified table "
+                                  "of each schema", shown=_OUTBOX)
+    leader_topic: str | None = key(None, "its leader topic (not with `tenant_schemas`: each schema's outbox derives "
+                                         "its own)", shown="derived from its database and table")
+    leader_group: str | None = key(None, "its leader group", shown="as `leader_topic`")
+    shards: int | None = key(None, "its number of shards", shards_problem, code="E018", shown=_OUTBOX)
+    listen: bool | None = key(None, "LISTEN for its table's NOTIFY", shown=_OUTBOX)
+    dead_letter_topic: str | None = key(None, "also publish its parked records to this topic", shown=_OUTBOX)
+    park_after: int | None = key(None, "park its records after this many permanent failures", shown=_OUTBOX)
+    tenant_schemas: bool = key(False, "one outbox per schema that has the table, found at start and every "
+                                      "`discover_interval`, labelled `<name>.<schema>`", boolean, code="E018")
+    exclude_schemas: list[str] = key([], "with `tenant_schemas`: schemas to leave out", _schemas, code="E018")
+
+
+#: The keys an entry of OUTBOX["outboxes"] may set.
+ENTRY_KEYS = frozenset(OutboxEntry.__dataclass_fields__)
 #: The safety-net poll of an idle outbox when several share a process (seconds), unless idle_poll_interval is set.
 MANY_IDLE_POLL_INTERVAL = 60.0
 #: The label of the outboxes `harvest --tenant-schemas` finds: `tenants.<schema>`.
@@ -73,31 +104,25 @@ def problems(raw: Any) -> list[Problem]:
         if not isinstance(entry, Mapping):
             found.append(Problem("E018", where, f"must be a dict, got {entry!r}"))
             continue
-        for key in sorted(set(entry) - ENTRY_KEYS, key=str):
-            found.append(Problem("E018", f"{where}.{key}", f"is not a key of an outbox (known: "
+        for unknown in sorted(set(entry) - ENTRY_KEYS, key=str):
+            found.append(Problem("E018", f"{where}.{unknown}", f"is not a key of an outbox (known: "
                                                            f"{', '.join(sorted(ENTRY_KEYS))})"))
         alias = entry.get("database", conf.OutboxKeys.database)
         if (problem := conf.alias_problem(alias)) is not None:
             found.append(Problem("E018", f"{where}.database", problem))
+        found.extend(Problem(p.code, f"{where}.{p.field}", p.message) for p in read(OutboxEntry, entry)[1])
         tenant = entry.get("tenant_schemas", False)
-        if not isinstance(tenant, bool):
-            found.append(Problem("E018", f"{where}.tenant_schemas", f"must be True or False, got {tenant!r}"))
         table = entry.get("table", conf.setting("table"))
         if not isinstance(table, str) or not TABLE_PATTERN.fullmatch(table) or (tenant is True and "." in table):
             kind = "an unqualified SQL identifier (each tenant schema's table)" if tenant is True else \
                 "an SQL identifier, optionally schema.table"
             found.append(Problem("E018", f"{where}.table", f"must be {kind}, got {table!r}"))
         exclude = entry.get("exclude_schemas", [])
-        if not isinstance(exclude, list | tuple) or not all(isinstance(s, str) for s in exclude):
-            found.append(Problem("E018", f"{where}.exclude_schemas",
-                                 f"must be a list of schema names, got {exclude!r}"))
-        elif exclude and tenant is not True:
+        if exclude and _schemas(exclude) is None and tenant is not True:
             found.append(Problem("E018", f"{where}.exclude_schemas", "applies only with tenant_schemas: True"))
         if tenant is True and (entry.get("leader_topic") or entry.get("leader_group")):
             found.append(Problem("E018", f"{where}.leader_topic", "cannot be set with tenant_schemas: each schema's "
                                                                   "outbox derives its own leader topic and group"))
-        if "shards" in entry and (problem := shards_problem(entry["shards"])) is not None:
-            found.append(Problem("E018", f"{where}.shards", problem))
     return found
 
 

@@ -1,7 +1,8 @@
 """Sphinx extension: writes reference/settings.md from the settings' own declarations, so a setting added in code
 appears here without anyone writing it twice: each key is a field of a settings dataclass holding its default,
 meaning and rule (outbox/kafka/keys.py): OUTBOX's own keys (conf.OutboxKeys), the engine's (harvest.config
-.HarvestConfig) and its limits (Limits, with their least values), OUTBOX["queues"] (queue.app_settings.QueueKeys,
+.HarvestConfig) and its limits (Limits, with their least values), an OUTBOX["outboxes"] entry's (many.OutboxEntry),
+OUTBOX["queues"] (queue.app_settings.QueueKeys,
 queue.config.QueueLimits); and every check code (settings_problems.CHECK_CODES, app_settings.CHECK_CODES).
 tests/unit/test_docs.py holds every known key to a line here."""
 
@@ -27,6 +28,7 @@ def _rows(*sections: type) -> list[tuple[str, str, Any, str]]:
 def settings_markdown() -> str:
     from outbox import conf, settings_problems
     from outbox.harvest.config import HarvestConfig, Limits
+    from outbox.many import OutboxEntry
     from outbox.queue import app_settings
     from outbox.queue.config import QueueLimits
 
@@ -41,6 +43,10 @@ def settings_markdown() -> str:
     rows += [(name, "none", f"retired: accepted with `outbox.W004`, does nothing ({why})")
              for name, why in conf.RETIRED_KEYS.items()]
     out += [f"| `{name}` | {_cell(shown)} | {_cell(meaning)} |" for name, shown, meaning in rows]
+    out += ["", "## An entry of `OUTBOX[\"outboxes\"]`", "",
+            "Each outbox of a process that harvests several ([scaling](../scaling.md#many-outboxes-in-one-process)) "
+            "gets OUTBOX's settings, with what its entry sets:", "", "| key | default | meaning |", "|---|---|---|"]
+    out += [f"| `{name}` | {_cell(shown)} | {_cell(meaning)} |" for name, shown, _, meaning in _rows(OutboxEntry)]
     out += ["", "## Limits", "",
             "Timing and sizing limits of the harvester, in `OUTBOX` beside the keys above (and as `manage.py "
             "harvest` flags); goharvest's names where it has them. The defaults are chosen for speed on a stock "

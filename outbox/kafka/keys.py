@@ -25,7 +25,7 @@ Section = TypeVar("Section")
 def key(default: Any, meaning: str, rule: Rule | None = None, *, code: str = "E003", shown: str | None = None) -> Any:
     """A field of a settings dataclass: its default, its meaning, its rule and the check code of a breach, and the
     default as the reference shows it when not as written (a formula, a derived name)."""
-    factory = (lambda: dict(default)) if isinstance(default, dict) else None
+    factory = (lambda: type(default)(default)) if isinstance(default, dict | list) else None
     metadata = {"doc": meaning, "rule": rule, "code": code, "shown": shown}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)

@@ -11,6 +11,7 @@ from pathlib import Path
 from outbox import conf, settings_problems
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.kafka.keys import shown_default
+from outbox.many import ENTRY_KEYS, OutboxEntry
 from outbox.queue import app_settings
 from outbox.queue.config import LIMIT_NAMES, QueueLimits
 
@@ -28,13 +29,24 @@ def test_every_outbox_setting_has_a_meaning() -> None:
 
 
 def test_each_default_is_shown_as_the_code_has_it() -> None:
-    for section in (conf.OutboxKeys, HarvestConfig, Limits, app_settings.QueueKeys, QueueLimits):
+    for section in (conf.OutboxKeys, HarvestConfig, Limits, OutboxEntry, app_settings.QueueKeys, QueueLimits):
         for spec in dataclasses.fields(section):
             if "doc" not in spec.metadata or spec.metadata.get("shown"):
                 continue  # derived, documented as a formula or a name
             default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
             assert shown_default(spec) == f"`{default!r}`".replace("'", '"'), spec.name
     assert shown_default(dataclasses.fields(Limits)[0]) == "`0.5`"
+
+
+def test_every_key_of_an_outboxes_entry_has_a_meaning_on_the_page() -> None:
+    assert _documented(OutboxEntry) == ENTRY_KEYS
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        from settings_reference import settings_markdown
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    entries = settings_markdown().split("## An entry of")[1].split("## Limits")[0]
+    assert {name for name in ENTRY_KEYS if f"| `{name}` |" in entries} == ENTRY_KEYS
 
 
 def test_every_queue_setting_has_a_meaning() -> None:
