@@ -11,7 +11,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from outbox.errors import InvalidRecord
 from outbox.harvest.contract import Record
 from outbox.kafka.headers import RESERVED_HEADERS
-from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN
+from outbox.kafka.names import MAX_TOPIC_LENGTH, is_topic_name
 from outbox.models import MAX_KEY_LENGTH
 
 
@@ -44,7 +44,7 @@ _MAX_REMEMBERED_TOPICS = 10_000
 
 
 def _check_topic(topic: Any, prefix: str) -> None:
-    if not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic) or topic in {".", ".."}:
+    if not is_topic_name(topic):
         raise InvalidRecord(f"{prefix}topic", f"must be a Kafka topic name: 1 to {MAX_TOPIC_LENGTH} characters "
                                               f"of a-z A-Z 0-9 . _ - (not '.' or '..'), got {_show(topic)}")
     if len(_valid_topics) < _MAX_REMEMBERED_TOPICS:

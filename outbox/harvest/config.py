@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +24,11 @@ from outbox.kafka.keys import (
     positive_int,
     positive_seconds,
     positive_seconds_or_none,
+    rule,
     rule_problems,
     seconds,
 )
-from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN, default_name, name_problem
+from outbox.kafka.names import TOPIC_NAME, default_name, is_topic_name, name_problem
 from outbox.kafka.problems import Problem
 from outbox.kafka.redaction import redact_dsn, redact_mapping
 
@@ -158,20 +159,8 @@ def _sql_name(value: Any) -> bool:
     return isinstance(value, str) and TABLE_PATTERN.fullmatch(value) is not None
 
 
-def _topic(value: Any) -> bool:
-    return isinstance(value, str) and TOPIC_PATTERN.fullmatch(value) is not None and value not in {".", ".."}
-
-
-def _mapping(value: Any) -> str | None:
-    ok = isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
-    return None if ok else "must be a mapping of librdkafka property names to values"
-
-
-def _rule(ok: Callable[[Any], bool], message: str) -> Callable[[Any], str | None]:
-    return lambda value: None if ok(value) else f"{message}, got {value!r}"
-
-
-_TOPIC = f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -)"
+_mapping = rule(lambda value: isinstance(value, Mapping) and all(isinstance(k, str) for k in value),
+                "must be a mapping of librdkafka property names to values", got=False)
 
 
 @dataclass(frozen=True)
@@ -186,7 +175,7 @@ class HarvestConfig:
                                "must name the database holding the outbox table", "code": "E005"})
     table: str = key("outbox", "table to harvest, optionally `schema.table` (harvester only: `stash()` writes the "
                                "model's table; `outbox.W003` when they differ)",
-                     _rule(_sql_name, "must be an SQL identifier, optionally schema.table (at most 63 characters "
+                     rule(_sql_name, "must be an SQL identifier, optionally schema.table (at most 63 characters "
                                       "each)"), code="E006", shown='`"outbox"`')
     base_kafka_config: Mapping[str, Any] = key(
         {"bootstrap.servers": DEFAULT_BOOTSTRAP_SERVERS}, "librdkafka settings for every client: `bootstrap.servers` "
@@ -195,8 +184,9 @@ class HarvestConfig:
     producer_kafka_config: Mapping[str, Any] = key({}, "librdkafka settings for the record producer only: "
                                                        "`compression.type`, `batch.size`, ...", _mapping, code="E009")
     leader_topic: str = key("outbox-harvest", "leader-election topic, created if missing; derived from the database "
-                                              "and table so two outboxes never share one", _rule(_topic, _TOPIC),
-                            code="E007", shown="`outbox-leader.<database>.<table>.<hash>`")
+                                              "and table so two outboxes never share one",
+                            rule(is_topic_name, TOPIC_NAME), code="E007",
+                            shown="`outbox-leader.<database>.<table>.<hash>`")
     leader_group: str = key("outbox-harvest", "leader-election consumer group", name_problem, code="E008",
                             shown="as `leader_topic`")
     name: str = key(None, "replica name in logs, heartbeats and status rows", name_problem, code="E008",
@@ -204,7 +194,7 @@ class HarvestConfig:
     limits: Limits = field(default_factory=Limits)
     listen: bool = key(True, "LISTEN for the table trigger's NOTIFY and wake at once", boolean)
     status_table: str | None = key("outbox_harvester", "table of replica status rows (`None`: do not write them)",
-                                   _rule(lambda v: v is None or _sql_name(v), "must be an SQL identifier or None"),
+                                   rule(lambda v: v is None or _sql_name(v), "must be an SQL identifier or None"),
                                    code="E006")
     status_prune_after: float = key(3600.0, "status rows not seen for this long are deleted", positive_seconds,
                                     code="E004")
@@ -212,17 +202,17 @@ class HarvestConfig:
                                             "older than this are deleted", positive_seconds, code="E004")
     #: Where parked (dead-letter) records go; parking is off if it does not exist (not a setting: the migrations').
     dead_letter_table: str | None = field(default="outbox_dead_letter", metadata={
-        "rule": _rule(lambda v: v is None or _sql_name(v), "must be an SQL identifier or None"), "code": "E006"})
+        "rule": rule(lambda v: v is None or _sql_name(v), "must be an SQL identifier or None"), "code": "E006"})
     dead_letter_topic: str | None = key(None, "also publish parked records (kept in the `outbox_dead_letter` table) "
-                                              "to this topic", _rule(lambda v: v is None or _topic(v),
-                                                                     f"{_TOPIC} or None"), code="E007")
+                                              "to this topic", rule(lambda v: v is None or is_topic_name(v),
+                                                                    f"{TOPIC_NAME} or None"), code="E007")
     dead_letter_retention: float | None = key(30 * 86400.0, "parked records (`outbox_dead_letter`) parked longer ago "
                                                             "than this (30 days) are deleted by the leader in batches "
                                                             "of 10,000; `None` keeps them until an operator acts",
                                               positive_seconds_or_none, code="E004")
     park_after: int | None = key(None, "park a record automatically after this many permanent failures (off: a "
                                        "poison record holds its key until an operator acts; parking trades order "
-                                       "for liveness)", _rule(lambda v: v is None or positive_int(v) is None,
+                                       "for liveness)", rule(lambda v: v is None or positive_int(v) is None,
                                                               "must be a positive integer or None"), code="E004")
     shards: int = key(1, "harvest the table in this many shards (1-256), each led by one replica of the group "
                          "(`manage.py harvest --shards N`; docs/scaling.md); every replica of a group runs the same N",

@@ -61,6 +61,12 @@ def read(section: type[Section], raw: Mapping[str, Any]) -> tuple[Section, list[
     return section(**values), found
 
 
+def rule(ok: Callable[[Any], bool], message: str, got: bool = True) -> Rule:
+    """A rule from a predicate: `message` when the value is not `ok`, followed by ", got <value>" (unless `got` is
+    False, for a message that must not quote a value)."""
+    return lambda value: None if ok(value) else f"{message}, got {value!r}" if got else message
+
+
 def rule_problems(instance: Any) -> list[Problem]:
     """Each field of a built settings dataclass that breaks its rule (what a config built by hand is checked by)."""
     found = []

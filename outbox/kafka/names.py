@@ -16,6 +16,15 @@ MAX_TOPIC_LENGTH = 249
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+#: Why a value is not a topic name, as the settings' checks say it ("..., got <value>" follows).
+TOPIC_NAME = f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -)"
+
+
+def is_topic_name(value: object) -> bool:
+    """Kafka's rule for topic names: 1-249 of a-z A-Z 0-9 . _ -, and not "." or ".."."""
+    return isinstance(value, str) and TOPIC_PATTERN.fullmatch(value) is not None and value not in {".", ".."}
+
+
 def default_name() -> str:
     """A replica name that is unique enough: host, pid and start second (as goharvest)."""
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname() or "localhost")

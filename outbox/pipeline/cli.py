@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from outbox.kafka.names import TOPIC_PATTERN
+from outbox.kafka.names import is_topic_name
 from outbox.pipeline import jars as jar_lookup
 from outbox.pipeline import preflight, sources
 from outbox.pipeline import report as reports
@@ -99,7 +99,7 @@ def _topics(text: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError("expected one or more topic names, comma-separated")
     for name in names:
-        if not TOPIC_PATTERN.fullmatch(name) or name in {".", ".."}:
+        if not is_topic_name(name):
             raise argparse.ArgumentTypeError(f"not a Kafka topic name: {name!r}")
     return list(dict.fromkeys(names))
 

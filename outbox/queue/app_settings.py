@@ -22,7 +22,7 @@ from typing import Any
 from django.conf import settings
 
 from outbox import conf as outbox_conf
-from outbox.kafka.keys import bootstrap, key, positive_seconds, positive_seconds_or_none, read, seconds, seconds_or_zero
+from outbox.kafka.keys import key, positive_seconds, positive_seconds_or_none, read, seconds, seconds_or_zero
 from outbox.kafka.problems import Problem, unknown_keys
 from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
 
@@ -137,9 +137,8 @@ def queue_config(**overrides: Any) -> QueueConfig:
     # A queue's limits start from the shared ones the user set; what neither sets defaults (and a
     # keep-alive interval nobody set is derived from the queue's own redelivery timeout).
     explicit = {name: raw[name] for name in LIMIT_NAMES if name in raw}
-    given = outbox_conf.current().raw.get("base_kafka_config") or {}
     return QueueConfig(
-        base_kafka_config=bootstrap(given if isinstance(given, Mapping) else {}, os.environ, "")[0],
+        base_kafka_config=outbox_conf.kafka_config(),
         topic=keys.topic or f"{project}-queue",
         markers_topic=keys.markers_topic or f"{project}-queue-markers",
         partitions=keys.partitions,

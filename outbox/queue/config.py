@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.kafka.keys import is_int, is_number, key, rule_problems
-from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_PATTERN
+from outbox.kafka.keys import is_int, is_number, key, rule, rule_problems
+from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_NAME, is_topic_name
 from outbox.kafka.problems import Problem
 from outbox.kafka.redaction import redact_mapping
 
@@ -110,19 +110,12 @@ LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(QueueLimits))
 
 def checked(ok: Any, code: str, message: str, got: bool = True, **default: Any) -> Any:
     """A QueueConfig field whose value must be `ok`, else a problem with `code`: "<message>, got <value>"."""
-    return field(**default, metadata={"code": code, "rule": lambda value: None if ok(value) else
-                                      f"{message}, got {value!r}" if got else message})
-
-
-def _topic(value: Any) -> bool:
-    return isinstance(value, str) and TOPIC_PATTERN.fullmatch(value) is not None and value not in {".", ".."}
+    return field(**default, metadata={"code": code, "rule": rule(ok, message, got)})
 
 
 def _partitions(value: Any) -> bool:
     return is_int(value) and 1 <= value <= 10_000
 
-
-_TOPIC = f"must be a Kafka topic name (1-{MAX_TOPIC_LENGTH} of a-z A-Z 0-9 . _ -)"
 
 
 @dataclass(frozen=True)
@@ -135,9 +128,9 @@ class QueueConfig:
         "must be a mapping that sets bootstrap.servers", got=False,
         default_factory=lambda: {"bootstrap.servers": "localhost:9092"})
     #: Messages of every logical queue, keyed by queue name.
-    topic: str = checked(_topic, "E005", _TOPIC, default="outbox-queue")
+    topic: str = checked(is_topic_name, "E005", TOPIC_NAME, default="outbox-queue")
     #: Start, KeepAlive and End markers of every logical queue, keyed by queue name.
-    markers_topic: str = checked(_topic, "E005", _TOPIC, default="outbox-queue-markers")
+    markers_topic: str = checked(is_topic_name, "E005", TOPIC_NAME, default="outbox-queue-markers")
     #: Partition counts used when the topics are created (existing topics are left as they are).
     partitions: int = checked(_partitions, "E004", "must be an integer from 1 to 10000", default=8)
     markers_partitions: int = checked(_partitions, "E004", "must be an integer from 1 to 10000", default=4)
