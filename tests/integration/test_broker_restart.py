@@ -66,4 +66,4 @@ def test_harvest_rides_through_a_restart_of_the_only_broker(broker, database_url
     assert_complete_and_ordered(audit, stashed)
     print(f"\nbroker down {DOWN_FOR:g} s: records stashed after its return reached the consumer "
           f"{tail.first_arrival_after(back_at, newest):.1f} s after it; {audit.messages} messages, "
-          f"{audit.duplicates} repeats")
+          f"{audit.duplicates} repeats; the tail restarted {tail.restarts} time(s)")
