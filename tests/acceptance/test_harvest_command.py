@@ -8,6 +8,9 @@ import pytest
 
 from tests.support.commands import ROOT, manage
 
+# the command's flags and one-line errors: the same on any PostgreSQL (not in make test-postgres18)
+pytestmark = [pytest.mark.postgres_agnostic]
+
 
 def test_print_config_redacts_secrets():
     result = manage("harvest", "--print-config", "--max-in-flight-records", "7",

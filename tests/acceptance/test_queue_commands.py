@@ -8,6 +8,9 @@ import pytest
 
 from tests.support.commands import ROOT, manage
 
+# the commands' flags and one-line errors: the same on any PostgreSQL (not in make test-postgres18)
+pytestmark = [pytest.mark.postgres_agnostic]
+
 CONSUME = ["outbox_consume", "--queue", "emails", "--handler", "project.shop.handlers.confirm_order"]
 
 

@@ -21,7 +21,8 @@ from tests.support.harness import Process, Replica, outbox_count, replica_env, w
 from tests.support.metrics import scrape
 from tests.support.services import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# what the commands print and log: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True), pytest.mark.postgres_agnostic]
 
 RUN = uuid.uuid4().hex[:8]
 #: librdkafka's sensitive properties (ssl_key is set through the C API only), each with its own marker.

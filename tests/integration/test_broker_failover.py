@@ -37,7 +37,9 @@ from tests.support.harness import (
 )
 from tests.support.kafka_cluster import Cluster
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# Kafka's brokers killed and paused: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.django_db(transaction=True),
+              pytest.mark.postgres_agnostic]
 
 #: Record topics stamp messages with the broker's append time: deliveries of two replicas can be ordered.
 APPEND_TIME = {"message.timestamp.type": "LogAppendTime"}

@@ -20,7 +20,8 @@ from tests.support.harness import (
 )
 from tests.support.kafka_cluster import Cluster
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# a restart of Kafka's only broker: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True), pytest.mark.postgres_agnostic]
 
 #: How long the broker stays down: past the harvester's heartbeat timeout and the producer's delivery timeout.
 DOWN_FOR = 16.0

@@ -14,6 +14,9 @@ import pytest
 from sybil import Sybil
 from sybil.parsers.myst import ClearNamespaceParser, PythonCodeBlockParser, SkipParser
 
+# the docs' examples as written: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.postgres_agnostic]
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 #: Generated pages (their examples are the code's own docstrings) and the build's output are not read.

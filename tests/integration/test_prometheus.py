@@ -24,7 +24,8 @@ from outbox.queue.topics import ensure_topics
 from tests.support.harness import Process, Replica, replica_env, wait_until
 from tests.support.queue_harness import consumer_args, new_prefix, process_env, queue_settings
 
-pytestmark = [pytest.mark.integration]
+# Prometheus's rules and scrapes: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.postgres_agnostic]
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES_DIR = ROOT / "monitoring" / "prometheus"

@@ -50,6 +50,7 @@ def _handled(log_path) -> set[str]:
     return {e.id for e in events(log_path) if e.event == "done"}
 
 
+@pytest.mark.postgres_agnostic  # a restart of Kafka's only broker: the same on any PostgreSQL server
 @pytest.mark.parametrize("backend", ["markers", "share"])
 def test_a_broker_restart_ends_no_queue_process_and_loses_no_message(backend, broker, settings, database_url,
                                                                      tmp_path):
@@ -163,6 +164,7 @@ def cluster(kafka_cluster: Cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.postgres_agnostic  # a Kafka node killed: the same on any PostgreSQL server
 def test_the_consumers_transaction_coordinator_killed_on_three_brokers(cluster, settings, database_url, tmp_path):
     """SIGKILL the node coordinating the consumer's transactions (the Start markers and its offsets), mid-load on
     the three-node cluster: the consumer and the tracker keep running and every message is handled."""

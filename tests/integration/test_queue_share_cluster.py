@@ -22,7 +22,9 @@ from tests.support.harness import Process, wait_until
 from tests.support.kafka_cluster import Cluster
 from tests.support.queue_harness import events, new_prefix, process_env, queue_settings, share_groups_missing
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# a broker killed under share consumers: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.django_db(transaction=True),
+              pytest.mark.postgres_agnostic]
 
 #: The record lock (redelivery_timeout): long enough for a batch of 10 ms handlers on a loaded machine.
 LOCK = 10.0

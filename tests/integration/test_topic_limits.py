@@ -26,7 +26,8 @@ from outbox.queue.topics import MARKERS_TOPIC_CONFIG
 from tests.support.harness import assert_complete_and_ordered, outbox_count, read_topic, wait_until
 from tests.support.queue_harness import new_prefix, queue_settings
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# Kafka's topic limits: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True), pytest.mark.postgres_agnostic]
 
 #: The load of the issue's reproduction: 20,000 small records over 100 keys, one record too large.
 RECORDS = 20_000

@@ -34,7 +34,8 @@ from tests.support.queue_harness import (
     share_groups_missing,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# OpenTelemetry's spans: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True), pytest.mark.postgres_agnostic]
 
 
 @pytest.fixture

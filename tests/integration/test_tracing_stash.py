@@ -17,7 +17,8 @@ from outbox import queue, stash, stash_many
 from outbox.models import OutboxRecord
 from tests.support import tracing
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# OpenTelemetry's spans: the same on any PostgreSQL server (not in make test-postgres18)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True), pytest.mark.postgres_agnostic]
 
 
 @pytest.fixture

@@ -35,11 +35,14 @@ def fresh_database(services):
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture
-def wheel_venv(tmp_path: Path) -> Path:
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel `pip wheel --no-deps -w dist .` builds (the README's command), installed with no
     dependencies into a new virtualenv; the dependencies come from this interpreter's site-packages (a
-    .pth file), so nothing is fetched, and the package itself only from the wheel."""
+    .pth file), so nothing is fetched, and the package itself only from the wheel. Built once a worker: the tests
+    that take it make their projects beside it and install nothing into it (their xdist group keeps them on one
+    worker)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     dist = tmp_path / "dist"
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dist, ROOT)
     [wheel] = dist.glob("django_outbox_harvest-*.whl")

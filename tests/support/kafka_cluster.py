@@ -80,6 +80,8 @@ class Cluster:
         self.nodes = {n: Node(n, self.home / f"node-{n}") for n in range(1, brokers + 1)}
         #: Whether this session started the cluster (then it stops it at the end); None before start().
         self.started_here: bool | None = None
+        #: Stopped by the session once its tests were done (tests/conftest.py); started again if one comes after all.
+        self.stopped_early = False
 
     # -- lifecycle --------------------------------------------------------------------------------
 
