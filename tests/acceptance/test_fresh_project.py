@@ -3,7 +3,10 @@ installed into a virtualenv of its own, a project made by `django-admin startpro
 README names and nothing from this repository's example project, then migrate, stash(), `manage.py
 harvest` publishing to Kafka in key order, and the admin's pages (templates and static files come from
 the wheel). Catches what the repository's own tests cannot: a file left out of the wheel, a default that
-only the example project's settings make work, a setting the README forgets."""
+only the example project's settings make work, a setting the README forgets.
+
+Slow: each test runs a new project's commands in processes of their own (startproject, migrate, harvest, its
+own pytest run), each importing Django from the wheel."""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 the wheel and django-tenants (one schema per tenant, the outbox app among the tenant apps, so each
 tenant's migrations make its outbox table and NOTIFY trigger), OUTBOX["outboxes"] naming the tenant
 schemas as docs/scaling.md says, two `manage.py harvest` processes. stash() inside a tenant's
-schema_context reaches Kafka in key order; a tenant created while they run is harvested too."""
+schema_context reaches Kafka in key order; a tenant created while they run is harvested too.
+
+Slow: django-tenants migrates every tenant schema, and two harvesters must discover a tenant made while they
+run (their discovery interval)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,11 @@ only the marked lines of its `tutorial.env` edited (this run's Postgres, Kafka, 
 - `<!-- tutorial: ... -->` comments, which the site does not show, do what the prose asks of the reader: wait for
   a terminal to say something, press Ctrl-C in one, edit a file, open a page of the admin.
 
-It needs the network a reader needs: `pip install` of the wheel fetches Django, psycopg and confluent-kafka."""
+It needs the network a reader needs: `pip install` of the wheel fetches Django, psycopg and confluent-kafka.
+
+Slow: the whole tutorial, command after command, with the replicas' fail-over and a queue consumer waited for
+as a reader waits for them.
+"""
 
 from __future__ import annotations
 

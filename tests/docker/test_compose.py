@@ -3,6 +3,8 @@
 With the local images (docker-compose.local.yml) where `bin/services images` built them, else the
 official ones. Host ports are free ones, not the usual, so it runs beside other services; the stack
 is taken down (containers, network, volumes, built images) whatever happens.
+
+Slow: compose builds the example image and starts Postgres, Kafka, the shop and the harvester in containers.
 """
 
 from __future__ import annotations

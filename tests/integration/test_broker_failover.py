@@ -8,6 +8,9 @@ allowed), the table drains, no replica crashes, and never two replicas publishin
 
 Each test prints what it measured (run with -s): how long consumers saw nothing new after the
 fault, and when records flowed again. docs/kafka.md quotes these figures.
+
+Slow: each waits out Kafka's own fail-over (a new partition leader, the controller's election, a cut-off
+leader's session timeout) under load, then for every replica back in sync.
 """
 
 from __future__ import annotations

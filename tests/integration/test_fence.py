@@ -72,6 +72,7 @@ def test_two_leader_groups_on_one_table_never_publish_at_once(database_url, boot
 
 @pytest.mark.slow
 def test_a_frozen_leader_past_its_session_timeout_is_fenced_out(database_url, bootstrap_servers, new_topic, tmp_path):
+    """Slow: a leader frozen (SIGSTOP) past Kafka's session timeout, then thawed."""
     topic = new_topic("frozen")
     env = replica_env(database_url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
     args = ["--heartbeat-timeout", "2", "--status-interval", "0.3"]

@@ -81,6 +81,7 @@ def test_one_replica_with_injected_failures(database_url, bootstrap_servers, new
 
 @pytest.mark.slow
 def test_four_replicas_with_leaders_killed_repeatedly(database_url, bootstrap_servers, new_topic, tmp_path):
+    """Slow: each kill waits for the session timeout and a new leader, several times over."""
     topic = new_topic("harvest-kills")
     env = replica_env(database_url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
     args = ["--heartbeat-timeout", "2", "--min-metrics-interval", "1"]
@@ -117,6 +118,7 @@ def test_four_replicas_with_leaders_killed_repeatedly(database_url, bootstrap_se
 
 @pytest.mark.slow
 def test_eight_replicas_without_failures(database_url, bootstrap_servers, new_topic, tmp_path):
+    """Slow: eight harvester processes start, elect a leader and stop."""
     topic = new_topic("harvest-eight")
     env = replica_env(database_url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
     replicas = [Replica(f"replica-{i}", env, tmp_path, ["--heartbeat-timeout", "2"]) for i in range(8)]

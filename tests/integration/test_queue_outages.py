@@ -167,7 +167,8 @@ def cluster(kafka_cluster: Cluster):
 @pytest.mark.postgres_agnostic  # a Kafka node killed: the same on any PostgreSQL server
 def test_the_consumers_transaction_coordinator_killed_on_three_brokers(cluster, settings, database_url, tmp_path):
     """SIGKILL the node coordinating the consumer's transactions (the Start markers and its offsets), mid-load on
-    the three-node cluster: the consumer and the tracker keep running and every message is handled."""
+    the three-node cluster: the consumer and the tracker keep running and every message is handled.
+    Slow: the transaction coordinator moves, and the node is started again and caught up."""
     prefix = new_prefix()
     settings.OUTBOX = {**settings.OUTBOX, "base_kafka_config": cluster.client_config(),
                        "queues": queue_settings(prefix)}

@@ -7,7 +7,10 @@ each record's state from the share coordinator, which Kafka writes when records 
 released, not when they are acquired, so what the dead leader had handed out comes back with the same
 delivery count (docs/queue-backends.md, "A broker that dies (share)"). At least once, never lost.
 
-Skipped where the cluster's brokers have no share groups (a cluster formatted before Kafka 4.2)."""
+Skipped where the cluster's brokers have no share groups (a cluster formatted before Kafka 4.2).
+
+Slow: the killed node's partitions move, its records' locks time out, and the node is started again and
+caught up."""
 
 from __future__ import annotations
 

@@ -247,7 +247,8 @@ def replicas_leading(database_url: str) -> dict[str, set[int]]:
 def test_a_killed_replicas_shards_move_and_the_others_keep_publishing(database_url, bootstrap_servers, new_topic,
                                                                        tmp_path):
     """Three replicas, six shards, a steady writer; SIGKILL one replica. Its shards stop until Kafka's session
-    timeout gives them to the others; the other shards never stop. Nothing is lost or reordered."""
+    timeout gives them to the others; the other shards never stop. Nothing is lost or reordered.
+    Slow: Kafka's session timeout, then a rebalance of six shards."""
     topic = new_topic("shards-kill")
     env = replica_env(database_url, bootstrap_servers, f"test-shards-{uuid.uuid4().hex[:8]}")
     args = ["--shards", "6", "--heartbeat-timeout", "2"]

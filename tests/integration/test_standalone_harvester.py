@@ -189,7 +189,8 @@ def test_an_unreachable_database_or_broker_is_one_line(database, tmp_path):
 
 @pytest.mark.slow
 def test_the_wheel_installs_the_command(wheel_venv, database, bootstrap_servers, new_topic, tmp_path):
-    """`outbox-harvest` as pip installs it: the schema from the wheel, rows written by plain SQL, published."""
+    """`outbox-harvest` as pip installs it: the schema from the wheel, rows written by plain SQL, published.
+    Slow: the first test of its worker to take the wheel builds it."""
     command = wheel_venv.parent / "outbox-harvest"
     env = {**user_env(), "DATABASE_URL": database, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers}
     applied = subprocess.run([command, "schema", "--apply"], env=env, capture_output=True, text=True, timeout=60,
