@@ -53,8 +53,10 @@ def explain_missing(database_url: str, schema: str, missing: set[int], processes
             f"in its outbox; the missing ones there: {rows!r}; the harvesters said: " + "\n".join(warnings))
 
 
+@pytest.mark.slow
 def test_two_processes_harvest_fifty_tenants_idle_for_under_five_statements_a_second(
         tenants, statement_stats, database_url, bootstrap_servers, new_topic, tmp_path):
+    """Slow: fifty tenant schemas made and led, then 30 s of rest counted."""
     run = uuid.uuid4().hex[:6]
     schemas = [f"{PREFIX}{run}_{i:02d}" for i in range(TENANTS)]
     for schema in schemas:

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.django_db
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_short_soak_with_an_old_transaction_says_every_minute_and_loses_nothing(database_url, bootstrap_servers):
+    """Slow: one minute of steady load, the soak's shortest."""
     env = {**os.environ, "DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers}
     result = subprocess.run([sys.executable, str(ROOT / "manage.py"), "outbox_bench", "soak", "--minutes", "1",
                              "--rate", "300", "--keys", "20", "--hold-transaction", "0:1", "--warmup", "5"],

@@ -34,7 +34,9 @@ def broker(spare_broker: Cluster):
     spare_broker.up()
 
 
+@pytest.mark.slow
 def test_harvest_rides_through_a_restart_of_the_only_broker(broker, database_url, tmp_path):
+    """Slow: the broker stays down 16 s, past the heartbeat and delivery timeouts, then a new term and the drain."""
     topic = broker.create_topic("records", partitions=3)
     leader_topic = broker.create_topic("leader", partitions=1)
     env = {**replica_env(database_url, broker.bootstrap_servers, leader_topic), **broker.environment()}

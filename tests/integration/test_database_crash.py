@@ -54,9 +54,12 @@ def crash(cluster: Cluster) -> None:
     wait_until(lambda: rows(cluster.url) is None, 30, "the server to go")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_key", [256, 1])
 def test_a_database_crash_repeats_records_but_loses_none_and_reverses_no_key(per_key, bootstrap_servers, new_topic,
                                                                              tmp_path):
+    """Slow: a server of its own (the oldest major) started, crashed mid-drain
+    and started again."""
     topic = new_topic("db-crash")
     with oldest_postgres(bootstrap_servers) as cluster:
         crash_while_draining(per_key, cluster, topic, bootstrap_servers, tmp_path)

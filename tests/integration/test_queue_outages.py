@@ -50,10 +50,12 @@ def _handled(log_path) -> set[str]:
     return {e.id for e in events(log_path) if e.event == "done"}
 
 
+@pytest.mark.slow
 @pytest.mark.postgres_agnostic  # a restart of Kafka's only broker: the same on any PostgreSQL server
 @pytest.mark.parametrize("backend", ["markers", "share"])
 def test_a_broker_restart_ends_no_queue_process_and_loses_no_message(backend, broker, settings, database_url,
                                                                      tmp_path):
+    """Slow: the broker stays down 16 s and the consumers resume after it."""
     if backend == "share" and (reason := share_groups_missing(broker.bootstrap_servers)) is not None:
         pytest.skip(f"the spare broker has no share groups: {reason}")
     prefix = new_prefix()

@@ -78,7 +78,10 @@ def untrusted_ca(tmp_path: Path) -> Path:
     return cert
 
 
+@pytest.mark.slow
 def test_harvest_health_dashboard_and_audit_on_the_secure_cluster(secure_cluster, secrets, database_url, tmp_path):
+    """Slow: a harvester, the probe, the dashboard and a Spark audit, each a
+    process of its own, against three brokers behind TLS and SASL."""
     leader_topic = f"secure-leader-{uuid.uuid4().hex[:8]}"
     topic = secure_cluster.create_topic("secure-records", partitions=3)
     env = environment(secure_cluster, database_url, leader_topic, LOG_LEVEL="DEBUG")  # the most a log can say

@@ -452,10 +452,12 @@ def test_batch_and_follow_reports_have_one_shape_and_agree(spark, bootstrap_serv
     assert (code_batch, code_follow, batch["reversals"], batch["duplicates"]) == (1, 1, 1, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.serial  # the spark group's session and the spare broker's group at once: alone, after the rest
 def test_follow_rides_through_a_restart_of_the_only_broker(spark, spare_broker, tmp_path):
     """`--follow` against a broker that is stopped for a while and started again: the run goes on, and counts
-    what was produced before and after the restart once each."""
+    what was produced before and after the restart once each.
+    Slow: the broker stopped for a while and the follow run's idle timeout."""
     spare_broker.up()
     bootstrap = spare_broker.bootstrap_servers
     topic = spare_broker.create_topic("audit-restart", partitions=2)

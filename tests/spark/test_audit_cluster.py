@@ -2,7 +2,9 @@
 
 One master and one worker of one core (`bin/spark-class`, the pip package's only way to start
 them), the audit in a subprocess with only `--master` changed: the same report as `local[2]`, and
-the cluster's shuffle partitions chosen from its cores. About 30 s, most of it JVMs starting.
+the cluster's shuffle partitions chosen from its cores.
+
+Slow: a master and a worker JVM, and for each audit a driver and an executor JVM of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tests.support.audit import ROOT, audit, harvested, in_order, produce
 from tests.support.services import free_port
 from tests.support.spark_session import shared_session
 
-pytestmark = [pytest.mark.integration, pytest.mark.spark]
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
 
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
 

@@ -95,7 +95,9 @@ def test_batch_tables_open_in_spark_and_without_a_jvm(spark, bootstrap_servers, 
     assert {row["key"]: (row["value"], row["outbox_id"]) for row in rows} == expected
 
 
+@pytest.mark.slow
 def test_follow_merges_each_micro_batch_once_as_the_reference_says(spark, bootstrap_servers, new_topic, tmp_path):
+    """Slow: seven follow runs on Delta tables (a replay and refusals among them), OPTIMIZE and REORG."""
     topic = new_topic("audit-delta-follow")
     messages = Ledgered(bootstrap_servers, topic)
     messages.send(*FIRST)
@@ -186,9 +188,11 @@ def _committed(table: Path) -> set[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_sigkill_mid_batch_then_a_restart_leaves_exact_tables(spark, bootstrap_servers, new_topic, tmp_path):
     """The whole follow job (Python and its JVM) killed right after a micro-batch's sink commit, before its
-    MERGE and before its state counted; restarted on the same checkpoint, it ends with the reference's tables."""
+    MERGE and before its state counted; restarted on the same checkpoint, it ends with the reference's tables.
+    Slow: two follow jobs, each a Python process with a Spark JVM of its own, micro-batch by micro-batch."""
     topic = new_topic("audit-delta-kill")
     messages = Ledgered(bootstrap_servers, topic)
     _produce_keys(messages, 1, 30)

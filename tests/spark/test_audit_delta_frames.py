@@ -72,9 +72,11 @@ def table_of(rows: list) -> dict[str, tuple[str | None, int | None]]:
     return {row["key"]: (row["value"], row["outbox_id"]) for row in rows}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("seed", "tombstones"), [(1, "delete"), (2, "mark")])
 def test_merging_each_batch_gives_the_rewritten_table_and_the_reference(spark, tmp_path, seed, tombstones):
-    """Each micro-batch as follow.py runs it: folded, saved as a state version, then the tables written."""
+    """Each micro-batch as follow.py runs it: folded, saved as a state version, then the tables written.
+    Slow: a MERGE and a state version per micro-batch, each a few Spark jobs."""
     merged, appended = str(tmp_path / "latest"), str(tmp_path / "sink")
     store = StateStore(spark, str(tmp_path / "state"))
     before, sent = None, []
