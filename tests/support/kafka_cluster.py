@@ -33,7 +33,8 @@ QUIET.addHandler(logging.NullHandler())
 QUIET.propagate = False
 SERVICES = ROOT / "bin" / "services"
 #: What a group coordinator answers while __consumer_offsets is being created or loaded (retried).
-LOADING = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE}
+LOADING = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
+           KafkaError._TIMED_OUT}  # a fresh cluster on a loaded machine may not answer the first request in time
 #: client.env's variables and the librdkafka settings they stand for (the example project reads the same).
 CLIENT_SETTINGS = {
     "KAFKA_SECURITY_PROTOCOL": "security.protocol",
@@ -230,7 +231,7 @@ class Cluster:
                 return admin.describe_consumer_groups([group], request_timeout=10)[group].result().coordinator.id
             except KafkaException as error:
                 if error.args[0].retriable() or error.args[0].code() in LOADING:
-                    return None  # a fresh cluster is still creating or loading __consumer_offsets
+                    return None  # a fresh cluster is still creating or loading __consumer_offsets, or slow to answer
                 raise
 
         return wait_until(ask, 60, f"a coordinator for group {group}")
