@@ -4,12 +4,15 @@ any language that write goharvest's outbox table.
     DATABASE_URL=postgresql://app@db/shop KAFKA_BOOTSTRAP_SERVERS=kafka:9092 outbox-harvest
     outbox-harvest --config harvest.toml --shards 4 --metrics-port 9108
     outbox-harvest check --config harvest.toml      # the settings' problems, with manage.py check's codes
+    outbox-harvest --tenant-schemas --exclude-schema public   # the table of every schema, an engine each
     outbox-harvest schema [--apply] [--since NAME]  # the DDL of the migrations (outbox/harvest/schema.sql)
 
 The settings are OUTBOX's engine keys (harvest/config.py: SETTING_KEYS and the limits), read from a TOML file
 (its tables `base_kafka_config` and `producer_kafka_config` are librdkafka's properties), then the environment
 (DATABASE_URL for `dsn`, KAFKA_BOOTSTRAP_SERVERS when the file sets no bootstrap.servers), then flags. A replica
 started here and one started by `manage.py harvest` on the same database and table derive the same leader group.
+Several outboxes in one process (the file's `[outboxes.NAME]` tables, each naming its database by `dsn`, or
+`--tenant-schemas`) are discovered as `manage.py harvest` discovers OUTBOX["outboxes"] (harvest/discovery.py).
 Nothing here imports Django: a test runs it with Django made unimportable.
 """
 
@@ -22,6 +25,7 @@ import os
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,19 +34,32 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox import logs
-from outbox.harvest import horizon, replicas, running, schema
+from outbox.harvest import discovery, horizon, replicas, running, schema
 from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, TABLE_PATTERN, HarvestConfig, from_values, leader_name
 from outbox.harvest.kafka import client_config_problems
+from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.store import StoreError, table_identifier
-from outbox.kafka.keys import NO_BOOTSTRAP
+from outbox.kafka.keys import NO_BOOTSTRAP, key, positive_seconds
 from outbox.kafka.problems import Problem, unknown_keys
 from outbox.kafka.redaction import dsn_problem, remember_secrets, scrub, secret_values
 from outbox.reasons import first_line
 
 PROG = "outbox-harvest"
 COMMANDS = ("run", "check", "schema", "health")
-#: What a TOML file may set: the engine's keys, its limits, and the database.
-FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES})
+#: What a TOML file may set: the engine's keys, its limits, the database, and several outboxes.
+FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES, "outboxes", "discover_interval"})
+#: Where the file lists several outboxes, as the flags' help and errors name it.
+OUTBOXES = "the file's [outboxes]"
+#: How often several outboxes are looked for again by default (seconds), as OUTBOX["discover_interval"]'s.
+DISCOVER_INTERVAL = 30.0
+
+
+@dataclass(frozen=True)
+class FileEntry(discovery.Entry):
+    """What an `[outboxes.NAME]` table of the file may set: its database by `dsn`, and discovery.Entry's keys."""
+
+    dsn: str | None = key(None, "its database, a libpq connection string or URL", shown="the file's `dsn`, else "
+                                                                                      "`DATABASE_URL`")
 #: Flags that set an engine key of the same name.
 FLAG_KEYS = (*running.SETTING_FLAGS, *LIMIT_NAMES)
 
@@ -51,12 +68,25 @@ class Settings:
     """The configuration as built from a file, the environment and flags, with what check and run report."""
 
     def __init__(self, config: HarvestConfig, given_limits: set[str], problems: list[Problem],
-                 bootstrap_source: str | None, secrets: set[str]) -> None:
+                 bootstrap_source: str | None, secrets: set[str],
+                 entries: dict[str, dict[str, Any]] | None = None, discover_interval: float = DISCOVER_INTERVAL
+                 ) -> None:
         self.config = config
         self.given_limits = given_limits
         self.problems = problems
         self.bootstrap_source = bootstrap_source
         self.secrets = secrets
+        #: Several outboxes' entries (the file's, or --tenant-schemas'), None for one outbox.
+        self.entries = entries
+        self.discover_interval = discover_interval
+
+    def discover(self) -> Callable[[], dict[str, HarvestConfig]]:
+        """The supervisor's discover() over the entries, each entry's database its `dsn`, else the file's."""
+        def locate(entry: Mapping[str, Any]) -> tuple[str, Callable[[str], str]]:
+            dsn = entry.get("dsn") or self.config.dsn
+            return dsn, lambda table: _derived_leader_name(dsn, table)
+
+        return discovery.discoverer(self.config, self.entries or {}, self.given_limits, locate)
 
     def warnings(self) -> list[Problem]:
         return self.config.warnings() + ([NO_BOOTSTRAP] if self.bootstrap_source is None else [])
@@ -77,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     settings.add_argument("--config", metavar="FILE.toml", type=Path,
                           help="a TOML file of settings (OUTBOX's engine keys); flags win over it")
     running.add_setting_flags(settings)
+    running.add_outbox_flags(settings, OUTBOXES, "the file's table")
     settings.add_argument("-v", "--verbosity", type=int, choices=(0, 1, 2, 3), default=1,
                           help="0 warnings, 1 info (default), 2 and 3 debug")
     running.add_limit_flags(settings)
@@ -148,20 +179,50 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """The configuration from the file, the environment and the flags (flags win, then the file)."""
     values, found = read_file(getattr(args, "config", None))
     values = {key: value for key, value in values.items() if key in FILE_KEYS}
-    for key in FLAG_KEYS:
-        if getattr(args, key, None) is not None:
-            values[key] = getattr(args, key)
+    outboxes, interval = values.pop("outboxes", None), values.pop("discover_interval", DISCOVER_INTERVAL)
+    for name in FLAG_KEYS:
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
     dsn = values.pop("dsn", None) or environ.get("DATABASE_URL", "")
     dsn_problems = [problem] if (problem := database_problem(dsn)) is not None else []
     dsn = dsn if isinstance(dsn, str) else ""
-    remember_secrets(dsn, values)
+    remember_secrets(dsn, values, outboxes)
     config, given, source = from_values(values, dsn=dsn, derived_leader=_derived_leader_name(dsn, values.get("table")),
                                         environ=environ, given_by="base_kafka_config")
     problems = found + dsn_problems + [p for p in config.validate(given_limits=given) if p.field != "dsn"]
+    if (problem := positive_seconds(interval)) is not None:
+        problems.append(Problem("E003", "discover_interval", problem))
+    problems += outboxes_problems(outboxes, values.get("table", HarvestConfig.table))
+    entries = None
+    several = bool(outboxes or args.outbox or args.tenant_schemas)
+    if problem := running.outbox_flags_problem(vars(args), OUTBOXES, several=several):
+        raise running.RunFailure(problem)
+    if several and not problems:
+        tenants = {"exclude_schemas": list(args.exclude_schema)} if args.exclude_schema else {}
+        try:
+            entries = discovery.select(outboxes or {}, args.outbox, where=OUTBOXES,
+                                       tenants=tenants if args.tenant_schemas else None)
+        except ValueError as error:
+            raise running.RunFailure(str(error)) from None
+        problems += outboxes_problems(entries, values.get("table", HarvestConfig.table))
     if not problems:
         problems = client_config_problems(config)
-    secrets = secret_values(dsn, values)
-    return Settings(config, given, problems, source, secrets)
+    secrets = secret_values(dsn, values, outboxes)
+    return Settings(config, given, problems, source, secrets, entries, interval)
+
+
+def outboxes_problems(outboxes: Any, table: Any) -> list[Problem]:
+    """What is wrong with the file's [outboxes] (None: not there), each naming the entry and its key (E018)."""
+    if outboxes is None:
+        return []
+    if not isinstance(outboxes, Mapping) or not outboxes:
+        return [Problem("E018", "outboxes", f"must be a non-empty table of outbox names to tables, got {outboxes!r}")]
+    found = []
+    for name, entry in outboxes.items():
+        found += discovery.entry_problems(name, entry, FileEntry, table)
+        if isinstance(entry, Mapping) and "dsn" in entry and (problem := database_problem(entry["dsn"])):
+            found.append(Problem("E018", f"outboxes.{name}.dsn", problem.message))
+    return found
 
 
 def _derived_leader_name(dsn: str, table: Any) -> str:
@@ -212,19 +273,38 @@ def database_readers(config: HarvestConfig) -> dict[str, Callable[[], Any]]:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> None:
-    if args.print_config:
+    if args.print_config and settings.entries is None:
         print(json.dumps(settings.config.redacted(), indent=2, default=str))
     if settings.problems:
         raise running.RunFailure("invalid configuration: " + "; ".join(map(str, settings.problems)))
     if args.print_config:
+        if settings.entries is not None:  # each outbox found now, by label
+            print_outboxes(settings)
         return
     logs.configure_logging(args.verbosity)
     for warning in settings.warnings():
         logging.getLogger("outbox").warning("%s (outbox.%s)", warning, warning.code)
     registry, instruments = running.metrics_registry(args.metrics_port)
-    harvester = running.engine_for(settings.config, instruments=instruments)
+    harvester: running.AnyHarvester
+    if settings.entries is None:
+        harvester = running.engine_for(settings.config, instruments=instruments)
+    else:
+        harvester = ManyHarvester(settings.discover(), name=settings.config.name,
+                                  rescan_interval=settings.discover_interval,
+                                  instruments=None if instruments is None else lambda _label: instruments)
     running.run_until_stopped(harvester, registry, args.metrics_address, args.metrics_port,
                               database_readers(settings.config))
+
+
+def print_outboxes(settings: Settings) -> None:
+    """--print-config with several outboxes: each one's configuration as discovered now, by label."""
+    try:
+        found = settings.discover()()
+    except Exception as error:
+        raise running.RunFailure(f"cannot find the outboxes: {first_line(error)}") from None
+    print(json.dumps({label: config.redacted() for label, config in sorted(found.items())}, indent=2, default=str))
+    if problems := [f"{label}: {problem}" for label, config in sorted(found.items()) for problem in config.validate()]:
+        raise running.RunFailure("invalid configuration: " + "; ".join(problems))
 
 
 def check(settings: Settings) -> int:

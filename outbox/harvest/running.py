@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from argparse import ArgumentParser
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from outbox.gc_tuning import tune_gc
@@ -49,6 +49,36 @@ def add_setting_flags(parser: ArgumentParser) -> None:
                                                                 "1); every replica of a group runs the same N")
     parser.add_argument("--no-listen", dest="listen", action="store_const", const=False,
                         help="do not LISTEN for the table's NOTIFY; find new records by polling only")
+
+
+def add_outbox_flags(parser: ArgumentParser, where: str, table: str) -> None:
+    """The flags that pick several outboxes for one process: of `where` (the setting or file section listing
+    them), and `table` (where the table is set, else) in every tenant schema."""
+    parser.add_argument("--outbox", action="append", metavar="NAME",
+                        help=f"harvest this outbox of {where} (repeat for several; default: all of them, when "
+                             f"{where} is set)")
+    parser.add_argument("--tenant-schemas", action="store_true",
+                        help=f"harvest the table (--table, else {table}) in every schema that has one, "
+                             "django-tenants style; a schema created while running is picked up")
+    parser.add_argument("--exclude-schema", action="append", metavar="SCHEMA",
+                        help="with --tenant-schemas: leave this schema out (repeat for several)")
+
+
+def outbox_flags_problem(options: Mapping[str, Any], where: str, *, several: bool) -> str | None:
+    """Why the flags cannot go together, in one line naming the flag, or None. `several`: the process runs several
+    outboxes (--outbox, --tenant-schemas, or `where` lists them), each deriving its own leader topic and group."""
+    if options.get("exclude_schema") and not options.get("tenant_schemas"):
+        return "--exclude-schema: applies only with --tenant-schemas"
+    if not several:
+        return None
+    for flag in ("leader_topic", "leader_group"):
+        if options.get(flag) is not None:
+            return (f"--{flag.replace('_', '-')}: cannot be given with several outboxes; each derives its own (or "
+                    f"set it in its {where} entry)")
+    for flag in ("table", "database"):
+        if options.get(flag) is not None and not options.get("tenant_schemas"):
+            return f"--{flag}: with {where}, each outbox names its own (--{flag} goes with --tenant-schemas)"
+    return None
 
 
 def add_limit_flags(parser: ArgumentParser) -> None:

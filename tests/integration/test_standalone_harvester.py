@@ -40,16 +40,16 @@ class SqlWriter(Generator):
     """An application writing the table with plain SQL (goharvest's INSERT), one transaction of `batch` rows
     after another."""
 
-    def __init__(self, url: str, topic: str, *, limit: int | None = None) -> None:
+    def __init__(self, url: str, topic: str, *, limit: int | None = None, table: str = "outbox") -> None:
         super().__init__(topic, keys=8, batch=10, pause=0.005, limit=limit)
         self.url = url
+        self.insert = INSERT.replace("INSERT INTO outbox", f"INSERT INTO {table}") + " RETURNING id"
         self.conn: psycopg.Connection | None = None
 
     def write(self, records: list[dict[str, Any]]) -> list[int]:
         self.conn = self.conn or psycopg.connect(self.url)
         with self.conn.transaction(), self.conn.cursor() as cursor:
-            return [cursor.execute(INSERT + " RETURNING id", (r["topic"], r["key"], r["value"])).fetchone()[0]
-                    for r in records]
+            return [cursor.execute(self.insert, (r["topic"], r["key"], r["value"])).fetchone()[0] for r in records]
 
     def close(self) -> None:
         if self.conn is not None:
@@ -71,9 +71,9 @@ def standalone_env(url: str, bootstrap: str) -> dict[str, str]:
     return {**user_env(), "DATABASE_URL": url, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "PYTHONPATH": str(ROOT)}
 
 
-def outbox_rows(url: str) -> int:
+def outbox_rows(url: str, table: str = "outbox") -> int:
     with psycopg.connect(url) as conn:
-        return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
+        return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
 
 
 def test_the_schema_is_what_the_migrations_make(db):
@@ -103,6 +103,45 @@ def test_a_goharvest_table_written_by_plain_sql_is_harvested(database, bootstrap
     assert harvester.wait(timeout=60) == 0, harvester.log()
     assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(written)), written, strict=False)
     assert "has no NOTIFY trigger" in harvester.log()
+
+
+def test_the_table_of_every_tenant_schema_is_harvested(database, bootstrap_servers, new_topic, tmp_path):
+    """`--tenant-schemas`: an engine per schema holding a goharvest table written by plain SQL, each in key order to
+    its own topic; the excluded schema is left alone, and a schema created while running is picked up."""
+    with psycopg.connect(database) as conn:
+        for tenant in ("acme", "globex", "skipped"):
+            conn.execute(f"CREATE SCHEMA {tenant}")
+            conn.execute(GOHARVEST_TABLE.replace("TABLE outbox", f"TABLE {tenant}.outbox"))
+        conn.execute(INSERT.replace("outbox", "skipped.outbox", 1), ("untouched", "k", "v"))
+    topics = {tenant: new_topic(f"standalone-{tenant}") for tenant in ("acme", "globex", "initech")}
+    writers = {tenant: SqlWriter(database, topics[tenant], limit=200, table=f"{tenant}.outbox")
+               for tenant in ("acme", "globex")}
+    config = tmp_path / "harvest.toml"
+    config.write_text("discover_interval = 1\n")
+    harvester = Replica("tenants", standalone_env(database, bootstrap_servers), tmp_path,
+                        ["--config", str(config), "--tenant-schemas", "--exclude-schema", "skipped",
+                         "--heartbeat-timeout", "2", "--idle-poll-interval", "0.5"], program=STANDALONE)
+    try:
+        for writer in writers.values():
+            writer.start()
+        wait_until(lambda: all(len(w.ids) >= 200 for w in writers.values()), 60, "200 rows written in each schema")
+        written = {tenant: writer.stop() for tenant, writer in writers.items()}
+        with psycopg.connect(database) as conn:  # a tenant arrives while the harvester runs
+            conn.execute("CREATE SCHEMA initech")
+            conn.execute(GOHARVEST_TABLE.replace("TABLE outbox", "TABLE initech.outbox"))
+        writers["initech"] = SqlWriter(database, topics["initech"], limit=50, table="initech.outbox")
+        writers["initech"].start()
+        wait_until(lambda: len(writers["initech"].ids) >= 50, 60, "50 rows written in the new schema")
+        written["initech"] = writers["initech"].stop()
+        wait_until(lambda: all(outbox_rows(database, f"{t}.outbox") == 0 for t in written), 90,
+                   "every tenant's table to drain")
+    finally:
+        harvester.signal(signal.SIGTERM)
+    assert harvester.wait(timeout=60) == 0, harvester.log()
+    for tenant, ids in written.items():
+        assert_complete_and_ordered(read_topic(bootstrap_servers, topics[tenant], expected=len(ids)), ids)
+    assert outbox_rows(database, "skipped.outbox") == 1, "the excluded schema's table is left alone"
+    assert f"{harvester.name}/tenants.initech" in harvester.log()
 
 
 def test_the_schema_is_applied_whole_or_not_at_all(database, tmp_path):

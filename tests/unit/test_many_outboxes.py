@@ -20,6 +20,7 @@ import pytest
 from django.test import override_settings
 
 from outbox import conf, many, settings_problems
+from outbox.harvest import discovery
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester, HarvestError, State
@@ -550,7 +551,7 @@ def test_a_tenant_table_created_again_is_left_out_of_one_scan_so_a_fresh_engine_
     """Its engine's NOTIFY channel and fence name the old table's oid: it stops (left out), and the next scan
     starts a fresh one; a table dropped, then created later, is simply new."""
     catalog = FakeCatalog(["acme", "globex"])
-    monkeypatch.setattr(many, "connect", lambda *args, **kwargs: catalog)
+    monkeypatch.setattr(discovery, "connect", lambda *args, **kwargs: catalog)
     with override_settings(OUTBOX={}):
         discover = many.discoverer(conf.harvest_config(name="r"), {"tenants": {"tenant_schemas": True}}, set())
     assert sorted(discover()) == ["tenants.acme", "tenants.globex"]
@@ -578,7 +579,7 @@ def test_a_table_created_again_is_still_found_so_after_a_scan_that_failed_half_w
             raise RuntimeError("too many clients")
         return catalog
 
-    monkeypatch.setattr(many, "connect", connect)
+    monkeypatch.setattr(discovery, "connect", connect)
     entries = {"a": {"tenant_schemas": True}, "b": {"tenant_schemas": True, "table": "inbox"}}
     with override_settings(OUTBOX={}):
         discover = many.discoverer(conf.harvest_config(name="r"), entries, set())

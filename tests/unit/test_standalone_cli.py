@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,88 @@ def test_it_runs_without_django():
     module = subprocess.run([sys.executable, "-c", as_module], env=env, capture_output=True, text=True, cwd=ROOT,
                             timeout=60)
     assert module.returncode == 0 and "usage: outbox-harvest" in module.stdout
+
+
+# ------------------------------------------------------------------------------------ several outboxes in one process
+
+OUTBOXES = ('[outboxes.shop]\n'
+            '[outboxes.billing]\ndsn = "postgresql://billing:b1lling-pw@billing.example/billing"\n'
+            'table = "ledger.outbox"\nshards = 2\n')
+
+
+def test_the_files_outboxes_are_discovered_as_manage_py_harvest_discovers_them(tmp_path):
+    """Each entry's engine: its own database (`dsn`, else the file's), a leader group derived from it as
+    for one outbox, the process's name and its label, the rare idle poll of a shared LISTEN session."""
+    found = settings("--config", toml(tmp_path, OUTBOXES), "--name", "r")
+    assert found.problems == [] and sorted(found.entries) == ["billing", "shop"]
+    outboxes = found.discover()()
+    shop, billing = outboxes["shop"], outboxes["billing"]
+    assert (shop.dsn, shop.table, shop.shards, shop.name) == (ENV["DATABASE_URL"], "outbox", 1, "r/shop")
+    assert (billing.table, billing.shards, billing.name) == ("ledger.outbox", 2, "r/billing")
+    assert billing.dsn == "postgresql://billing:b1lling-pw@billing.example/billing"
+    assert shop.leader_group == shop.leader_topic == leader_name("db.example", "5433", "shop", "outbox")
+    assert billing.leader_group == leader_name("billing.example", None, "billing", "ledger.outbox")
+    assert shop.limits.idle_poll_interval == 60.0 and found.discover_interval == 30.0
+    assert all(not config.validate() for config in outboxes.values())
+    given = settings("--config", toml(tmp_path, "discover_interval = 5\n" + OUTBOXES), "--idle-poll-interval", "2")
+    assert given.problems == [] and given.discover_interval == 5
+    assert given.discover()()["shop"].limits.idle_poll_interval == 2, "a given idle poll is kept"
+
+
+def test_outbox_picks_entries_and_tenant_schemas_adds_one(tmp_path):
+    path = toml(tmp_path, OUTBOXES)
+    assert list(settings("--config", path, "--outbox", "billing").entries) == ["billing"]
+    assert settings("--tenant-schemas", "--exclude-schema", "public").entries == {
+        "tenants": {"tenant_schemas": True, "exclude_schemas": ["public"]}}
+    assert settings().entries is None, "no outboxes listed: one outbox, as before"
+
+
+@pytest.mark.parametrize(("argv", "text", "expected"), [
+    (["--outbox", "nope"], OUTBOXES, "--outbox: no outbox named 'nope' in the file's [outboxes] (there are: billing, "
+                                     "shop)"),
+    (["--exclude-schema", "public"], "", "--exclude-schema: applies only with --tenant-schemas"),
+    (["--tenant-schemas", "--leader-topic", "t"], "", "--leader-topic: cannot be given with several outboxes"),
+    (["--table", "other"], OUTBOXES, "--table: with the file's [outboxes], each outbox names its own"),
+])
+def test_flags_that_cannot_go_together_are_one_line(capsys, tmp_path, argv, text, expected):
+    code, out, err = run_main(capsys, "--config", toml(tmp_path, text), *argv)
+    assert code == 1 and out == "" and err.startswith(f"outbox-harvest: {expected}"), err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[outboxes.shop]\ntabel = "x"\n', "outbox.E018 outboxes.shop.tabel: is not a key of an outbox"),
+    ('[outboxes.shop]\nshards = 0\n', "outbox.E018 outboxes.shop.shards: must be a whole number"),
+    ('[outboxes.shop]\ndsn = 5\n', "outbox.E018 outboxes.shop.dsn: must be a libpq connection string or URL"),
+    ('[outboxes.t]\ntenant_schemas = true\ntable = "s.outbox"\n', "outbox.E018 outboxes.t.table: must be an "
+                                                                   "unqualified SQL identifier"),
+    ('[outboxes."a.b"]\n', "outbox.E018 outboxes.a.b: must not contain '.' or '/'"),
+    ("outboxes = 3\n", "outbox.E018 outboxes: must be a non-empty table"),
+    ("discover_interval = 0\n", "outbox.E003 discover_interval: must be a positive number of seconds"),
+])
+def test_a_bad_outboxes_entry_is_reported_once_with_its_code(capsys, tmp_path, text, expected):
+    code, out, _ = run_main(capsys, "check", "--config", toml(tmp_path, text))
+    assert code == 1 and out.startswith(expected), out
+    assert out.count("\n") == 1, out
+
+
+def test_each_outboxs_configuration_is_printed_with_its_secrets_masked(capsys, tmp_path):
+    password = f"b1lling-pw-{uuid.uuid4().hex}"  # remembered by no earlier test
+    path = toml(tmp_path, OUTBOXES.replace("b1lling-pw", password))
+    code, _, err = run_main(capsys, "--config", path, "--outbox", password)
+    assert code == 1 and password not in err and "no outbox named" in err, "masked, even in the first line quoting it"
+    code, out, err = run_main(capsys, "--config", path, "--print-config")
+    assert code == 0, err
+    printed = json.loads(out)
+    assert sorted(printed) == ["billing", "shop"] and printed["billing"]["shards"] == 2
+    assert password not in out and "s3cret-pw" not in out
+
+
+def test_the_files_the_docs_show_pass_check(tmp_path):
+    """Every TOML file docs/standalone.md shows is one `outbox-harvest check` accepts, as written."""
+    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "standalone.md").read_text(), re.DOTALL)
+    assert len(blocks) >= 2
+    for block in blocks:
+        found = settings("--config", toml(tmp_path, block))
+        assert found.problems == [], (block, found.problems)
+    assert sorted(found.entries) == ["billing", "shop", "tenants"]

@@ -17,6 +17,9 @@ from outbox.harvest import running
 from outbox.kafka.names import name_problem
 from outbox.kafka.redaction import scrub
 
+#: Where several outboxes are listed, as the flags' help and errors name it.
+OUTBOXES = "OUTBOX['outboxes']"
+
 
 def refused(what: str, problems: list[Any]) -> CommandError:
     """One line: what failed and every problem, secrets masked."""
@@ -29,14 +32,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         running.add_setting_flags(parser)
         parser.add_argument("--database", help="Django database alias holding the table (default: 'default')")
-        parser.add_argument("--outbox", action="append", metavar="NAME",
-                            help="harvest this outbox of OUTBOX['outboxes'] (repeat for several; default: all of "
-                                 "them, when OUTBOX['outboxes'] is set)")
-        parser.add_argument("--tenant-schemas", action="store_true",
-                            help="harvest the table (--table, else OUTBOX['table']) in every schema that has one, "
-                                 "django-tenants style; a schema created while running is picked up")
-        parser.add_argument("--exclude-schema", action="append", metavar="SCHEMA",
-                            help="with --tenant-schemas: leave this schema out (repeat for several)")
+        running.add_outbox_flags(parser, OUTBOXES, "OUTBOX['table']")
         running.add_metrics_flags(parser)
         parser.add_argument("--print-config", action="store_true",
                             help="print the effective configuration (secrets redacted) as JSON and exit")
@@ -48,9 +44,10 @@ class Command(BaseCommand):
             raise CommandError(f"--database: {problem}")
         if options["name"] is not None and (problem := name_problem(options["name"])):
             raise CommandError(f"--name: {problem}")
-        if options["exclude_schema"] and not options["tenant_schemas"]:
-            raise CommandError("--exclude-schema: applies only with --tenant-schemas")
-        if options["outbox"] or options["tenant_schemas"] or many.configured():
+        several = bool(options["outbox"] or options["tenant_schemas"] or many.configured())
+        if problem := running.outbox_flags_problem(options, OUTBOXES, several=several):
+            raise CommandError(problem)
+        if several:
             self._harvest_many(options, overrides)
             return
         try:
@@ -72,16 +69,8 @@ class Command(BaseCommand):
 
     def _harvest_many(self, options: dict[str, Any], overrides: dict[str, Any]) -> None:
         """Several outboxes in this process (outbox/many.py, outbox/harvest/outboxes.py)."""
-        for flag in ("leader_topic", "leader_group"):
-            if options[flag] is not None:
-                raise CommandError(f"--{flag.replace('_', '-')}: cannot be given with several outboxes; each derives "
-                                   f"its own (or set it in its OUTBOX['outboxes'] entry)")
         if problems := settings_problems.settings_problems():
             raise refused("invalid OUTBOX setting", problems)
-        for flag in ("table", "database"):
-            if options[flag] is not None and not options["tenant_schemas"]:
-                raise CommandError(f"--{flag}: with OUTBOX['outboxes'], each outbox names its own (--{flag} goes "
-                                   f"with --tenant-schemas)")
         registry, instruments = self._metrics_registry(options)
         try:
             harvester = create_many_harvester(options["outbox"], tenant_schemas=options["tenant_schemas"],
