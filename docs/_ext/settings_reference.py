@@ -47,7 +47,8 @@ def settings_markdown() -> str:
             "Each outbox of a process that harvests several ([scaling](../scaling.md#many-outboxes-in-one-process)) "
             "gets OUTBOX's settings, with what its entry sets. `outbox-harvest`'s file lists them as "
             "`[outboxes.NAME]` tables with the same keys, `dsn` in place of `database` "
-            "([without Django](../standalone.md#several-outboxes-in-one-process)):", "", "| key | default | meaning |", "|---|---|---|"]
+            "([without Django](../standalone.md#several-outboxes-in-one-process)):", "",
+            "| key | default | meaning |", "|---|---|---|"]
     out += [f"| `{name}` | {_cell(shown)} | {_cell(meaning)} |" for name, shown, _, meaning in _rows(OutboxEntry)]
     out += ["", "## Limits", "",
             "Timing and sizing limits of the harvester, in `OUTBOX` beside the keys above (and as `manage.py "
