@@ -6,6 +6,10 @@ network partition: the coordinator may hand the partition to another replica bef
 rebalance callback runs. So the owner also publishes a heartbeat to the leader topic every poll and
 reads it back; the core fences itself when it has seen none of its own for `heartbeat_timeout`,
 well before Kafka's session timeout (three heartbeat timeouts) could give the partition away.
+
+`ElectionPoll` is what the election thread does each poll, as a step: the real thread
+(runtime.ElectionThread) runs it every `min_poll_interval`, and the simulator (tests/sim) runs the
+very same step on its clock, over its model of the leader topic.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from operator import methodcaller
+from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -28,8 +33,10 @@ class LeaderElection:
     """The leader topic's consumer (whose ownership of partition 0 elects) and heartbeat producer."""
 
     def __init__(self, topic: str, name: str, consumer: ConsumerLike, producer: ProducerLike,
-                 max_age: float | None = None) -> None:
+                 max_age: float | None = None, clock: Callable[[], int] = time.time_ns) -> None:
         self._topic = topic
+        #: Wall-clock nanoseconds, as heartbeats carry them (the simulator's clock in its runs).
+        self._clock = clock
         #: A heartbeat sent longer ago than this counts for nothing (a replica resuming from a pause must not
         #: lead again on one it sent before).
         self._max_age_ns = None if max_age is None else int(max_age * 1e9)
@@ -84,10 +91,10 @@ class LeaderElection:
             sent = int(value[:-len(self._signature)])
         except ValueError:
             return False
-        return time.time_ns() - sent <= self._max_age_ns
+        return self._clock() - sent <= self._max_age_ns
 
     def _heartbeat(self) -> None:
-        publish_heartbeat(self._producer, self._topic, 0, str(time.time_ns()).encode() + self._signature)
+        publish_heartbeat(self._producer, self._topic, 0, str(self._clock()).encode() + self._signature)
 
     def close(self) -> None:
         """Leave the group (so a standby takes over at once) and flush the last heartbeats."""
@@ -99,6 +106,55 @@ class LeaderElection:
         except (KafkaException, RuntimeError) as error:
             log.warning("Closing the leader consumer: %s", error)
         self._producer.flush(1.0)
+
+
+class Election(Protocol):
+    """What the election thread polls: a LeaderElection, or one shard's view of the replica's group
+    (shards.ShardElection)."""
+
+    def start(self, on_assigned: Callable[[], None], on_revoked: Callable[[], None],
+              on_lost: Callable[[], None]) -> None: ...
+    def poll(self, *, heartbeat: bool) -> bool: ...
+    def close(self) -> None: ...
+
+
+#: Hands the core an input, to be taken in at its next turn (Driver.post).
+Post = Callable[[Callable[[Any], None]], None]
+#: Called inside the revoke callback with what announces the revoke to the core; returns once the core
+#: released partition 0 (or the thread stops). The thread blocks on an event; the simulator ends the step
+#: there and calls the callback again once released.
+Hold = Callable[[Callable[[], None]], None]
+
+
+class ElectionPoll:
+    """The election thread's step: one poll of the election (the rebalance callbacks run in it, a heartbeat
+    goes out while the core holds partition 0), and what it saw handed to the core. A revoke is announced
+    to the core and held inside Kafka's callback by `hold` until the core answers ReleasePartition, since
+    Kafka hands the partition on once the callback returns."""
+
+    def __init__(self, election: Election, post: Post, hold: Hold) -> None:
+        self.election = election
+        self._post = post
+        self._hold = hold
+        #: Publish heartbeats (while the core holds partition 0); set by the engine after each turn.
+        self.heartbeat = False
+
+    def start(self) -> None:
+        """Join the group."""
+        post = self._post
+        self.election.start(lambda: post(methodcaller("on_assigned")), self._revoked,
+                            lambda: post(methodcaller("on_lost")))
+
+    def step(self) -> None:
+        seen = self.election.poll(heartbeat=self.heartbeat)
+        self._post(lambda core: core.on_polled(seen))
+
+    def _revoked(self) -> None:
+        self._hold(lambda: self._post(methodcaller("on_revoked")))
+
+    def close(self) -> None:
+        """Leave the group (a revoke callback under way has returned: nothing is in flight)."""
+        self.election.close()
 
 
 def publish_heartbeat(producer: ProducerLike, topic: str, partition: int, value: bytes) -> None:

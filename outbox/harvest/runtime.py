@@ -32,7 +32,7 @@ from outbox.harvest.connector import Connector, ListenerLike, Store
 from outbox.harvest.contract import Record
 from outbox.harvest.driver import FENCE_SESSION, PURGE_SESSION, Driver, delivery_error
 from outbox.harvest.kafka import ProducerLike, record_producer_config
-from outbox.harvest.neli import LeaderElection
+from outbox.harvest.neli import Election, ElectionPoll
 from outbox.harvest.store import close_quietly, connect
 from outbox.harvest.topics import TopicLimits, TopicLimitsThread
 from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE
@@ -149,18 +149,15 @@ class DeliveryPoller(threading.Thread):
 
 
 class ElectionThread(threading.Thread):
-    """Polls the leader topic every min_poll_interval: heartbeats out and back, and the rebalance
-    callbacks. A revoke waits here, in Kafka's callback, until the core answers ReleasePartition."""
+    """Runs the election's step (neli.ElectionPoll) every min_poll_interval: heartbeats out and back, and the
+    rebalance callbacks. A revoke waits here, in Kafka's callback, until the core answers ReleasePartition."""
 
-    def __init__(self, election: LeaderElection, driver: Driver, interval: float) -> None:
+    def __init__(self, election: Election, driver: Driver, interval: float) -> None:
         super().__init__(name="outbox-election", daemon=True)
-        self._election = election
-        self._driver = driver
+        self.poll = ElectionPoll(election, driver.post, self._hold)
         self._interval = interval
         self._released = threading.Event()
         self._stop_event = threading.Event()
-        #: Publish heartbeats (while the core holds partition 0); set by the engine after each turn.
-        self.heartbeat = False
         self.failure: BaseException | None = None
 
     def release(self) -> None:
@@ -171,25 +168,22 @@ class ElectionThread(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        post = self._driver.post
         try:
-            self._election.start(lambda: post(methodcaller("on_assigned")), self._revoked,
-                                 lambda: post(methodcaller("on_lost")))
+            self.poll.start()
             while not self._stop_event.is_set():
-                seen = self._election.poll(heartbeat=self.heartbeat)
-                post(lambda core, seen=seen: core.on_polled(seen))
+                self.poll.step()
                 self._stop_event.wait(self._interval)
         except BaseException as error:  # the harvester notices and stops as a whole
             self.failure = error
             log.error("Leader election failed: %s", error)
         finally:
-            self._election.close()  # the revoke callback it runs returns at once: nothing is in flight
+            self.poll.close()  # the revoke callback it runs returns at once: nothing is in flight
 
-    def _revoked(self) -> None:
+    def _hold(self, announce: Callable[[], None]) -> None:
         if self._stop_event.is_set():
             return
         self._released.clear()
-        self._driver.post(methodcaller("on_revoked"))
+        announce()
         # Kafka hands partition 0 on once this returns: wait for what is in flight to settle.
         while not self._released.wait(0.1):
             if self._stop_event.is_set():
@@ -387,7 +381,7 @@ class ThreadedIO:
         self._election.release()
 
     def leadership(self, *, assigned: bool, leading: bool) -> None:
-        self._election.heartbeat = assigned
+        self._election.poll.heartbeat = assigned
         self._leading = leading
 
     def announce(self, event: events.Event) -> None:

@@ -209,23 +209,32 @@ class ShardElection:
         with self._lock:
             pending, self._events = list(self._events), deque()
             seen, self._seen = self._seen, False
-        assert self._callbacks is not None
-        on_assigned, on_revoked, on_lost = self._callbacks
-        for event in pending:
+        for index, event in enumerate(pending):
             if self.gone:
                 break
-            if event == "assign":
-                self.was_assigned = True
-                on_assigned()
-            elif event == "revoke":
-                on_revoked()  # returns when the engine released the shard (ElectionThread._revoked)
-                self.gone = True
-            else:
-                on_lost()
-                self.gone = True
+            try:
+                self._serve(event)
+            except BaseException:  # its event, and those after it, are the next poll's (as librdkafka's are)
+                with self._lock:
+                    self._events.extendleft(reversed(pending[index:]))
+                    self._seen = self._seen or seen
+                raise
         if heartbeat and not self.gone:
             self.group.heartbeat(self.shard, self.signature)
         return seen and not self.gone
+
+    def _serve(self, event: str) -> None:
+        assert self._callbacks is not None
+        on_assigned, on_revoked, on_lost = self._callbacks
+        if event == "assign":
+            self.was_assigned = True
+            on_assigned()
+        elif event == "revoke":
+            on_revoked()  # returns when the engine released the shard (ElectionThread._hold)
+            self.gone = True
+        else:
+            on_lost()
+            self.gone = True
 
     def close(self) -> None:
         self.group.detach(self)

@@ -89,7 +89,7 @@ class OutboxEngine:
         replica.store.close()
         replica.io.producer.purge()
         replica.io.producer.close()
-        replica.group.leave(replica.member)
+        replica.election_thread.stop()
         replica.running = False
 
     def crash(self) -> None:

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable
+from operator import methodcaller
 from typing import Any
 
 from outbox.harvest import commands as cmd
@@ -32,6 +33,7 @@ from outbox.harvest.lanes import EntryState, Lane, Lanes
 from outbox.harvest.leadership import Leadership
 from outbox.harvest.marking import Marking
 from outbox.harvest.memory_table import MemoryTable, Row, Session
+from outbox.harvest.neli import ElectionPoll
 from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.settling import Settling
 from outbox.harvest.supervisor import Slot, Supervisor
@@ -182,6 +184,24 @@ def with_part(**parts: type) -> Callable[..., Core]:
     return lambda *args, **kwargs: mutant(*args, **kwargs)
 
 
+# -- the election thread's step (neli.ElectionPoll) --------------------------------------------------
+
+class RevokeLetGoAtOnce(ElectionPoll):
+    """The revoke callback tells the core and returns at once: Kafka hands partition 0 on while the core still has
+    records in flight."""
+
+    def _revoked(self) -> None:
+        self._post(methodcaller("on_revoked"))
+
+
+class EveryPollTakenForAHeartbeat(ElectionPoll):
+    """Tells the core each poll saw its own heartbeat, whether or not one came back."""
+
+    def step(self) -> None:
+        self.election.poll(heartbeat=self.heartbeat)
+        self._post(lambda core: core.on_polled(True))
+
+
 # -- the driver ---------------------------------------------------------------------------------
 
 class MarkErrorTakenAsEmpty(Driver):
@@ -281,6 +301,11 @@ MUTATIONS: dict[str, Options] = {
                                                          per_key=1),
     # The loop (driver.py) and what moved into the core from it.
     "settling skipped on revoke": Options(core_factory=with_part(leadership=ReleaseAtOnce), per_key=1),
+    # The election thread's step, as the process runs it (neli.ElectionPoll).
+    "the revoke callback returns before the core released partition 0": Options(
+        election_poll_class=RevokeLetGoAtOnce, per_key=1),
+    "every election poll taken for one that saw its own heartbeat, no database fence": Options(
+        election_poll_class=EveryPollTakenForAHeartbeat, per_key=1, db_fence=False),
     "a mark error taken as a mark that found nothing": Options(driver_factory=MarkErrorTakenAsEmpty, per_key=1),
     "records sent past a refused record of their key": Options(driver_factory=SendsPastARefusal, per_key=4),
     # Several per key in flight: a refused batch is fatal there, so producers are replaced often.
@@ -384,22 +409,24 @@ SHARD_MUTATIONS: dict[str, ShardOptions] = {
 #: (and docs/simulation.md).
 CAUGHT_BY: dict[str, list[int]] = {
     "barrier lowered on the ack instead of after the purge": [1, 2, 4],
-    "a leader id reused": [1, 2, 3],
-    "purges and resets never read the fence, no heartbeat fence": [1186, 2708],
-    "a purge something waits on not reading the fence after a mark, no heartbeat fence": [2708],
-    "no fencing on missing heartbeats": [6, 23, 38],
+    "a leader id reused": [1, 3, 4],
+    "purges and resets never read the fence, no heartbeat fence": [814, 1218, 2412],
+    "a purge something waits on not reading the fence after a mark, no heartbeat fence": [814, 2412, 7198],
+    "no fencing on missing heartbeats": [6, 23, 29],
     "ids not yet visible skipped (no gaps kept)": [2, 3, 4],
     "a gap forgotten before its writers ended": [2, 3, 4],
-    "a failed record resent before the refresh": [15, 16, 24],
-    "settling skipped on revoke": [118, 515],
-    "a mark error taken as a mark that found nothing": [2, 7, 10],
-    "records sent past a refused record of their key": [603, 707, 1331],
-    "a producer restart that forgets what was in flight": [15, 16, 24],
+    "a failed record resent before the refresh": [5, 7, 12],
+    "settling skipped on revoke": [166, 397, 556],
+    "the revoke callback returns before the core released partition 0": [90, 166, 397],
+    "every election poll taken for one that saw its own heartbeat, no database fence": [6, 23, 29],
+    "a mark error taken as a mark that found nothing": [1, 7, 10],
+    "records sent past a refused record of their key": [112, 449, 2726],
+    "a producer restart that forgets what was in flight": [3, 9, 15],
     "records produced without reading the topic's limit": [4, 8, 9],
     "batches not fitted to the topic's limit": [4, 8, 9],
-    "a key's first records sent together (on a new producer)": [5, 14, 16],
-    "an acknowledgement at an offset already written taken for delivery": [1, 2, 3],
-    "purges committed asynchronously with one record per key in flight": [11, 12, 16],
+    "a key's first records sent together (on a new producer)": [5, 9, 11],
+    "an acknowledgement at an offset already written taken for delivery": [1, 3, 4],
+    "purges committed asynchronously with one record per key in flight": [6, 12, 16],
     # Shards (SHARD_MUTATIONS, tests/sim/shard_scenario.py).
     "a shard's fence let go at once when its term ends": [13, 34, 68],
     "an engine whose shard moved keeps running": [1, 2, 3],
@@ -409,9 +436,9 @@ CAUGHT_BY: dict[str, list[int]] = {
     "a shard's mark reads every shard's rows": [1, 2, 3],
     "a shard taken from a leader that did not settle, at once": [103, 403, 556],
     # Many outboxes in one process (MANY_MUTATIONS, tests/sim/many_scenario.py).
-    "a dropped outbox's engine kept running": [6, 9, 12],
-    "a failed discovery taken for no outbox at all": [83, 107, 190],
-    "a failed outbox engine started again at once": [4, 5, 7],
+    "a dropped outbox's engine kept running": [7, 12, 14],
+    "a failed discovery taken for no outbox at all": [24, 110, 325],
+    "a failed outbox engine started again at once": [5, 6, 7],
     # The queue (tests/sim/queue_mutations.py).
     "a tracker that takes the last stable offset for the end of its partition": [30, 109, 121],
     "a tracker that redelivers before reading its partition to the end": [138, 410, 596],

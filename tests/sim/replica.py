@@ -3,8 +3,10 @@ over simulated I/O on the world's clock.
 
 The driver's turns, the database sessions' jobs, the delivery reports and the leader election's
 polls are world events, in the same order of threads the real harvester has (runtime.py): each
-database session runs its jobs one at a time with a latency, the election "thread" polls every
-min_poll_interval and blocks in a revoke until the core lets partition 0 go.
+database session runs its jobs one at a time with a latency; the election thread runs the
+production step (neli.ElectionPoll over the production neli.LeaderElection: its heartbeats, their
+signature and age) every min_poll_interval, over the world's leader topic, and blocks in a revoke
+until the core lets partition 0 go (election_thread.py).
 
 The process can be paused (SIGSTOP: nothing runs, librdkafka included), crash (its database
 sessions end, its group membership times out), stop gracefully, and lose its network to Kafka's
@@ -24,9 +26,11 @@ from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
+from outbox.harvest.neli import ElectionPoll, LeaderElection
 from outbox.kafka.memory.broker import Group, Member, MemoryBroker, MemoryProducer
 from outbox.kafka.memory.world import SimWorld, Violation
 from outbox.kafka.sizes import UNLIMITED, batch_size_for
+from tests.sim.election_thread import HeartbeatProducer, LeaderTopicConsumer, SimElectionThread
 
 
 @dataclass
@@ -126,10 +130,10 @@ class SimIO:
         return None
 
     def release_partition(self) -> None:
-        self._replica.released()
+        self._replica.election_thread.released()
 
     def leadership(self, *, assigned: bool, leading: bool) -> None:
-        self._replica.heartbeat = assigned
+        self._replica.election_thread.poll.heartbeat = assigned
 
     def announce(self, event: events.Event) -> None:
         replica = self._replica
@@ -143,7 +147,8 @@ class SimReplica:
     def __init__(self, world: SimWorld, name: str, group: str, limits: Limits, kafka: MemoryBroker,
                  table: MemoryTable, log: Log, *, park_after: int | None = None,
                  core_factory: Callable[..., Core] = Core,
-                 driver_factory: Callable[..., Driver] = Driver) -> None:
+                 driver_factory: Callable[..., Driver] = Driver,
+                 election_poll_class: type[ElectionPoll] = ElectionPoll) -> None:
         self.world = world
         self.name = name
         self.group_name = group
@@ -167,12 +172,13 @@ class SimReplica:
         self.io = SimIO(self)
         self.driver = driver_factory(self.core, self.io)
         self.driver.wake = lambda: self._wake(0.0)
-        #: Publish heartbeats (the driver says so after each turn, as it tells the real election thread).
-        self.heartbeat = False
-        self._revoking = False  # the election "thread" is inside the revoke callback
+        self.election = LeaderElection(self.leader_topic, name, LeaderTopicConsumer(self, self.group, self.member,
+                                                                                    self.leader_topic),
+                                       HeartbeatProducer(self), max_age=limits.heartbeat_timeout,
+                                       clock=lambda: int(world.now * 1e9))
+        self.election_thread = SimElectionThread(self, self.election, self.driver.post, limits.min_poll_interval,
+                                                 election_poll_class)
         self._wake_at: float | None = None
-        self._signature = f"{name}:{world.rng.getrandbits(32)}"
-        self._heartbeat_offset = 0
         self._last_turn = -1.0
         self._spins = 0
 
@@ -183,8 +189,7 @@ class SimReplica:
 
     def start(self) -> None:
         self.running = True
-        self.group.join(self.member)
-        self.world.after(0.0, self._poll_election)
+        self.election_thread.start()
         self._wake(0.0)
 
     def pause(self, seconds: float) -> None:
@@ -253,64 +258,10 @@ class SimReplica:
     def _leave(self) -> None:
         """The harvester closes: the election thread leaves the group (its revoke callback returns at once),
         and the store's sessions end."""
-        self.group.leave(self.member)
+        self.election_thread.stop()
         self.store.close()
         self.running = False
         self.world.note(f"{self.name} stopped")
-
-    # -- the election thread --------------------------------------------------------------------
-
-    def _poll_election(self) -> None:
-        if self.crashed or not self.running or self.member.left:
-            return
-        if self._revoking:
-            return  # inside the revoke callback; released() resumes polling
-        if not self.process_running():
-            self.world.at(self.paused_until, self._poll_election)
-            return
-        seen = False
-        if self.links.leader:  # else consume() returns nothing and the coordinator does not hear from us
-            if self._serve_events():
-                return
-            heartbeats = self.kafka.log(self.leader_topic, 1)[0]
-            if self.group.owner is self.member:
-                signature = self._signature.encode()
-                seen = any(message.value() == signature for message in heartbeats[self._heartbeat_offset:])
-            self._heartbeat_offset = len(heartbeats)
-            if self.heartbeat:
-                # A heartbeat lands a little later, if the link holds.
-                self.world.after(self.world.latency(0.001, 0.01), self._heartbeat_lands)
-        self.driver.post(lambda core: core.on_polled(seen))
-        self.world.after(self.limits.min_poll_interval, self._poll_election)
-
-    def _heartbeat_lands(self) -> None:
-        if self.links.leader:
-            self.kafka.append(self.leader_topic, 0, None, self._signature, None, replica=self.name)
-
-    def _serve_events(self) -> bool:
-        """The rebalance callbacks, in poll(); True when a revoke blocks the thread."""
-        post = self.driver.post
-        while self.member.events:
-            event = self.member.events.popleft()
-            if event == "assign":
-                post(methodcaller("on_assigned"))
-            elif event == "revoke":
-                self._revoking = True
-                post(methodcaller("on_revoked"))
-                return True
-            elif event == "lost":
-                post(methodcaller("on_lost"))
-                if not self.stopped:
-                    self.group.join(self.member)  # librdkafka rejoins by itself
-        return False
-
-    def released(self) -> None:
-        """ReleasePartition: the revoke callback returns; Kafka may move partition 0 on."""
-        if not self._revoking:
-            return
-        self._revoking = False
-        self.group.revoked(self.member)
-        self.world.after(0.0, self._poll_election)
 
     # -- the database sessions ------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from outbox.harvest.config import Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.memory_table import ASYNC_FLUSH_BOUND, MemoryTable, TableFaults
+from outbox.harvest.neli import ElectionPoll
 from outbox.kafka.memory.broker import HUGE, POISON, MemoryBroker, ProducerFaults
 from outbox.kafka.memory.world import SimWorld, Violation
 from outbox.kafka.sizes import record_size
@@ -48,6 +49,8 @@ class Options:
 
     core_factory: Callable[..., Core] = Core
     driver_factory: Callable[..., Driver] = Driver
+    #: The election thread's step (neli.ElectionPoll).
+    election_poll_class: type[ElectionPoll] = ElectionPoll
     #: Force one record per key in flight (the mutations are about goharvest's barrier).
     per_key: int | None = None
     #: Whether the database fence works (None: the seed decides; off models PgBouncer in transaction mode).
@@ -97,7 +100,8 @@ def run(seed: int, options: Options | None = None, *, trace: bool = False) -> Re
 
     def spawn(group: str, delay: float = 0.0) -> SimReplica:
         replica = SimReplica(world, f"r{next(counter)}", group, limits, kafka, table, log, park_after=park_after,
-                             core_factory=options.core_factory, driver_factory=options.driver_factory)
+                             core_factory=options.core_factory, driver_factory=options.driver_factory,
+                             election_poll_class=options.election_poll_class)
         replicas.append(replica)
         world.after(delay, replica.start)
         return replica

@@ -7,11 +7,11 @@ shards (`shards.ShardGroup`, not started as a thread), each engine's view of its
 engine. The threads are world events, as in replica.py: the group thread consumes the leader topic
 every min_poll_interval through the memory consumer (groups.py: cooperative-sticky, so a moving
 partition is revoked, the callback returns at once, as ShardGroup's does, and then assigned to its new
-owner); each engine's election thread polls its ShardElection, blocking in a revoke until the core
-answers ReleasePartition (runtime.ElectionThread); the manager thread reconciles every MANAGE_INTERVAL
-what the group assigned with the engines it has, as ShardedHarvester._reconcile does (an engine
-started on assignment, stopped once its revoke settled or its shard was lost: the real
-supervisor.Supervisor with the real shards.retires).
+owner); each engine's election thread runs the production step (neli.ElectionPoll) over its
+ShardElection, blocking in a revoke until the core answers ReleasePartition (election_thread.py); the
+manager thread reconciles every MANAGE_INTERVAL what the group assigned with the engines it has, as
+ShardedHarvester._reconcile does (an engine started on assignment, stopped once its revoke settled or
+its shard was lost: the real supervisor.Supervisor with the real shards.retires).
 
 The process can crash, pause (SIGSTOP), stop gracefully (every engine settles, then the consumer
 leaves the group) and lose its links to the leader topic, the record brokers or Postgres; an engine's
@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from operator import methodcaller
 from types import SimpleNamespace
-from typing import Any
 
 from outbox.harvest import sharding, status
 from outbox.harvest.config import Limits
@@ -37,37 +36,12 @@ from outbox.harvest.supervisor import RESTART_BACKOFF, Supervisor
 from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
 from outbox.kafka.memory.consumer import MemoryConsumer
 from outbox.kafka.memory.world import SimWorld, Violation
+from tests.sim.election_thread import HeartbeatProducer, SimElectionThread
 from tests.sim.replica import Links, Log, SimIO
 from tests.sim.status_table import EPOCH, REPORT_EVERY, StatusTable
 
 #: The engine whose turn runs now (a trace's log lines name it).
 RUNNING: list[str] = [""]
-
-
-class _InRevoke(Exception):
-    """The engine's election thread entered the revoke callback: it blocks there until released."""
-
-
-class HeartbeatProducer:
-    """The replica's heartbeat producer (ShardGroup.heartbeat): a heartbeat lands a moment later, if the link holds."""
-
-    def __init__(self, replica: ShardedReplica) -> None:
-        self._replica = replica
-
-    def produce(self, topic: str, value: bytes | None = None, partition: int = -1, **_: Any) -> None:
-        replica = self._replica
-
-        def lands() -> None:
-            if replica.links.leader and not replica.crashed:
-                replica.kafka.append(topic, partition, None, value, None, replica=replica.name)
-        if replica.links.leader:
-            replica.world.after(replica.world.latency(0.001, 0.01), lands)
-
-    def poll(self, timeout: float = 0) -> int:
-        return 0
-
-    def flush(self, timeout: float = 0) -> int:
-        return 0
 
 
 class ShardEngine:
@@ -94,17 +68,14 @@ class ShardEngine:
         self.driver = replica.driver_factory(self.core, self.io)
         self.driver.wake = lambda: self._wake(0.0)
         self.election = ShardElection(replica.group, shard, self.name)
+        self.election_thread = SimElectionThread(self, self.election, self.driver.post, self.limits.min_poll_interval)
         #: What its status row says it is (the engine's HarvestConfig, as far as the row reads it).
         self.config = SimpleNamespace(name=sharding.engine_name(replica.name, shard), table="outbox",
                                       leader_topic=replica.leader_topic, leader_group=replica.group_name,
                                       shard=shard, shards=replica.shards)
-        #: Publish heartbeats (the driver says so after each turn).
-        self.heartbeat = False
         self.state = State.RUNNING  # RUNNING, STOPPING, STOPPED: Harvester's lifecycle, as the supervisor reads it
         #: Why the engine failed (its wait() re-raises it, as Harvester.wait does), if it did.
         self.failure: str | None = None
-        self._revoking = False  # the election thread is inside the revoke callback
-        self._election_stopped = False
         self._wake_at: float | None = None
         self._last_turn = -1.0
         self._spins = 0
@@ -118,6 +89,13 @@ class ShardEngine:
     @property
     def slow_until(self) -> float:
         return self.replica.slow_until
+
+    @property
+    def paused_until(self) -> float:
+        return self.replica.paused_until
+
+    def process_running(self) -> bool:
+        return self.replica.process_running()
 
     def new_producer(self) -> MemoryProducer:
         pipelined = self.limits.max_in_flight_per_key > 1
@@ -139,22 +117,11 @@ class ShardEngine:
                 job()
         self.world.at(finish, execute)
 
-    def released(self) -> None:
-        """ReleasePartition: the revoke callback returns (ElectionThread._revoked), after which the view is gone."""
-        if not self._revoking:
-            return
-        self._revoking = False
-        self.election.gone = True
-        self.driver.post(lambda core: core.on_polled(False))  # the poll that was blocked returns
-        self.world.after(self.limits.min_poll_interval, self._poll_election)
-
     # -- life (Harvester.start / stop / its engine thread) -----------------------------------------
 
     def start(self) -> None:
         replica = self.replica
-        self.election.start(lambda: self.driver.post(methodcaller("on_assigned")), self._revoked,
-                            lambda: self.driver.post(methodcaller("on_lost")))
-        self.world.after(0.0, self._poll_election)
+        self.election_thread.start()
         self._wake(0.0)
         self.world.note(f"{self.name} started (shard {self.shard} of {replica.shards})")
 
@@ -190,21 +157,13 @@ class ShardEngine:
     def _close(self) -> None:
         """The engine thread's end (ThreadedIO.close): the election thread stops (a revoke callback under way
         returns at once), the producer, then the store's sessions (the fence goes with them)."""
-        self._stop_election()
+        self.election_thread.stop()
         self.io.producer.purge()  # a stopped core has nothing in flight, or gave it up: nothing is left
         self.io.producer.close()
         self.store.close()
         self.state = State.STOPPED
         self.replica.status.forget(self.config.name)
         self.world.note(f"{self.name} stopped")
-
-    def _stop_election(self) -> None:
-        if not self._election_stopped:
-            self._election_stopped = True
-            if self._revoking:
-                self._revoking = False
-                self.election.gone = True
-            self.election.close()
 
     # -- the engine thread ------------------------------------------------------------------------
 
@@ -242,27 +201,6 @@ class ShardEngine:
             self._close()
             return
         self._wake(deadline - self.world.now)
-
-    # -- the election thread (runtime.ElectionThread over the ShardElection) ------------------------
-
-    def _revoked(self) -> None:
-        self._revoking = True
-        self.driver.post(methodcaller("on_revoked"))
-        raise _InRevoke  # the thread blocks in the callback; released() resumes it
-
-    def _poll_election(self) -> None:
-        if self.crashed or self._election_stopped or self._revoking:
-            return
-        replica = self.replica
-        if not replica.process_running():
-            self.world.at(replica.paused_until, self._poll_election)
-            return
-        try:
-            seen = self.election.poll(heartbeat=self.heartbeat)
-        except _InRevoke:
-            return
-        self.driver.post(lambda core: core.on_polled(seen))
-        self.world.after(self.limits.min_poll_interval, self._poll_election)
 
 
 class ShardedReplica:
