@@ -52,19 +52,11 @@ def configured() -> bool:
 
 def problems(raw: Any) -> list[Problem]:
     """What is wrong with OUTBOX["outboxes"] (None: not set), each naming the entry and its key (E018)."""
-    if raw is None:
-        return []
-    if not isinstance(raw, Mapping) or not raw:
-        return [Problem("E018", "outboxes", f"must be a non-empty dict of outbox names to dicts, got {raw!r}")]
-    found = []
-    for name, entry in raw.items():
-        entry_found = discovery.entry_problems(name, entry, OutboxEntry, conf.setting("table"))
-        if isinstance(entry, Mapping) and not any(p.field == f"outboxes.{name}" for p in entry_found):
-            alias = entry.get("database", conf.OutboxKeys.database)
-            if (problem := conf.alias_problem(alias)) is not None:
-                entry_found.append(Problem("E018", f"outboxes.{name}.database", problem))
-        found.extend(entry_found)
-    return found
+    def database(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+        why = conf.alias_problem(entry.get("database", conf.OutboxKeys.database))
+        return None if why is None else ("database", why)
+
+    return discovery.outboxes_problems(raw, OutboxEntry, conf.setting("table"), database, kind="dict")
 
 
 def selected_entries(names: list[str] | None, *, tenant_schemas: bool = False,

@@ -213,16 +213,11 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
 
 def outboxes_problems(outboxes: Any, table: Any) -> list[Problem]:
     """What is wrong with the file's [outboxes] (None: not there), each naming the entry and its key (E018)."""
-    if outboxes is None:
-        return []
-    if not isinstance(outboxes, Mapping) or not outboxes:
-        return [Problem("E018", "outboxes", f"must be a non-empty table of outbox names to tables, got {outboxes!r}")]
-    found = []
-    for name, entry in outboxes.items():
-        found += discovery.entry_problems(name, entry, FileEntry, table)
-        if isinstance(entry, Mapping) and "dsn" in entry and (problem := database_problem(entry["dsn"])):
-            found.append(Problem("E018", f"outboxes.{name}.dsn", problem.message))
-    return found
+    def database(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+        problem = database_problem(entry["dsn"]) if "dsn" in entry else None
+        return None if problem is None else ("dsn", problem.message)
+
+    return discovery.outboxes_problems(outboxes, FileEntry, table, database, kind="table")
 
 
 def _derived_leader_name(dsn: str, table: Any) -> str:

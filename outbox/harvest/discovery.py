@@ -100,6 +100,26 @@ def entry_problems(name: Any, entry: Any, section: type[Entry], default_table: A
     return found
 
 
+def outboxes_problems(raw: Any, section: type[Entry], default_table: Any,
+                      database: Callable[[Mapping[str, Any]], tuple[str, str] | None], *,
+                      kind: str) -> list[Problem]:
+    """What is wrong with the outboxes listed (None: none are), each problem naming `outboxes.<name>.<key>` (E018):
+    each entry's (entry_problems) and its database's: `database(entry)` says which key names it and why that
+    cannot be (or None). `kind` is what the user wrote them as (a dict, a TOML table)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, Mapping) or not raw:
+        return [Problem("E018", "outboxes", f"must be a non-empty {kind} of outbox names to {kind}s, got {raw!r}")]
+    found = []
+    for name, entry in raw.items():
+        entry_found = entry_problems(name, entry, section, default_table)
+        if isinstance(entry, Mapping) and not any(p.field == f"outboxes.{name}" for p in entry_found) \
+                and (bad := database(entry)) is not None:
+            entry_found.append(Problem("E018", f"outboxes.{name}.{bad[0]}", bad[1]))
+        found += entry_found
+    return found
+
+
 def select(configured: Mapping[str, Mapping[str, Any]], names: Collection[str] | None, *, where: str,
            tenants: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """The entries a process runs: those of `configured` named by `--outbox` (all when none is), plus the
