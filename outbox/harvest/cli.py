@@ -297,8 +297,9 @@ def print_outboxes(settings: Settings) -> None:
         found = settings.discover()()
     except Exception as error:
         raise running.RunFailure(f"cannot find the outboxes: {first_line(error)}") from None
-    print(json.dumps({label: config.redacted() for label, config in sorted(found.items())}, indent=2, default=str))
-    if problems := [f"{label}: {problem}" for label, config in sorted(found.items()) for problem in config.validate()]:
+    printed, problems = running.outboxes_printed(found)
+    print(printed)
+    if problems:
         raise running.RunFailure("invalid configuration: " + "; ".join(problems))
 
 

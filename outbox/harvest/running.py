@@ -8,6 +8,7 @@ Every failure is a RunFailure whose text is one line for the operator; each entr
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from argparse import ArgumentParser
 from collections.abc import Callable, Mapping
@@ -79,6 +80,13 @@ def outbox_flags_problem(options: Mapping[str, Any], where: str, *, several: boo
         if options.get(flag) is not None and not options.get("tenant_schemas"):
             return f"--{flag}: with {where}, each outbox names its own (--{flag} goes with --tenant-schemas)"
     return None
+
+
+def outboxes_printed(found: Mapping[str, HarvestConfig]) -> tuple[str, list[str]]:
+    """--print-config with several outboxes: each one's configuration (secrets redacted) as JSON by label, and what
+    is wrong with each, naming its label."""
+    printed = json.dumps({label: config.redacted() for label, config in sorted(found.items())}, indent=2, default=str)
+    return printed, [f"{label}: {problem}" for label, config in sorted(found.items()) for problem in config.validate()]
 
 
 def add_limit_flags(parser: ArgumentParser) -> None:

@@ -83,10 +83,8 @@ class Command(BaseCommand):
                 found = harvester.discover()
             except Exception as error:
                 raise refused("cannot find the outboxes", [error]) from None
-            self.stdout.write(json.dumps({label: config.redacted() for label, config in sorted(found.items())},
-                                         indent=2, default=str))
-            problems = [f"{label}: {problem}" for label, config in sorted(found.items())
-                        for problem in config.validate()]
+            printed, problems = running.outboxes_printed(found)
+            self.stdout.write(printed)
             if problems:
                 raise refused("invalid configuration", problems)
             return
