@@ -28,6 +28,8 @@ from outbox.harvest.config import HarvestConfig
 from outbox.kafka.keys import key
 from outbox.kafka.problems import Problem
 
+#: Where several outboxes are listed, as `harvest`'s flags and errors name it.
+OUTBOXES = "OUTBOX['outboxes']"
 #: Re-exported: what `harvest --tenant-schemas` labels its outboxes, and their idle poll.
 TENANTS, MANY_IDLE_POLL_INTERVAL = discovery.TENANTS, discovery.MANY_IDLE_POLL_INTERVAL
 
@@ -69,7 +71,7 @@ def selected_entries(names: list[str] | None, *, tenant_schemas: bool = False,
     if exclude_schemas:
         tenants["exclude_schemas"] = list(exclude_schemas)
     chosen = discovery.select(dict(raw.get("outboxes") or {}) if isinstance(raw, dict) else {}, names,
-                              where="OUTBOX['outboxes']", tenants=tenants if tenant_schemas else None)
+                              where=OUTBOXES, tenants=tenants if tenant_schemas else None)
     if found := problems(chosen) if chosen else []:
         raise ValueError("; ".join(f"{p.field}: {p.message}" for p in found))
     return chosen

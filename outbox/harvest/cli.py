@@ -48,6 +48,8 @@ PROG = "outbox-harvest"
 COMMANDS = ("run", "check", "schema", "health")
 #: What a TOML file may set: the engine's keys, its limits, the database, and several outboxes.
 FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES, "outboxes", "discover_interval"})
+#: Flags that set an engine key of the same name.
+FLAG_KEYS = (*running.SETTING_FLAGS, *LIMIT_NAMES)
 #: Where the file lists several outboxes, as the flags' help and errors name it.
 OUTBOXES = "the file's [outboxes]"
 #: How often several outboxes are looked for again by default (seconds), as OUTBOX["discover_interval"]'s.
@@ -60,8 +62,6 @@ class FileEntry(discovery.Entry):
 
     dsn: str | None = key(None, "its database, a libpq connection string or URL", shown="the file's `dsn`, else "
                                                                                       "`DATABASE_URL`")
-#: Flags that set an engine key of the same name.
-FLAG_KEYS = (*running.SETTING_FLAGS, *LIMIT_NAMES)
 
 
 class Settings:

@@ -17,9 +17,6 @@ from outbox.harvest import running
 from outbox.kafka.names import name_problem
 from outbox.kafka.redaction import scrub
 
-#: Where several outboxes are listed, as the flags' help and errors name it.
-OUTBOXES = "OUTBOX['outboxes']"
-
 
 def refused(what: str, problems: list[Any]) -> CommandError:
     """One line: what failed and every problem, secrets masked."""
@@ -32,7 +29,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         running.add_setting_flags(parser)
         parser.add_argument("--database", help="Django database alias holding the table (default: 'default')")
-        running.add_outbox_flags(parser, OUTBOXES, "OUTBOX['table']")
+        running.add_outbox_flags(parser, many.OUTBOXES, "OUTBOX['table']")
         running.add_metrics_flags(parser)
         parser.add_argument("--print-config", action="store_true",
                             help="print the effective configuration (secrets redacted) as JSON and exit")
@@ -45,7 +42,7 @@ class Command(BaseCommand):
         if options["name"] is not None and (problem := name_problem(options["name"])):
             raise CommandError(f"--name: {problem}")
         several = bool(options["outbox"] or options["tenant_schemas"] or many.configured())
-        if problem := running.outbox_flags_problem(options, OUTBOXES, several=several):
+        if problem := running.outbox_flags_problem(options, many.OUTBOXES, several=several):
             raise CommandError(problem)
         if several:
             self._harvest_many(options, overrides)
