@@ -26,8 +26,9 @@ from outbox.harvest.kafka import (
     record_producer_config,
 )
 from outbox.harvest.neli import LeaderElection
+from outbox.harvest.notify_hub import ChannelListener, NotifyHubs
 from outbox.harvest.status import StatusReporter, StatusSnapshot, status_table_exists
-from outbox.harvest.store import FenceHolder, Listener, PostgresStore, close_quietly, connect
+from outbox.harvest.store import FenceHolder, PostgresStore, close_quietly, connect
 from outbox.harvest.topics import TopicLimits
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, admin_describe
 from outbox.reasons import first_line
@@ -56,6 +57,8 @@ class Store(Protocol):
 
 
 class ListenerLike(Protocol):
+    """What wakes a leader when its table is written (notify_hub.ChannelListener)."""
+
     def fileno(self) -> int | None: ...
     def drain(self) -> int: ...
     def close(self) -> None: ...
@@ -87,8 +90,10 @@ class LiveConnector:
     #: The store it opens (outboxes.RestingStore: one that closes its fence session while standing by).
     store_class: type[PostgresStore] = PostgresStore
 
-    def __init__(self, config: HarvestConfig) -> None:
+    def __init__(self, config: HarvestConfig, hubs: NotifyHubs | None = None) -> None:
+        """`hubs`: the process's LISTEN hubs, shared by all its engines (default: this engine's own)."""
         self.config = config
+        self.hubs = hubs if hubs is not None else NotifyHubs(name=config.name)
         self.batch_limit: int | None = None
 
     def topic_limits(self) -> TopicLimits:
@@ -117,8 +122,8 @@ class LiveConnector:
         return LeaderElection(config.leader_topic, config.name, Consumer(leader_consumer_config(config)),
                               Producer(heartbeat_producer_config(config)), max_age=config.limits.heartbeat_timeout)
 
-    def listener(self, channel: str) -> Listener | None:
-        return Listener(self.config.dsn, channel) if self.config.listen else None
+    def listener(self, channel: str) -> ChannelListener:
+        return self.hubs.subscribe(self.config.dsn, channel)
 
     def status_reporter(self, snapshot: Callable[[], StatusSnapshot], on_backlog: Callable[[int], None], *,
                         sharded_replica: bool = False) -> StatusReporter | None:

@@ -1,25 +1,26 @@
-"""One LISTEN session per database for every outbox a process harvests there.
+"""One LISTEN session per database for every engine a process runs there.
 
-A Harvester LISTENs on a session of its own (store.Listener). A process harvesting fifty tenant
-schemas would hold fifty idle LISTEN sessions; here it holds one per database: the hub's thread
-LISTENs on every channel its engines asked for (`outbox_<oid>`, contract.notify_channel) and hands
-each NOTIFY to the engine whose table fired it, by writing to that engine's wake pipe.
+Every engine of a process (one outbox's, each shard's, each of many outboxes' or tenant schemas') is woken
+through its database's hub: one session whatever the number of engines, where a session each would be
+fifty idle sessions for fifty tenant schemas, or one per shard. The hub's thread LISTENs on every channel
+its engines asked for (`outbox_<oid>`, contract.notify_channel) and hands each NOTIFY to the engine whose
+table fired it, by writing to that engine's wake pipe. An engine asks for its listener when it first
+leads (a standby holds no LISTEN session), and a hub whose last listener closed ends its session.
 
-    hub = NotifyHub(dsn); hub.start()
-    listener = hub.subscribe("outbox_16384")   # store.Listener's interface: fileno(), drain(), close()
+    hubs = NotifyHubs()                                   # the process's, one hub per database
+    listener = hubs.subscribe(dsn, "outbox_16384")        # fileno(), drain(), connected, close()
 
 A NOTIFY sent while nobody listened is lost, so every listener is woken once whenever its channel
 starts being listened to (at subscribe and after each reconnect): its engine then marks, and finds what
 was written meanwhile. While the session is down, the hub wakes every listener at each attempt to
-connect again (every RETRY_AFTER): the engines look at their tables that often, together, rather than
-each polling every `mark_backoff` as an engine whose own Listener lost its session does (so an engine's
-listener always has its pipe to select on, and the engine keeps its long safety-net poll).
+connect again (every RETRY_AFTER): the engines look at their tables that often, together, and at their
+safety-net poll (`idle_poll_interval`), rather than each polling every `mark_backoff`, which fifty engines
+would do five thousand times a second (an engine's listener always has its pipe to select on).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
-from outbox.harvest.runtime import drain_pipe, readable
+from outbox.harvest.pipes import WakePipe, readable
 from outbox.harvest.store import close_quietly
 from outbox.harvest.store import connect as connect_session
 from outbox.reasons import first_line
@@ -42,19 +43,17 @@ KEEPALIVES = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval":
 
 
 class ChannelListener:
-    """One engine's view of the hub: store.Listener's interface over a wake pipe the hub writes to."""
+    """One engine's view of the hub: a wake pipe the hub writes to (connector.ListenerLike)."""
 
     def __init__(self, hub: NotifyHub, channel: str) -> None:
         self.hub = hub
         self.channel = channel
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
+        self._pipe = WakePipe()
         self.closed = False
 
     def fileno(self) -> int | None:
         """The pipe to select on (None once closed)."""
-        return None if self.closed else self._read
+        return None if self.closed else self._pipe.fileno()
 
     @property
     def connected(self) -> bool:
@@ -62,40 +61,38 @@ class ChannelListener:
         return not self.closed and self.hub.listens(self.channel)
 
     def wake(self) -> None:
-        """From the hub's thread: a NOTIFY of this channel arrived (or may have been missed)."""
-        try:
-            os.write(self._write, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake is pending) or closed (the engine stopped)
+        """From the hub's thread, under its lock: a NOTIFY of this channel arrived (or may have been missed)."""
+        self._pipe.wake()
 
     def drain(self) -> int:
         """Consume pending wakes; returns how many arrived."""
-        return drain_pipe(self._read)
+        return self._pipe.drain()
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self.hub.unsubscribe(self)
-        for fd in (self._read, self._write):
-            os.close(fd)
+        self.hub.unsubscribe(self)  # no wake reaches the pipe from here on
+        self._pipe.close()
 
 
 class NotifyHub(threading.Thread):
     """The LISTEN session of one database, shared by every engine of the process harvesting there."""
 
     def __init__(self, dsn: str, *, name: str = "",
-                 connect: Callable[[], psycopg.Connection] | None = None) -> None:
-        """`connect` opens the LISTEN session (default: an engine session to `dsn`, with keepalives)."""
+                 connect: Callable[[], psycopg.Connection] | None = None,
+                 on_empty: Callable[[NotifyHub], None] | None = None) -> None:
+        """`connect` opens the LISTEN session (default: an engine session to `dsn`, with keepalives); `on_empty`
+        is told when the last listener left (NotifyHubs then ends the hub)."""
         super().__init__(name="outbox-notify-hub", daemon=True)
+        self.dsn = dsn
         self._connect = connect or (lambda: connect_session(dsn, "listen", name=name, **KEEPALIVES))
+        self._on_empty = on_empty
         self._lock = threading.Lock()
         self._subscribers: dict[str, set[ChannelListener]] = {}
         #: Channels LISTENed on the current session (read by the engines' fileno()).
         self._listening: frozenset[str] = frozenset()
-        self._control_read, self._control_write = os.pipe()
-        os.set_blocking(self._control_read, False)
-        os.set_blocking(self._control_write, False)
+        self._control = WakePipe()
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._retry_at = 0.0
@@ -122,7 +119,16 @@ class NotifyHub(threading.Thread):
                 found.discard(listener)
                 if not found:
                     del self._subscribers[listener.channel]
+            empty = not self._subscribers
         self._poke()
+        if empty and self._on_empty is not None:
+            self._on_empty(self)
+
+    @property
+    def empty(self) -> bool:
+        """Whether no listener is subscribed."""
+        with self._lock:
+            return not self._subscribers
 
     def listens(self, channel: str) -> bool:
         return channel in self._listening
@@ -138,12 +144,7 @@ class NotifyHub(threading.Thread):
 
     def _poke(self) -> None:
         with self._lock:  # never after run() closed it (the number could name another file by then)
-            if self._control_write < 0:
-                return
-            try:
-                os.write(self._control_write, b"\0")
-            except (BlockingIOError, OSError):
-                pass
+            self._control.wake()
 
     # -- the hub's thread ---------------------------------------------------------------------------
 
@@ -159,17 +160,16 @@ class NotifyHub(threading.Thread):
         finally:
             self._drop()
             with self._lock:
-                fds, self._control_read, self._control_write = (self._control_read, self._control_write), -1, -1
-            for fd in fds:
-                os.close(fd)
+                self._control.close()
 
     def _turn(self) -> None:
         conn = self._session()
-        readers = [self._control_read] + ([conn.fileno()] if conn is not None else [])
+        control = self._control.fileno()
+        readers = [control] + ([conn.fileno()] if conn is not None else [])
         timeout = None if conn is not None else max(0.0, self._retry_at - time.monotonic())
         ready = readable(readers, timeout)
-        if self._control_read in ready:
-            drain_pipe(self._control_read)
+        if control in ready:
+            self._control.drain()
         if conn is not None and conn.fileno() in ready:
             self._dispatch(conn)
         if self._conn is not None and self._apply():
@@ -265,20 +265,34 @@ class NotifyHub(threading.Thread):
 
 
 class NotifyHubs:
-    """The process's hubs, one per database (by connection string), started when first asked for."""
+    """The process's hubs, one per database (by connection string): started by the first listener, ended when
+    the last one closed."""
 
-    def __init__(self, *, name: str = "") -> None:
+    def __init__(self, *, name: str = "", connect: Callable[[str], psycopg.Connection] | None = None) -> None:
+        """`connect(dsn)` opens a hub's LISTEN session (default: NotifyHub's)."""
         self._name = name
+        self._connect = connect
         self._lock = threading.Lock()
         self._hubs: dict[str, NotifyHub] = {}
 
-    def hub(self, dsn: str) -> NotifyHub:
-        with self._lock:
+    def subscribe(self, dsn: str, channel: str) -> ChannelListener:
+        """A listener of `channel` on the hub of `dsn`'s database."""
+        with self._lock:  # before the hub's own lock, as in _retire: no hub is ended under a new listener
             hub = self._hubs.get(dsn)
             if hub is None:
-                hub = self._hubs[dsn] = NotifyHub(dsn, name=self._name)
+                connect = self._connect
+                hub = self._hubs[dsn] = NotifyHub(dsn, name=self._name, on_empty=self._retire,
+                                                  connect=None if connect is None else lambda: connect(dsn))
                 hub.start()
-            return hub
+            return hub.subscribe(channel)
+
+    def _retire(self, hub: NotifyHub) -> None:
+        with self._lock:
+            if self._hubs.get(hub.dsn) is not hub or not hub.empty:
+                return
+            del self._hubs[hub.dsn]
+        hub.stop()
+        hub.join(timeout=10)
 
     @property
     def hubs(self) -> list[NotifyHub]:

@@ -34,7 +34,7 @@ from outbox.harvest.connector import LiveConnector
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester, HarvestError, Lifecycle, State
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.notify_hub import ChannelListener, NotifyHubs
+from outbox.harvest.notify_hub import NotifyHubs
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.status import StatusSnapshot
 from outbox.harvest.status_board import BoardReporter, StatusBoards
@@ -94,12 +94,8 @@ class ManyConnector(LiveConnector):
     store_class = RestingStore
 
     def __init__(self, config: HarvestConfig, hubs: NotifyHubs, boards: StatusBoards) -> None:
-        super().__init__(config)
-        self._hubs = hubs
+        super().__init__(config, hubs)
         self._boards = boards
-
-    def listener(self, channel: str) -> ChannelListener | None:  # type: ignore[override]
-        return self._hubs.hub(self.config.dsn).subscribe(channel) if self.config.listen else None
 
     def status_reporter(self, snapshot: Callable[[], StatusSnapshot], on_backlog: Callable[[int], None], *,
                         sharded_replica: bool = False) -> BoardReporter | None:  # type: ignore[override]
@@ -278,12 +274,12 @@ class ManyHarvester(Lifecycle):
         return engine
 
     def _live_engine(self, label: str, config: HarvestConfig) -> Engine:
-        """A Harvester whose LISTEN goes through the hub and whose status row is on the board (or a
-        ShardedHarvester, whose engines listen and report on sessions of their own for now)."""
+        """A Harvester whose LISTEN goes through the process's hub and whose status row is on the board (or a
+        ShardedHarvester, whose engines listen through the same hub and report on sessions of their own)."""
         if config.shards > 1:
             return ShardedHarvester(config, on_event=self._on_event, tracer=self._tracer,
                                     instruments=(lambda _shard: self._instruments(label))
-                                    if self._instruments is not None else None)
+                                    if self._instruments is not None else None, hubs=self.hubs)
         return Harvester.sending_events_to(
             self._on_event, config, connector=ManyConnector(config, self.hubs, self.boards), tracer=self._tracer,
             instruments=self._instruments(label) if self._instruments is not None else None)

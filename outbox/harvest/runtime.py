@@ -13,9 +13,6 @@ and the engine thread (harvester.py), which runs the driver's turns and sleeps i
 from __future__ import annotations
 
 import logging
-import math
-import os
-import select
 import threading
 import time
 from collections import deque
@@ -33,6 +30,7 @@ from outbox.harvest.contract import Record
 from outbox.harvest.driver import FENCE_SESSION, PURGE_SESSION, Driver, delivery_error
 from outbox.harvest.kafka import ProducerLike, record_producer_config
 from outbox.harvest.neli import Election, ElectionPoll
+from outbox.harvest.pipes import WakePipe, readable
 from outbox.harvest.store import close_quietly, connect
 from outbox.harvest.topics import TopicLimits, TopicLimitsThread
 from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE
@@ -249,10 +247,13 @@ class ThreadedIO:
         self.producer: ProducerLike | None = None
         self._dead_letter_producer: ProducerLike | None = None
         self._listener: ListenerLike | None = None
+        #: The table's NOTIFY channel, until the engine first leads and asks for its listener (a standby holds
+        #: no LISTEN session); None once asked.
+        self._channel: str | None = None
         self._has_trigger = False
         self._listening = False
         self._leading = False
-        self._wake_read, self._wake_write = -1, -1
+        self._wake: WakePipe | None = None
         self._woken = False
         self._workers: dict[str, Worker] = {}
         self._poller: DeliveryPoller | None = None
@@ -272,9 +273,7 @@ class ThreadedIO:
         connector = self._connector
         self.store = connector.open_store()
         connector.ensure_leader_topic()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
+        self._wake = WakePipe()
         self.topic_limits = connector.topic_limits()
         self._topics = TopicLimitsThread(self.topic_limits)
         self.producer = connector.record_producer()
@@ -282,8 +281,8 @@ class ThreadedIO:
             self.producer, lambda: driver.post(methodcaller("on_producer_restarted")), self._producer_failed)
         self._election = ElectionThread(connector.leader_election(), driver, self.config.limits.min_poll_interval)
         self._has_trigger = self.store.has_notify_trigger()
-        self._listener = connector.listener(contract.notify_channel(self.store.table_oid))
-        if self._listener is not None and not self._has_trigger:
+        self._channel = contract.notify_channel(self.store.table_oid) if self.config.listen else None
+        if self._channel is not None and not self._has_trigger:
             log.info("Table %s has no NOTIFY trigger (manage.py migrate installs it; docs/tuning.md shows the "
                      "SQL for other tables): polling it every %gs", self.config.table, self.config.limits.mark_backoff)
         self._workers = {FENCE_SESSION: Worker("outbox-fence", self.store),
@@ -329,10 +328,8 @@ class ThreadedIO:
             self._listener.close()
         if self.store is not None:
             self.store.close()
-        for fd in (self._wake_read, self._wake_write):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_read = self._wake_write = -1
+        if self._wake is not None:
+            self._wake.close()
 
     # -- EngineIO -------------------------------------------------------------------------------
 
@@ -417,17 +414,18 @@ class ThreadedIO:
         if self._woken:
             return
         self._woken = True
-        if self._wake_write >= 0:
-            try:
-                os.write(self._wake_write, b"\0")
-            except (BlockingIOError, OSError):
-                pass  # the pipe is full (a wake is pending) or closed (stopping)
+        if self._wake is not None:
+            self._wake.wake()
 
     def wait(self, deadline: float) -> None:
         """Sleep until another thread hands something over, a NOTIFY arrives, or `deadline`."""
         driver = self.driver
         timeout = 0.0 if driver.pending else max(0.0, deadline - self.now())
-        readers = [self._wake_read]
+        wake = self._wake
+        readers = [wake.fileno()]
+        if self._leading and self._channel is not None:
+            self._listener = self._connector.listener(self._channel)  # the process's LISTEN hub for its database
+            self._channel = None
         listener = self._listener
         listen_fd = listener.fileno() if listener is not None and self._leading else None
         listening = listen_fd is not None and self._has_trigger
@@ -437,33 +435,13 @@ class ThreadedIO:
         if listen_fd is not None:
             readers.append(listen_fd)
         ready = readable(readers, timeout)
-        if self._wake_read in ready:
-            drain_pipe(self._wake_read)
+        if wake.fileno() in ready:
+            wake.drain()
             # Cleared after draining: a wake() that found it still set appended its item before
             # this, so the next turn takes that item in; one that finds it clear writes again.
             self._woken = False
         if listen_fd is not None and listen_fd in ready and listener.drain():
             driver.post(methodcaller("on_notified"))
-
-
-def drain_pipe(fd: int) -> int:
-    """Read a non-blocking wake pipe empty; returns how many bytes (wakes) it held."""
-    count = 0
-    try:
-        while chunk := os.read(fd, 4096):
-            count += len(chunk)
-    except (BlockingIOError, OSError):
-        pass
-    return count
-
-
-def readable(fds: list[int], timeout: float | None) -> set[int]:
-    """The descriptors of `fds` ready to read (or closed) within `timeout` seconds (None: no limit). poll(),
-    not select(): a process harvesting many outboxes has descriptors past select()'s 1024."""
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    return {fd for fd, _events in poller.poll(None if timeout is None else math.ceil(timeout * 1000))}
 
 
 def _batch_size(settings: dict[str, Any]) -> int:

@@ -54,6 +54,7 @@ from outbox.harvest.kafka import (
     leader_consumer_config,
 )
 from outbox.harvest.neli import publish_heartbeat
+from outbox.harvest.notify_hub import NotifyHubs
 from outbox.harvest.status import StatusReporter, StatusSnapshot
 from outbox.harvest.store import (
     MIGRATE_HINT,
@@ -348,10 +349,11 @@ def retires(shard: int, owned: set[int], election: ShardElection | None) -> bool
 
 
 class ShardConnector(LiveConnector):
-    """The live connector of one shard's engine: its leader election is the replica's group (ShardGroup)."""
+    """The live connector of one shard's engine: its leader election is the replica's group (ShardGroup), its
+    LISTEN the replica's hub."""
 
-    def __init__(self, config: HarvestConfig, group: ShardGroup) -> None:
-        super().__init__(config)
+    def __init__(self, config: HarvestConfig, group: ShardGroup, hubs: NotifyHubs) -> None:
+        super().__init__(config, hubs)
         self._group = group
         self.election: ShardElection | None = None
 
@@ -370,7 +372,10 @@ class ShardedHarvester(Lifecycle):
     def __init__(self, config: HarvestConfig, *, on_event: Callable[[Harvester, events.Event], None] | None = None,
                  instruments: Callable[[int], Instruments] | None = None, tracer: PublishTracer | None = None,
                  consumer_factory: Callable[[dict[str, Any]], ConsumerLike] = Consumer,
-                 producer_factory: Callable[[dict[str, Any]], ProducerLike] = Producer) -> None:
+                 producer_factory: Callable[[dict[str, Any]], ProducerLike] = Producer,
+                 hubs: NotifyHubs | None = None) -> None:
+        """`hubs`: the process's LISTEN hubs (ManyHarvester's, where this is one of its outboxes; default: this
+        replica's own), shared by every shard's engine."""
         super().__init__()
         self.config = config
         remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
@@ -381,6 +386,8 @@ class ShardedHarvester(Lifecycle):
         self._supervisor: Supervisor[int, Harvester] = Supervisor(self._start_engine,
                                                                    describe=lambda shard: f"Shard {shard}'s engine")
         self._connectors: dict[int, ShardConnector] = {}
+        #: One LISTEN session for every shard's engine (notify_hub.py).
+        self.hubs = hubs if hubs is not None else NotifyHubs(name=config.name)
         self._group: ShardGroup | None = None
         self._manager: threading.Thread | None = None
         self._status: StatusReporter | None = None
@@ -496,7 +503,7 @@ class ShardedHarvester(Lifecycle):
     def _start_engine(self, shard: int) -> Harvester:
         assert self._group is not None
         config = dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
-        connector = ShardConnector(config, self._group)
+        connector = ShardConnector(config, self._group, self.hubs)
         engine = Harvester.sending_events_to(
             self._on_event, config, connector=connector, tracer=self._tracer,
             instruments=self._instruments(shard) if self._instruments is not None else None)

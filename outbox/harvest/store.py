@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -464,49 +463,3 @@ class PostgresStore:
         self._drop_fence()
         with self._purge_lock:
             self._drop_purge()
-
-
-class Listener:
-    """LISTENs on the table's NOTIFY channel on its own connection, so a commit wakes the leader."""
-
-    #: After a failed connection, LISTEN is tried again at most this often (the engine polls meanwhile).
-    RETRY_AFTER = 5.0
-
-    def __init__(self, dsn: str, channel: str) -> None:
-        self._dsn = dsn
-        self._channel = channel
-        self._conn: psycopg.Connection | None = None
-        self._retry_at = 0.0
-
-    def fileno(self) -> int | None:
-        """The socket to select on, or None while disconnected (the engine then polls)."""
-        if self._conn is None or self._conn.closed:
-            if time.monotonic() < self._retry_at:
-                return None
-            try:
-                self._conn = connect(self._dsn, "listen")
-                self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-            except psycopg.Error as error:
-                log.debug("LISTEN unavailable, polling only: %s", first_line(error))
-                self.close()
-                self._retry_at = time.monotonic() + self.RETRY_AFTER
-                return None
-        return self._conn.fileno()
-
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None and not self._conn.closed
-
-    def drain(self) -> int:
-        """Consume pending notifications; returns how many arrived."""
-        if self._conn is None:
-            return 0
-        try:
-            return sum(1 for _ in self._conn.notifies(timeout=0))
-        except psycopg.Error:
-            self.close()
-            return 0
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        close_quietly(conn)

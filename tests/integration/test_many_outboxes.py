@@ -103,9 +103,9 @@ def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants
             audit = read_topic(bootstrap_servers, topics[schema], expected=300, timeout=30)
             assert_complete_and_ordered(audit, writer.ids[schema])
         assert time.monotonic() - started < many.MANY_IDLE_POLL_INTERVAL, "woken by NOTIFY, not by the poll"
-        # One LISTEN session and one status session per harvester (per database), not one per outbox; each
-        # engine's status row says what it does.
-        assert [sessions(database_url, "listen", name) for name in names] == [1, 1]
+        # One LISTEN session and one status session per harvester (per database), not one per outbox (a process
+        # leading none holds no LISTEN session); each engine's status row says what it does.
+        assert [sessions(database_url, "listen", name) for name in names] == [int(bool(h.leading)) for h in harvesters]
         assert [sessions(database_url, "status", name) for name in names] == [1, 1]
         # A fence session only where the engine leads: a standby holds none.
         assert [fence_sessions(database_url, name) for name in names] == [len(h.leading) for h in harvesters]
@@ -115,7 +115,8 @@ def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants
         assert sorted(rows) == sorted(f"{name}/tenants.{schema}" for name in names for schema in schemas)
         assert sorted(row[0] for row in rows.values() if row[1] == "leader") == sorted(f"{schema}.outbox"
                                                                                       for schema in schemas)
-        assert all(harvester.hubs.hubs[0].channels and harvester.hubs.hubs[0].received for harvester in harvesters)
+        assert all(harvester.hubs.hubs[0].channels and harvester.hubs.hubs[0].received for harvester in harvesters
+                   if harvester.leading)
         assert history_samples(database_url, names) == {}, "a tenant's outbox draws no charts"
 
         # harvest_health --name <process> speaks for the process's outboxes' engines.
@@ -265,10 +266,16 @@ def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, secon
         sharded_leaders = {h.name for h in harvesters if "sharded" in h.engines
                            and h.engines["sharded"].replica_state is ReplicaState.LEADER}
         assert sharded_leaders, "a process leads some of the sharded outbox's shards"
-        # One LISTEN session per database and process, whatever the number of its outboxes there.
-        for url in (database_url, second_database):
-            assert [sessions(url, "listen", name) for name in names] == [1, 1]
-        assert all(len(harvester.hubs.hubs) == 2 for harvester in harvesters)
+        # One LISTEN session per database and process where it leads something (a shard's engine too), whatever
+        # the number of its outboxes there; none where it only stands by.
+        def leads(harvester: ManyHarvester, labels: set[str]) -> bool:
+            return any(engine.replica_state is ReplicaState.LEADER for label, engine in harvester.engines.items()
+                       if label in labels)
+
+        for url, labels in ((database_url, {"plain", "sharded"}), (second_database, {"other"})):
+            assert [sessions(url, "listen", name) for name in names] == [int(leads(h, labels)) for h in harvesters]
+        assert [len(h.hubs.hubs) for h in harvesters] == [leads(h, {"plain", "sharded"}) + leads(h, {"other"})
+                                                          for h in harvesters]
         # Each database's status table holds the rows of the engines harvesting there.
         wait_until(lambda: {row[0] for row in status_rows(second_database, names).values()} == {"outbox"}
                    and len(status_rows(second_database, names)) == 2, 10, "the other database's status rows")

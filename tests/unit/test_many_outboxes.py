@@ -24,7 +24,7 @@ from outbox.harvest import discovery
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import Harvester, HarvestError, State
-from outbox.harvest.notify_hub import NotifyHub
+from outbox.harvest.notify_hub import NotifyHub, NotifyHubs
 from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.supervisor import MAX_BACKOFF, RESTART_BACKOFF
 from outbox.harvest.tenants import find_tenant_tables
@@ -512,6 +512,37 @@ def test_after_the_session_is_lost_every_engine_is_woken_on_the_next_one(hub, mo
     wait_for(lambda: len(hub.sessions_made) == 2 and hub.channels == {"outbox_1", "outbox_2"}, "a new session")
     assert sorted(hub.sessions_made[1].statements) == ['LISTEN "outbox_1"', 'LISTEN "outbox_2"']
     assert woken(a, 5.0) >= 1 and woken(b, 5.0) >= 1, "both woken: a NOTIFY may have been lost meanwhile"
+
+
+def test_a_process_has_one_hub_per_database_ended_by_its_last_listener():
+    sessions: dict[str, list[FakeSession]] = {}
+
+    def connect(dsn: str) -> FakeSession:
+        sessions.setdefault(dsn, []).append(FakeSession())
+        return sessions[dsn][-1]
+
+    hubs = NotifyHubs(connect=connect)
+    a, b, other = (hubs.subscribe("db1", "outbox_1"), hubs.subscribe("db1", "outbox_2"),
+                   hubs.subscribe("db2", "outbox_1"))
+    try:
+        wait_for(lambda: a.connected and b.connected and other.connected, "every channel listened to")
+        assert [len(sessions["db1"]), len(sessions["db2"])] == [1, 1], "one session per database"
+        [first, _] = hubs.hubs
+        a.close()
+        assert hubs.hubs[0] is first and b.connected, "b still listens on db1's hub"
+        b.close()
+        assert [hub.dsn for hub in hubs.hubs] == ["db2"], "db1's hub ended with its last listener"
+        assert not first.is_alive() and sessions["db1"][0].closed, "its thread and session are gone"
+        again = hubs.subscribe("db1", "outbox_1")
+        wait_for(lambda: again.connected, "a new hub listening")
+        assert len(sessions["db1"]) == 2 and woken(again, 5.0) >= 1
+        again.close()
+    finally:
+        other.close()
+        for found in sessions.values():
+            for session in found:
+                session.close()
+    assert hubs.hubs == []
 
 
 # ---------------------------------------------------------------------------------------------- tenant discovery

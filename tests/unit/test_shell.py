@@ -126,6 +126,31 @@ def test_standby_sends_nothing_until_it_leads(rig_factory):
     wait_until(lambda: not leader.store.rows)
 
 
+def test_a_leader_asks_for_its_listener_once_and_a_standby_never(rig_factory):
+    """A standby holds no LISTEN session (the process's hub starts with its first listener)."""
+    asked: dict[str, list[str]] = {"leader": [], "standby": []}
+
+    class Counting(FakeConnector):
+        def __init__(self, who: str, *args: object) -> None:
+            super().__init__(*args)
+            self.who = who
+
+        def listener(self, channel: str) -> None:
+            asked[self.who].append(channel)
+
+    leader, standby = rig_factory(), rig_factory()
+    leader.harvester = Harvester(leader.config, connector=Counting("leader", leader.kafka, leader.store))
+    standby.harvester = Harvester(standby.config, connector=Counting("standby", leader.kafka, leader.store))
+    leader.harvester.start()
+    wait_until(lambda: leader.harvester.is_leader)
+    standby.harvester.start()
+    leader.store.add_many(TOPIC, ["k"] * 10)
+    wait_until(lambda: not leader.store.rows, what="the leader to publish")
+    wait_until(lambda: len(leader.kafka.record_producers) == 2, what="the standby to be running")
+    assert [len(asked["leader"]), asked["standby"]] == [1, []]
+    assert asked["leader"][0].startswith("outbox_")
+
+
 def test_start_failure_is_one_line_and_cleans_up():
     kafka = FakeKafka()
 
