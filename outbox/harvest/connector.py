@@ -11,7 +11,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import psycopg
 from confluent_kafka import Consumer, Producer
 
 from outbox.harvest.config import HarvestConfig
@@ -27,11 +26,11 @@ from outbox.harvest.kafka import (
 )
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.notify_hub import ChannelListener, NotifyHubs
-from outbox.harvest.status import StatusReporter, StatusSnapshot, status_table_exists
-from outbox.harvest.store import FenceHolder, PostgresStore, close_quietly, connect
+from outbox.harvest.status import StatusSnapshot
+from outbox.harvest.status_board import BoardReporter, StatusBoards
+from outbox.harvest.store import FenceHolder, PostgresStore
 from outbox.harvest.topics import TopicLimits
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, admin_describe
-from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
 
@@ -81,7 +80,7 @@ class Connector(Protocol):
     def leader_election(self) -> LeaderElection: ...
     def listener(self, channel: str) -> ListenerLike | None: ...
     def status_reporter(self, snapshot: Callable[[], StatusSnapshot],
-                        on_backlog: Callable[[int], None]) -> StatusReporter | None: ...
+                        on_backlog: Callable[[int], None]) -> BoardReporter | None: ...
 
 
 class LiveConnector:
@@ -90,10 +89,13 @@ class LiveConnector:
     #: The store it opens (outboxes.RestingStore: one that closes its fence session while standing by).
     store_class: type[PostgresStore] = PostgresStore
 
-    def __init__(self, config: HarvestConfig, hubs: NotifyHubs | None = None) -> None:
-        """`hubs`: the process's LISTEN hubs, shared by all its engines (default: this engine's own)."""
+    def __init__(self, config: HarvestConfig, hubs: NotifyHubs | None = None,
+                 boards: StatusBoards | None = None) -> None:
+        """`hubs`, `boards`: the process's LISTEN hubs and status writers, shared by all its engines (default: this
+        engine's own)."""
         self.config = config
         self.hubs = hubs if hubs is not None else NotifyHubs(name=config.name)
+        self.boards = boards if boards is not None else StatusBoards(name=config.name)
         self.batch_limit: int | None = None
 
     def topic_limits(self) -> TopicLimits:
@@ -126,20 +128,5 @@ class LiveConnector:
         return self.hubs.subscribe(self.config.dsn, channel)
 
     def status_reporter(self, snapshot: Callable[[], StatusSnapshot], on_backlog: Callable[[int], None], *,
-                        sharded_replica: bool = False) -> StatusReporter | None:
-        config = self.config
-        if not (config.status_table and config.limits.status_interval):
-            return None
-        conn: psycopg.Connection | None = None
-        try:
-            conn = connect(config.dsn, "status")
-            exists = status_table_exists(conn, config.status_table)
-        except psycopg.Error as error:
-            log.warning("Status rows off: %s", first_line(error))
-            return None
-        finally:
-            close_quietly(conn)
-        if not exists:
-            log.info("Status rows off: table %s does not exist (manage.py migrate creates it)", config.status_table)
-            return None
-        return StatusReporter(config, snapshot=snapshot, on_backlog=on_backlog, sharded_replica=sharded_replica)
+                        sharded_replica: bool = False) -> BoardReporter | None:
+        return self.boards.reporter(self.config, snapshot, on_backlog, sharded_replica=sharded_replica)

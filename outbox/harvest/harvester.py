@@ -33,7 +33,8 @@ from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.runtime import ThreadedIO
-from outbox.harvest.status import StatusReporter, StatusSnapshot, snapshot_of
+from outbox.harvest.status import StatusSnapshot, snapshot_of
+from outbox.harvest.status_board import BoardReporter
 from outbox.harvest.store import StoreError
 from outbox.harvest.tracing import PublishTracer
 from outbox.kafka.clients import KafkaUnavailable
@@ -117,7 +118,7 @@ class Harvester(Lifecycle):
         self._io = ThreadedIO(config, self._connector, clock, self._announce)
         self._driver = Driver(self._core, self._io, instruments=self._instruments,
                               parked_by=f"harvester {config.name}", tracer=tracer)
-        self._status: StatusReporter | None = None
+        self._status: BoardReporter | None = None
         self._engine: threading.Thread | None = None
         self._started_at = datetime.now(UTC)
         self._since = self._started_at

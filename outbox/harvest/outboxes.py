@@ -94,16 +94,11 @@ class ManyConnector(LiveConnector):
     store_class = RestingStore
 
     def __init__(self, config: HarvestConfig, hubs: NotifyHubs, boards: StatusBoards) -> None:
-        super().__init__(config, hubs)
-        self._boards = boards
+        super().__init__(config, hubs, boards)
 
     def status_reporter(self, snapshot: Callable[[], StatusSnapshot], on_backlog: Callable[[int], None], *,
-                        sharded_replica: bool = False) -> BoardReporter | None:  # type: ignore[override]
-        config = self.config
-        if not (config.status_table and config.limits.status_interval):
-            return None
-        board = self._boards.board(config)
-        return BoardReporter(board, config, snapshot, on_backlog) if board is not None else None
+                        sharded_replica: bool = False) -> BoardReporter | None:
+        return self.boards.reporter(self.config, snapshot, on_backlog, one_of_many=True)
 
 
 class ManyHarvester(Lifecycle):
@@ -275,11 +270,12 @@ class ManyHarvester(Lifecycle):
 
     def _live_engine(self, label: str, config: HarvestConfig) -> Engine:
         """A Harvester whose LISTEN goes through the process's hub and whose status row is on the board (or a
-        ShardedHarvester, whose engines listen through the same hub and report on sessions of their own)."""
+        ShardedHarvester, whose engines listen through the same hub and report on the same board)."""
         if config.shards > 1:
             return ShardedHarvester(config, on_event=self._on_event, tracer=self._tracer,
                                     instruments=(lambda _shard: self._instruments(label))
-                                    if self._instruments is not None else None, hubs=self.hubs)
+                                    if self._instruments is not None else None, hubs=self.hubs,
+                                    boards=self.boards)
         return Harvester.sending_events_to(
             self._on_event, config, connector=ManyConnector(config, self.hubs, self.boards), tracer=self._tracer,
             instruments=self._instruments(label) if self._instruments is not None else None)

@@ -55,7 +55,8 @@ from outbox.harvest.kafka import (
 )
 from outbox.harvest.neli import publish_heartbeat
 from outbox.harvest.notify_hub import NotifyHubs
-from outbox.harvest.status import StatusReporter, StatusSnapshot
+from outbox.harvest.status import StatusSnapshot
+from outbox.harvest.status_board import BoardReporter, StatusBoards
 from outbox.harvest.store import (
     MIGRATE_HINT,
     StoreError,
@@ -352,8 +353,8 @@ class ShardConnector(LiveConnector):
     """The live connector of one shard's engine: its leader election is the replica's group (ShardGroup), its
     LISTEN the replica's hub."""
 
-    def __init__(self, config: HarvestConfig, group: ShardGroup, hubs: NotifyHubs) -> None:
-        super().__init__(config, hubs)
+    def __init__(self, config: HarvestConfig, group: ShardGroup, hubs: NotifyHubs, boards: StatusBoards) -> None:
+        super().__init__(config, hubs, boards)
         self._group = group
         self.election: ShardElection | None = None
 
@@ -373,9 +374,9 @@ class ShardedHarvester(Lifecycle):
                  instruments: Callable[[int], Instruments] | None = None, tracer: PublishTracer | None = None,
                  consumer_factory: Callable[[dict[str, Any]], ConsumerLike] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], ProducerLike] = Producer,
-                 hubs: NotifyHubs | None = None) -> None:
-        """`hubs`: the process's LISTEN hubs (ManyHarvester's, where this is one of its outboxes; default: this
-        replica's own), shared by every shard's engine."""
+                 hubs: NotifyHubs | None = None, boards: StatusBoards | None = None) -> None:
+        """`hubs`, `boards`: the process's LISTEN hubs and status writers (ManyHarvester's, where this is one of its
+        outboxes; default: this replica's own), shared by every shard's engine and the replica's own row."""
         super().__init__()
         self.config = config
         remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
@@ -388,9 +389,11 @@ class ShardedHarvester(Lifecycle):
         self._connectors: dict[int, ShardConnector] = {}
         #: One LISTEN session for every shard's engine (notify_hub.py).
         self.hubs = hubs if hubs is not None else NotifyHubs(name=config.name)
+        #: One status writer for every shard's engine's row and the replica's own.
+        self.boards = boards if boards is not None else StatusBoards(name=config.name)
         self._group: ShardGroup | None = None
         self._manager: threading.Thread | None = None
-        self._status: StatusReporter | None = None
+        self._status: BoardReporter | None = None
         self._started_at = datetime.now(UTC)
 
     # -- the view (any thread) --------------------------------------------------------------------
@@ -453,9 +456,7 @@ class ShardedHarvester(Lifecycle):
         except KafkaException as error:
             raise HarvestError(f"cannot create a Kafka client: {first_line(error)}") from None
         self._group = ShardGroup(config, consumer, producer)
-        self._status = LiveConnector(dataclasses.replace(config, limits=dataclasses.replace(
-            config.limits, history_interval=0.0))).status_reporter(self._replica_status, lambda _rows: None,
-                                                                   sharded_replica=True)
+        self._status = self.boards.reporter(config, self._replica_status, lambda _rows: None, sharded_replica=True)
         self._state = State.RUNNING
         self._group.start()
         if self._status is not None:
@@ -503,7 +504,7 @@ class ShardedHarvester(Lifecycle):
     def _start_engine(self, shard: int) -> Harvester:
         assert self._group is not None
         config = dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
-        connector = ShardConnector(config, self._group, self.hubs)
+        connector = ShardConnector(config, self._group, self.hubs, self.boards)
         engine = Harvester.sending_events_to(
             self._on_event, config, connector=connector, tracer=self._tracer,
             instruments=self._instruments(shard) if self._instruments is not None else None)

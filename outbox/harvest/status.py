@@ -1,16 +1,16 @@
 """Each replica's status row: who it is, whether it leads, what it has in flight and holds.
 
-The row is upserted every `status_interval` seconds on a connection of its own, so writing it
-never waits on harvesting (or the reverse); the admin dashboard, metrics and `harvest_health`
-read it. Rows not seen for `status_prune_after` seconds are deleted by whichever replica notices.
-A standby also says, once, who leads its group.
+A process's status writer (status_board.py: one session per status table for all its engines) upserts every
+engine's row each `status_interval`, so writing it never waits on harvesting (or the reverse); the admin
+dashboard, metrics and `harvest_health` read it. Rows not seen for `status_prune_after` seconds are deleted by
+whichever replica notices. A standby also says, once, who leads its group (StandbyNotes).
 
-Every `history_interval` seconds the same thread also adds a sample of the replica's figures to
-`<status_table>_history` (the dashboard's charts) and deletes samples older than `history_retention`:
-the engine's loop never waits on it, and it costs Postgres two index lookups and an insert. A sample
-carries what harvesting has cost the database (dbtime.py): this replica's round trips, and, from the
-leader where the database has pg_stat_statements, the server's time for each kind of statement
-(read by the harvester's query ids; their texts, which cost more to read, every ten minutes).
+Every `history_interval` seconds an engine also adds a sample of its figures to `<status_table>_history` (the
+dashboard's charts, HistorySampler) and deletes samples older than `history_retention`: the engine's loop never
+waits on it, and it costs Postgres two index lookups and an insert. A sample carries what harvesting has cost the
+database (dbtime.py): this replica's round trips, and, from the leader where the database has pg_stat_statements,
+the server's time for each kind of statement (read by the harvester's query ids; their texts, which cost more to
+read, every ten minutes).
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -33,8 +31,7 @@ from psycopg.types.json import Jsonb
 from outbox.harvest import dbtime, retention
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
-from outbox.harvest.retention import DeadLetterRetention
-from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
+from outbox.harvest.store import table_identifier, table_name
 from outbox.reasons import first_line
 
 if TYPE_CHECKING:
@@ -85,7 +82,6 @@ ON CONFLICT (name) DO UPDATE SET
   failed = EXCLUDED.failed
 """
 # A shard's engine says which shard it harvests, where the status table has the columns (migration 0008).
-SET_SHARD = "UPDATE {table} SET shard = %(shard)s, shards = %(shards)s WHERE name = %(name)s"
 HAS_SHARD_COLUMNS = """
 SELECT count(*) = 2 FROM pg_attribute
 WHERE attrelid = to_regclass(%(table)s) AND attname IN ('shard', 'shards') AND NOT attisdropped
@@ -162,7 +158,8 @@ def identity(config: HarvestConfig, started: datetime, *, host: str | None = Non
 
 
 def shard_columns(config: HarvestConfig, sharded_replica: bool = False) -> dict[str, int | None] | None:
-    """SET_SHARD's values: a shard's engine says its shard, a sharded replica's own row none; None unsharded."""
+    """The shard columns' values: a shard's engine says its shard, a sharded replica's own row none; None
+    unsharded."""
     if config.shards <= 1:
         return None
     return {"shard": None if sharded_replica else config.shard, "shards": config.shards}
@@ -192,134 +189,81 @@ def status_table_exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [table_name(table)]).fetchone()[0]
 
 
-class StatusReporter(threading.Thread):
-    """Upserts this replica's status row every `status_interval` seconds until stopped, then marks it stopped."""
+def status_statements(status_table: str) -> list[str]:
+    """The status writer's statements on `status_table` (status_board.py), as it sends them: what a sample's
+    read of pg_stat_statements counts as `status`."""
+    ident = table_identifier(status_table)
+    return [sql.SQL(text).format(table=ident).as_string() for text in (PRUNE, STOPPED, FORGET, LEADERS,
+                                                                       OTHER_TABLES)]
 
-    def __init__(self, config: HarvestConfig, *, snapshot: Callable[[], StatusSnapshot],
-                 on_backlog: Callable[[int], None], started: datetime | None = None,
-                 sharded_replica: bool = False) -> None:
-        """With shards, each engine reports its shard's row (deleted when the engine stops: the shard moved
-        or the replica stopped), and the replica itself a row of its own (`sharded_replica`: no shard, no
-        history), which says it is in the group whether it leads shards or not."""
-        super().__init__(name="outbox-status", daemon=True)
-        self._dsn = config.dsn
-        ident = table_identifier(config.status_table)
-        self._upsert = sql.SQL(UPSERT).format(table=ident)
-        self._set_shard = sql.SQL(SET_SHARD).format(table=ident)
-        self._status_table = table_name(config.status_table)
-        self._shard = shard_columns(config, sharded_replica)
-        self._engine_row = config.shards > 1 and not sharded_replica
-        self._sharded_replica = sharded_replica
-        self._forget = sql.SQL(FORGET).format(table=ident)
-        self._shard_columns: bool | None = None
-        self._prune = sql.SQL(PRUNE).format(table=ident)
-        self._stopped = sql.SQL(STOPPED).format(table=ident)
-        self._leaders = sql.SQL(LEADERS).format(table=ident)
-        self._other_tables = sql.SQL(OTHER_TABLES).format(table=ident)
-        self._shared_said: set[str] = set()
-        self._identity = identity(config, started or datetime.now(UTC))
-        self._group = config.leader_group
+
+class HistorySampler:
+    """One engine's history samples (the dashboard's charts), every `history_interval`, on the status writer's
+    session (status_board.py); a leader's sample also carries the server's time per kind of statement, read from
+    pg_stat_statements (`statements`: the last read, None where none was)."""
+
+    def __init__(self, config: HarvestConfig, identity: dict[str, object], writer_statements: list[str]) -> None:
+        """`writer_statements`: the status writer's own statements, counted as `status` with the samples'."""
+        self._identity = identity
         self._harvested = table_name(config.table)
-        self._interval = config.limits.status_interval
-        self._prune_after = config.status_prune_after
-        self._gone_after = max(4 * self._interval, 10.0)
-        self._snapshot = snapshot
-        self._on_backlog = on_backlog
-        self._history_table = history_table(config.status_table) if config.status_table else None
+        self._history_table = history_table(config.status_table)
         self._history_interval = config.limits.history_interval
         self._history_retention = config.history_retention
-        history = table_identifier(self._history_table or "unused")
+        history = table_identifier(self._history_table)
         harvested = table_identifier(config.table)
         self._sample = sql.SQL(SAMPLE.format(table="{table}", history="{history}", cost_columns="", cost_values="")
                                ).format(table=harvested, history=history)
         self._sample_costs = sql.SQL(SAMPLE.format(table="{table}", history="{history}", cost_columns=COST_COLUMNS,
                                                    cost_values=COST_VALUES)).format(table=harvested, history=history)
         self._prune_history = sql.SQL(PRUNE_HISTORY).format(history=history)
-        self._history_on: bool | None = (None if self._history_table and self._history_interval and not sharded_replica
-                                         else False)
+        self._history_on: bool | None = None
         self._history_costs = False
         self._history_failing = False
-        # The server's time per statement kind (pg_stat_statements), read by the leader with each sample.
-        # Its own statements count as `status`: the status rows, the history, the dead letters' retention.
-        own = [statement.as_string() for statement in (self._upsert, self._set_shard, self._forget, self._prune,
-                                                       self._stopped,
-                                                       self._leaders,
-                                                       self._other_tables, self._sample, self._sample_costs,
-                                                       self._prune_history)]
+        # Its own statements, the status writer's and the dead letters' retention count as `status`.
+        own = [statement.as_string() for statement in (self._sample, self._sample_costs, self._prune_history)]
         if config.dead_letter_table:
             own.append(sql.SQL(retention.PRUNE).format(table=table_identifier(config.dead_letter_table)).as_string())
         statements = {**dbtime.engine_statements(config.table, config.dead_letter_table, config.shards),
-                      **{text: "status" for text in [*own, BACKLOG]}}
+                      **{text: "status" for text in [*own, *writer_statements, BACKLOG]}}
         self._server_time = dbtime.ServerTime(dbtime.StatementKinds(statements), dbtime.server_patterns(
-            [config.table, config.status_table, self._history_table or config.status_table,
+            [config.table, config.status_table, self._history_table,
              *([config.dead_letter_table] if config.dead_letter_table else [])]))
         self._statements_on: bool | None = None
-        #: The last read of the server's time per statement kind (None: not read, or not the leader).
         self.statements: dbtime.Totals | None = None
         self._next_sample = 0.0
-        self.retention = DeadLetterRetention(config)
-        self._stop_event = threading.Event()
-        self._conn: psycopg.Connection | None = None
-        self._failing = False
-        self._standby_said: object = None  # the `since` of the standby spell already announced
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-    def run(self) -> None:
-        while True:
-            self._report()
-            if self._stop_event.wait(self._interval):
-                break
-        try:
-            self._connection().execute(self._forget if self._engine_row else self._stopped, self._identity)
-        except psycopg.Error as error:
-            log.debug("Could not mark the status row stopped: %s", first_line(error))
-        conn, self._conn = self._conn, None
-        close_quietly(conn)
 
     def sample(self, conn: psycopg.Connection, snapshot: StatusSnapshot) -> None:
-        """A history sample when one is due, on someone else's session (status_board.py: a reporter not started,
-        its row written by the board)."""
-        self._add_sample(conn, self._params(snapshot), len(snapshot.held), snapshot.round_trips)
-
-    def _params(self, snapshot: StatusSnapshot) -> dict[str, object]:
-        return row_values(self._identity, snapshot)
-
-    def _report(self) -> None:
-        snapshot = self._snapshot()
-        params = self._params(snapshot)
+        """A sample when one is due, and samples older than history_retention deleted. Raises psycopg.Error only
+        when the session broke (the writer says so once and reconnects)."""
+        if self._history_on is False or time.monotonic() < self._next_sample:
+            return
+        if self._history_on is None:
+            self._history_on = status_table_exists(conn, self._history_table)
+            if not self._history_on:
+                log.info("History off: table %s does not exist (manage.py migrate creates it)", self._history_table)
+                return
+            self._history_costs = conn.execute(HAS_COST_COLUMNS,
+                                               {"table": table_name(self._history_table)}).fetchone()[0]
+        self._next_sample = time.monotonic() + self._history_interval
+        params = row_values(self._identity, snapshot)
+        statements = self._read_statements(conn) if snapshot.state is ReplicaState.LEADER else None
+        self.statements = statements
+        costs = {"db_round_trips": Jsonb(dbtime.as_json(snapshot.round_trips)),
+                 "db_statements": None if statements is None else Jsonb(dbtime.as_json(statements))}
         try:
-            conn = self._connection()
-            if self._shard is not None and self._shard_columns is None:
-                self._shard_columns = conn.execute(HAS_SHARD_COLUMNS, {"table": self._status_table}).fetchone()[0]
-                if not self._shard_columns:
-                    log.warning("Status table %s has no shard columns (run manage.py migrate, or outbox-harvest "
-                                "schema --apply --since 0007_history_database_time): the dashboard cannot tell "
-                                "this engine's shard", self._status_table)
             with conn.transaction():
-                conn.execute(self._upsert, params)
-                if self._shard is not None and self._shard_columns:
-                    conn.execute(self._set_shard, {**self._shard, "name": params["name"]})
-                conn.execute(self._prune, {"age": self._prune_after})
-            row = conn.execute(BACKLOG, {"table": self._harvested}).fetchone()
-            if row is not None:
-                self._on_backlog(int(row[0]))
-            self._add_sample(conn, params, len(snapshot.held), snapshot.round_trips)
-            self.retention.run(conn, snapshot.state is ReplicaState.LEADER)
-            if snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since \
-                    and not self._shard:
-                self._say_who_leads(conn, snapshot)
-            self._say_if_group_shared(conn)
-            if self._failing:
-                log.info("Status reporting resumed")
-            self._failing = False
+                conn.execute(self._sample_costs if self._history_costs else self._sample,
+                             {**params, **costs, "held": len(snapshot.held), "count_limit": HISTORY_COUNT_LIMIT,
+                              "table_name": self._harvested})
+                conn.execute(self._prune_history, {"age": self._history_retention})
         except psycopg.Error as error:
-            if not self._failing:  # say it once, not every interval
-                log.warning("Status row not written (harvesting goes on): %s", first_line(error))
-            self._failing = True
-            conn, self._conn = self._conn, None
-            close_quietly(conn)
+            if conn.broken:
+                raise
+            if not self._history_failing:  # say it once, not every interval
+                log.warning("History sample not written (harvesting goes on): %s", first_line(error))
+            self._history_failing = True
+            return
+        self._history_failing = False
 
     def _read_statements(self, conn: psycopg.Connection) -> dbtime.Totals | None:
         """The server's time per statement kind, or None where pg_stat_statements cannot be read (said once)."""
@@ -333,44 +277,34 @@ class StatusReporter(threading.Thread):
                 return found
         except psycopg.Error as error:
             if conn.broken:
-                raise  # the status row's own handler says so once and reconnects
+                raise
             why = first_line(error)
         log.info("The database's time per statement is not recorded (the round trips are): pg_stat_statements: %s",
                  why)
         self._statements_on = False
         return None
 
-    def _add_sample(self, conn: psycopg.Connection, params: dict[str, object], held: int,
-                    round_trips: dbtime.Totals) -> None:
-        """Every history_interval: one sample, and samples older than history_retention deleted."""
-        if self._history_on is False or time.monotonic() < self._next_sample:
-            return
-        if self._history_on is None:
-            self._history_on = status_table_exists(conn, self._history_table)
-            if not self._history_on:
-                log.info("History off: table %s does not exist (manage.py migrate creates it)", self._history_table)
-                return
-            self._history_costs = conn.execute(HAS_COST_COLUMNS,
-                                               {"table": table_name(self._history_table)}).fetchone()[0]
-        self._next_sample = time.monotonic() + self._history_interval
-        statements = self._read_statements(conn) if params["state"] == ReplicaState.LEADER else None
-        self.statements = statements
-        costs = {"db_round_trips": Jsonb(dbtime.as_json(round_trips)),
-                 "db_statements": None if statements is None else Jsonb(dbtime.as_json(statements))}
-        try:
-            with conn.transaction():
-                conn.execute(self._sample_costs if self._history_costs else self._sample,
-                             {**params, **costs, "held": held, "count_limit": HISTORY_COUNT_LIMIT,
-                              "table_name": self._harvested})
-                conn.execute(self._prune_history, {"age": self._history_retention})
-        except psycopg.Error as error:
-            if conn.broken:
-                raise  # the status row's own handler says so once and reconnects
-            if not self._history_failing:  # say it once, not every interval
-                log.warning("History sample not written (harvesting goes on): %s", first_line(error))
-            self._history_failing = True
-            return
-        self._history_failing = False
+
+class StandbyNotes:
+    """What a replica of one outbox says, once, from the status rows: who leads its group while it stands by,
+    and a replica of its group harvesting another table (only one of the two can be harvested)."""
+
+    def __init__(self, config: HarvestConfig, identity: dict[str, object]) -> None:
+        ident = table_identifier(config.status_table)
+        self._leaders = sql.SQL(LEADERS).format(table=ident)
+        self._other_tables = sql.SQL(OTHER_TABLES).format(table=ident)
+        self._identity = identity
+        self._group = config.leader_group
+        self._gone_after = max(4 * config.limits.status_interval, 10.0)
+        #: Who leads is said by a replica's own row, not by each shard's engine.
+        self._who_leads = config.shards <= 1
+        self._shared_said: set[str] = set()
+        self._standby_said: object = None  # the `since` of the standby spell already announced
+
+    def say(self, conn: psycopg.Connection, snapshot: StatusSnapshot) -> None:
+        if self._who_leads and snapshot.state is ReplicaState.STANDBY and self._standby_said != snapshot.since:
+            self._say_who_leads(conn, snapshot)
+        self._say_if_group_shared(conn)
 
     def _say_who_leads(self, conn: psycopg.Connection, snapshot: StatusSnapshot) -> None:
         leaders = conn.execute(self._leaders, {"group": self._group, "name": self._identity["name"],
@@ -392,8 +326,3 @@ class StatusReporter(threading.Thread):
                 log.error("Leader group %s is shared with replica %s on %s, which harvests table %s: only one of the "
                           "two tables can be harvested. Give each outbox its own leader group (the default derives "
                           "one from the database and table).", self._group, name, host, table)
-
-    def _connection(self) -> psycopg.Connection:
-        if self._conn is None or self._conn.closed:
-            self._conn = connect(self._dsn, "status")
-        return self._conn

@@ -1,21 +1,20 @@
-"""One status writer for every engine of a process that harvests many outboxes (outboxes.py).
+"""One status writer per status table for every engine of a process: one outbox's, each shard's and the
+sharded replica's own row, each of many outboxes' (outboxes.py).
 
-A Harvester writes its status row on a session and thread of its own (status.py): a few statements
-every `status_interval`. Fifty outboxes in a process would be fifty sessions and well over a hundred
-statements a second, with nothing happening. The board writes every engine's row in one statement
-per `status_interval` on one session (per status table), reads every harvested table's backlog in
-one more every BACKLOG_EVERY intervals, and prunes stale rows every PRUNE_INTERVAL:
+A session and a thread per engine would be fifty sessions and well over a hundred statements a second for
+fifty idle outboxes, or one per shard. The board writes every engine's row in one statement per
+`status_interval` on one session (per status table), a shard's engine's shard in one more, reads every
+harvested table's backlog every BACKLOG_EVERY intervals and prunes stale rows every PRUNE_INTERVAL:
 
-    board = StatusBoard(config); board.start()
-    reporter = board.reporter(engine_config, snapshot, on_backlog)   # StatusReporter's interface for a Harvester
+    boards = StatusBoards()                                       # the process's
+    reporter = boards.reporter(engine_config, snapshot, on_backlog)   # start(), stop(), join(), statements
 
-The rows are the same rows, read by the same dashboard, metrics and harvest_health. An engine whose
-config has a `history_interval` also gets its history samples (the dashboard's charts; a leader's with
-its read of pg_stat_statements) written here, by a StatusReporter that is never started (outbox/many.py
-turns them off for tenant schemas' outboxes: fifty tenants would be five samples a second). What an
-engine on the board does not do: the standby's one-off log lines (who leads, a group shared by two
-tables). Parked records past `dead_letter_retention` are deleted by each outbox's leader, from here,
-every RETENTION_INTERVAL.
+The rows are read by the dashboard, metrics and harvest_health. An engine whose config has a
+`history_interval` also gets its history samples (the dashboard's charts; a leader's with its read of
+pg_stat_statements) written here (status.HistorySampler; outbox/many.py turns them off for tenant schemas'
+outboxes: fifty tenants would be five samples a second), and a replica of one outbox its standby's lines
+(status.StandbyNotes). Parked records past `dead_letter_retention` are deleted by each outbox's leader, from
+here. A board starts with its first engine and ends once its last one's row says stopped.
 """
 
 from __future__ import annotations
@@ -35,15 +34,20 @@ from psycopg.types.json import Jsonb
 from outbox.harvest import dbtime
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
-from outbox.harvest.retention import DeadLetterRetention
+from outbox.harvest.retention import PASS_INTERVAL, DeadLetterRetention
 from outbox.harvest.status import (
+    FORGET,
+    HAS_SHARD_COLUMNS,
     PRUNE,
     STOPPED,
     UPSERT,
-    StatusReporter,
+    HistorySampler,
+    StandbyNotes,
     StatusSnapshot,
     identity,
     row_values,
+    shard_columns,
+    status_statements,
     status_table_exists,
 )
 from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
@@ -55,15 +59,27 @@ log = logging.getLogger("outbox.harvest")
 BACKLOG_EVERY = 5
 #: Rows not seen for status_prune_after are deleted this often (seconds).
 PRUNE_INTERVAL = 60.0
-#: Each leader's pass over its expired dead letters, this often (seconds): retention is counted in days.
+#: Each leader's pass over its expired dead letters, this often (seconds) for an outbox among many: retention is
+#: counted in days (retention.PASS_INTERVAL for one outbox).
 RETENTION_INTERVAL = 600.0
 
 _COLUMNS = UPSERT[UPSERT.index("(") + 1:UPSERT.index(")")]
 _ON_CONFLICT = UPSERT[UPSERT.index("ON CONFLICT"):]
-# Every engine's row in one statement: the rows as a JSON array, typed by the status table's own row type.
-UPSERT_MANY = (f"INSERT INTO {{table}} ({_COLUMNS})\n"
-               f"SELECT {_COLUMNS.replace('last_seen', 'now()')}\n"
-               f"FROM jsonb_populate_recordset(NULL::{{table}}, %(rows)s)\n{_ON_CONFLICT}")
+
+
+def _upsert_many(shards: bool) -> str:
+    """Every engine's row in one statement: the rows as a JSON array, typed by the status table's own row type;
+    with `shards`, each engine's shard too (a table that has the columns, migration 0008)."""
+    columns = _COLUMNS + (", shard, shards" if shards else "")
+    on_conflict = _ON_CONFLICT.rstrip() + (",\n  shard = EXCLUDED.shard, shards = EXCLUDED.shards\n" if shards
+                                           else "\n")
+    return (f"INSERT INTO {{table}} ({columns})\n"
+            f"SELECT {columns.replace('last_seen', 'now()')}\n"
+            f"FROM jsonb_populate_recordset(NULL::{{table}}, %(rows)s)\n{on_conflict}")
+
+
+UPSERT_MANY = _upsert_many(shards=False)
+UPSERT_MANY_SHARDS = _upsert_many(shards=True)
 # Every harvested table's live-row estimate in one statement.
 BACKLOGS = """
 SELECT t.name, s.n_live_tup FROM unnest(%(tables)s::text[]) AS t(name)
@@ -71,22 +87,56 @@ JOIN pg_stat_user_tables s ON s.relid = to_regclass(t.name)
 """
 
 
-class BoardReporter:
-    """One engine's place on the board, with StatusReporter's interface (start, stop, join, is_alive)."""
+#: The shard columns of an unsharded engine's row (their defaults), beside sharded ones on one board.
+UNSHARDED = {"shard": None, "shards": 1}
 
-    def __init__(self, board: StatusBoard, config: HarvestConfig, snapshot: Callable[[], StatusSnapshot],
-                 on_backlog: Callable[[int], None]) -> None:
-        self.board = board
+
+def board_row(values: dict[str, Any], shard: dict[str, int | None] | None = None) -> dict[str, Any]:
+    """A status row as UPSERT_MANY(_SHARDS) reads it: status.row_values, and status.shard_columns (None:
+    unsharded), as JSON."""
+    leader_id = values["leader_id"]
+    return {**values, "started": values["started"].isoformat(), "since": values["since"].isoformat(),
+            "leader_id": None if leader_id is None else str(leader_id), "held": json.loads(values["held"]),
+            "in_flight_keys": list(values["in_flight_keys"]), **(shard or UNSHARDED)}
+
+
+def writer_statements(status_table: str) -> list[str]:
+    """The board's statements on `status_table` as it sends them (a history sample's read of pg_stat_statements
+    counts them as status)."""
+    ident = table_identifier(status_table)
+    return [*status_statements(status_table),
+            *(sql.SQL(text).format(table=ident).as_string() for text in (UPSERT_MANY, UPSERT_MANY_SHARDS))]
+
+
+class BoardReporter:
+    """One engine's place on the board: start() attaches it, stop() detaches it, join() waits for its last row."""
+
+    def __init__(self, boards: StatusBoards, config: HarvestConfig, snapshot: Callable[[], StatusSnapshot],
+                 on_backlog: Callable[[int], None], *, sharded_replica: bool = False,
+                 one_of_many: bool = False) -> None:
+        """With shards, each engine reports its shard's row (deleted when the engine stops: the shard moved or the
+        replica stopped), and the replica itself a row of its own (`sharded_replica`: no shard, no history), which
+        says it is in the group whether it leads shards or not. `one_of_many`: an outbox among many (outboxes.py):
+        no standby's lines, its dead letters' retention every RETENTION_INTERVAL."""
+        self._boards = boards
+        self.config = config
+        #: The board it is on, from start() (its status table's, in this process).
+        self.board: StatusBoard | None = None
         self.name = config.name
         self.table = table_name(config.table)
         self.identity = identity(config, datetime.now(UTC))
         self.snapshot = snapshot
         self.on_backlog = on_backlog
-        self.retention = DeadLetterRetention(config, pass_interval=RETENTION_INTERVAL)
-        #: The engine's history samples (the dashboard's charts), when its config asks for them
-        #: (history_interval): a StatusReporter never started, whose samples the board writes.
-        self.sampler = (StatusReporter(config, snapshot=snapshot, on_backlog=on_backlog)
-                        if config.status_table and config.limits.history_interval else None)
+        #: Its shard columns' values (None unsharded), and whether its row goes when it stops (a shard's engine's).
+        self.shard = shard_columns(config, sharded_replica)
+        self.forget = config.shards > 1 and not sharded_replica
+        self.retention = DeadLetterRetention(config, pass_interval=RETENTION_INTERVAL if one_of_many
+                                             else PASS_INTERVAL)
+        #: The engine's history samples (the dashboard's charts), when its config asks for them.
+        self.sampler = (HistorySampler(config, self.identity, writer_statements(config.status_table))
+                        if config.limits.history_interval and not sharded_replica else None)
+        #: A replica's own lines (a shard's engine leaves them to its replica's row).
+        self.notes = StandbyNotes(config, self.identity) if not (one_of_many or self.forget) else None
         self._alive = False
         self._gone = threading.Event()
 
@@ -97,11 +147,14 @@ class BoardReporter:
 
     def start(self) -> None:
         self._alive = True
-        self.board.attach(self)
+        self.board = self._boards.attach(self)
 
     def stop(self) -> None:
-        """Leave the board; its row says stopped once the board wrote that (join waits for it)."""
-        self.board.detach(self)
+        """Leave the board; its row says stopped (or is deleted) once the board wrote that (join waits for it)."""
+        if self.board is not None:
+            self.board.detach(self)
+        else:
+            self._gone.set()
 
     def join(self, timeout: float | None = None) -> None:
         self._gone.wait(timeout)
@@ -111,26 +164,29 @@ class BoardReporter:
         return self._alive
 
     def row(self) -> dict[str, Any]:
-        """The engine's row as UPSERT_MANY reads it: status.row_values, its values as JSON."""
-        values = row_values(self.identity, self.snapshot())
-        leader_id = values["leader_id"]
-        return {**values, "started": values["started"].isoformat(), "since": values["since"].isoformat(),
-                "leader_id": None if leader_id is None else str(leader_id), "held": json.loads(values["held"]),
-                "in_flight_keys": list(values["in_flight_keys"])}
+        """The engine's row as the board's upsert reads it."""
+        return board_row(row_values(self.identity, self.snapshot()), self.shard)
 
 
 class StatusBoard(threading.Thread):
     """Writes the status rows of every engine attached, for one status table, on one session."""
 
-    def __init__(self, config: HarvestConfig, *, name: str = "") -> None:
+    def __init__(self, config: HarvestConfig, *, name: str = "",
+                 on_empty: Callable[[StatusBoard], None] | None = None) -> None:
+        """`on_empty` is told when the last engine left (StatusBoards then ends the board)."""
         super().__init__(name="outbox-status-board", daemon=True)
         self._dsn = config.dsn
         self._name = name
+        self._on_empty = on_empty
         self._status_table = config.status_table
         ident = table_identifier(config.status_table)
         self._upsert = sql.SQL(UPSERT_MANY).format(table=ident)
+        self._upsert_shards = sql.SQL(UPSERT_MANY_SHARDS).format(table=ident)
+        #: Whether the status table has the shard columns (asked once an engine with a shard attaches).
+        self._shard_columns: bool | None = None
         self._prune = sql.SQL(PRUNE).format(table=ident)
         self._stopped = sql.SQL(STOPPED).format(table=ident)
+        self._forget = sql.SQL(FORGET).format(table=ident)
         self._interval = config.limits.status_interval
         self._prune_after = config.status_prune_after
         self._lock = threading.Lock()
@@ -162,14 +218,23 @@ class StatusBoard(threading.Thread):
     def attach(self, reporter: BoardReporter) -> None:
         with self._lock:
             self._reporters.append(reporter)
-        self._wake.set()  # its first row at once, as a StatusReporter writes its own
+        self._wake.set()  # its first row at once
 
     def detach(self, reporter: BoardReporter) -> None:
         with self._lock:
             if reporter in self._reporters:
                 self._reporters.remove(reporter)
             self._leaving.append(reporter)
+            empty = not self._reporters
         self._wake.set()
+        if empty and self._on_empty is not None:
+            self._on_empty(self)
+
+    @property
+    def empty(self) -> bool:
+        """Whether no engine is attached."""
+        with self._lock:
+            return not self._reporters
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -204,9 +269,10 @@ class StatusBoard(threading.Thread):
             # The leaving first: an engine started again in this process has the same name, pid and host,
             # and its new row must not be overwritten as stopped.
             for reporter in leaving:
-                conn.execute(self._stopped, reporter.identity)
+                conn.execute(self._forget if reporter.forget else self._stopped, reporter.identity)
             if reporters:
-                conn.execute(self._upsert, {"rows": Jsonb([reporter.row() for reporter in reporters])})
+                upsert = self._upsert_shards if self._with_shards(conn, reporters) else self._upsert
+                conn.execute(upsert, {"rows": Jsonb([reporter.row() for reporter in reporters])})
                 self._writes += 1
                 if self._writes % BACKLOG_EVERY == 1:
                     self._read_backlogs(conn, reporters)
@@ -215,6 +281,8 @@ class StatusBoard(threading.Thread):
                     reporter.retention.run(conn, snapshot.state is ReplicaState.LEADER)
                     if reporter.sampler is not None:
                         reporter.sampler.sample(conn, snapshot)
+                    if reporter.notes is not None:
+                        reporter.notes.say(conn, snapshot)
             now = time.monotonic()
             if now - self._pruned_at >= PRUNE_INTERVAL:
                 self._pruned_at = now
@@ -231,6 +299,20 @@ class StatusBoard(threading.Thread):
             for reporter in leaving:
                 reporter._gone.set()
 
+    def _with_shards(self, conn: psycopg.Connection, reporters: list[BoardReporter]) -> bool:
+        """Whether the rows carry their shards: some engine has one, and the table has the columns (else said
+        once)."""
+        if not any(reporter.shard for reporter in reporters):
+            return False
+        if self._shard_columns is None:
+            self._shard_columns = conn.execute(HAS_SHARD_COLUMNS,
+                                               {"table": table_name(self._status_table)}).fetchone()[0]
+            if not self._shard_columns:
+                log.warning("Status table %s has no shard columns (run manage.py migrate, or outbox-harvest schema "
+                            "--apply --since 0007_history_database_time): the dashboard cannot tell the engines' "
+                            "shards", self._status_table)
+        return self._shard_columns
+
     def _read_backlogs(self, conn: psycopg.Connection, reporters: list[BoardReporter]) -> None:
         found = dict(conn.execute(BACKLOGS, {"tables": sorted({r.table for r in reporters})}).fetchall())
         for reporter in reporters:
@@ -245,32 +327,64 @@ class StatusBoard(threading.Thread):
 
 
 class StatusBoards:
-    """The process's boards, one per status table (by database), started when first asked for."""
+    """The process's boards, one per status table (by database): started by the first engine, ended once the
+    last one's row was written as it left."""
 
     def __init__(self, *, name: str = "") -> None:
         self._name = name
         self._lock = threading.Lock()
         self._boards: dict[tuple[str, str], StatusBoard | None] = {}
 
-    def board(self, config: HarvestConfig) -> StatusBoard | None:
-        """The board of `config`'s status table; None (said once) where the table does not exist."""
-        key = (config.dsn, config.status_table or "")
+    def reporter(self, config: HarvestConfig, snapshot: Callable[[], StatusSnapshot],
+                 on_backlog: Callable[[int], None], **kinds: bool) -> BoardReporter | None:
+        """An engine's place on the board of `config`'s status table (BoardReporter's `kinds`), taken at its
+        start(); None where status rows are off, or the table does not exist (said once)."""
+        if not (config.status_table and config.limits.status_interval):
+            return None
         with self._lock:
-            if key not in self._boards:
-                board = StatusBoard(config, name=self._name)
-                if board.usable():
-                    board.start()
-                    self._boards[key] = board
-                else:
-                    log.info("Status rows off: table %s does not exist (manage.py migrate creates it)",
-                             config.status_table)
-                    board._close_session()
-                    self._boards[key] = None
-            return self._boards[key]
+            if self._board(config) is None:
+                return None
+        return BoardReporter(self, config, snapshot, on_backlog, **kinds)
+
+    def attach(self, reporter: BoardReporter) -> StatusBoard | None:
+        """Put `reporter` on its status table's board (started anew if the last one ended meanwhile)."""
+        with self._lock:  # before the board's own lock, as in _retire: no board is ended under a new engine
+            board = self._board(reporter.config)
+            if board is not None:
+                board.attach(reporter)
+            return board
+
+    def _board(self, config: HarvestConfig) -> StatusBoard | None:
+        key = (config.dsn, config.status_table or "")
+        if key not in self._boards:
+            board = StatusBoard(config, name=self._name, on_empty=self._retire)
+            if board.usable():
+                board.start()
+                self._boards[key] = board
+            else:
+                log.info("Status rows off: table %s does not exist (manage.py migrate creates it)",
+                         config.status_table)
+                board._close_session()
+                self._boards[key] = None
+        return self._boards[key]
+
+    def _retire(self, board: StatusBoard) -> None:
+        with self._lock:
+            for key, found in self._boards.items():
+                if found is board and board.empty:
+                    del self._boards[key]
+                    break
+            else:
+                return
+        board.stop()  # its last write says the leaving engines stopped; their join() waits for it
+
+    @property
+    def boards(self) -> list[StatusBoard]:
+        with self._lock:
+            return [board for board in self._boards.values() if board is not None]
 
     def close(self) -> None:
-        with self._lock:
-            boards = [board for board in self._boards.values() if board is not None]
+        boards = self.boards
         for board in boards:
             board.stop()
         for board in boards:

@@ -23,7 +23,8 @@ from outbox.harvest import dbtime
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.contract import Record, ReplicaState
 from outbox.harvest.harvester import Harvester
-from outbox.harvest.status import StatusReporter, StatusSnapshot
+from outbox.harvest.status import HistorySampler, StatusSnapshot, identity
+from outbox.harvest.status_board import StatusBoards, writer_statements
 from outbox.harvest.store import PostgresStore
 from outbox.metrics import HarvesterCollector, PrometheusInstruments
 from outbox.models import HarvesterSample, OutboxRecord
@@ -40,9 +41,14 @@ def config(database_url: str, bootstrap: str = "unused:9092", **limits: float) -
                          limits=Limits(heartbeat_timeout=2.0, **limits))
 
 
+def sampler(found: HarvestConfig) -> HistorySampler:
+    """An engine's history sampler, as its status writer (status_board.py) makes it."""
+    return HistorySampler(found, identity(found, timezone.now()), writer_statements(found.status_table))
+
+
 def test_each_statement_of_the_engine_counts_as_its_kind_in_pg_stat_statements(statement_stats):
     found = config(statement_stats)
-    reporter = StatusReporter(found, snapshot=lambda: None, on_backlog=lambda _: None)
+    reporter = sampler(found)
     patterns = dbtime.server_patterns(["outbox", "outbox_harvester", "outbox_harvester_history"])
     conn = psycopg.connect(statement_stats, autocommit=True)
     store = PostgresStore.open(statement_stats, "outbox", name=found.name, group=found.leader_group,
@@ -181,7 +187,7 @@ def test_without_pg_stat_statements_the_reporter_says_so_once_and_samples_round_
             raise psycopg.errors.ObjectNotInPrerequisiteState(
                 "pg_stat_statements must be loaded via shared_preload_libraries")
 
-    reporter = StatusReporter(config(database_url), snapshot=lambda: None, on_backlog=lambda _: None)
+    reporter = sampler(config(database_url))
     conn = NoView()
     with caplog.at_level(logging.INFO, logger="outbox.harvest"):
         assert reporter._read_statements(conn) is None
@@ -209,7 +215,8 @@ def test_a_standby_reads_no_server_figures(statement_stats):
                               in_flight_keys=[], in_flight_key_count=0, held=[], blocked_by=None, throughput=0.0,
                               published=0, failed=0, round_trips={"fence": (1, 0.001, 0)})
     found = config(statement_stats, status_interval=0.05, history_interval=0.05)
-    reporter = StatusReporter(found, snapshot=lambda: snapshot, on_backlog=lambda _: None)
+    reporter = StatusBoards().reporter(found, lambda: snapshot, lambda _: None)
+    assert reporter is not None
     reporter.start()
     try:
         sample = wait_until(lambda: HarvesterSample.objects.filter(name=found.name).first(), 10, "a sample")

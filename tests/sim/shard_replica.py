@@ -314,7 +314,7 @@ class ShardedReplica:
                 self.group.route(message.partition(), message.value() or b"")
         self.world.after(self.limits.min_poll_interval, self._poll_group)
 
-    # -- the engines' status threads (status.StatusReporter) -----------------------------------------
+    # -- the engines' status rows (status_board.StatusBoard) --------------------------------------------
 
     def _report(self) -> None:
         """Each engine that has not stopped writes its row, from its core's snapshot (Harvester.status)."""

@@ -1,10 +1,11 @@
 """The harvesters' status table (outbox_harvester) as the world keeps it, and the health probe's verdict on it.
 
 The rows are what the production code makes of each engine's state (status.identity, status.snapshot_of,
-status.row_values, status.shard_columns), written every REPORT_EVERY of a process's running time, as each
-engine's status thread writes its own, and deleted when the engine stops (a shard's engine leaves no row). A
-process that crashed or pauses writes nothing: its rows age, and count as gone after GONE_AFTER, as in the
-status table. The verdict is `manage.py harvest_health --any`'s (replicas.health on replicas.Replicas).
+status.row_values, status.shard_columns), written every REPORT_EVERY of a process's running time, as the
+process's status writer (status_board.py) writes each engine's, and deleted when the engine stops (a shard's
+engine leaves no row). A process that crashed or pauses writes nothing: its rows age, and count as gone after
+GONE_AFTER, as in the status table. The verdict is `manage.py harvest_health --any`'s (replicas.health on
+replicas.Replicas).
 
 Checked: every shard the verdict says a replica leads is one whose row that replica's engine wrote as leader,
 and no shard the rows say it leads is left out or credited to another.
@@ -42,7 +43,7 @@ class StatusTable:
         return EPOCH + timedelta(seconds=self.world.now)
 
     def write(self, writer: str, config: Any, snapshot: status.StatusSnapshot) -> None:
-        """The engine's status thread upserts its row (UPSERT, then SET_SHARD)."""
+        """The process's status writer upserts the engine's row, with its shard (status_board.UPSERT_MANY_SHARDS)."""
         values = status.row_values(status.identity(config, EPOCH, host="sim", pid=0), snapshot)
         columns = status.shard_columns(config) or {}
         self.rows[config.name] = SimpleNamespace(**{**LATER_COLUMNS, **values, **columns}, last_seen=self.now(),

@@ -1,7 +1,7 @@
 """Status rows of replicas that are not running, written exactly as a running one writes its own.
 
-The row goes through the engine's own UPSERT (outbox.harvest.status) with the parameters its
-StatusReporter builds from a snapshot, so a test's row says only what a real replica can say:
+The row goes through the status writer's own upsert (outbox.harvest.status_board) with the values a running
+engine's row has (status.row_values), so a test's row says only what a real replica can say:
 a leader id only while it leads, `blocked_by` only while it is blocked, held records as the
 engine's HeldRecord.
 """
@@ -15,9 +15,10 @@ from datetime import UTC, datetime, timedelta
 
 from django.db import connections
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from outbox.harvest.contract import HeldRecord, ReplicaState
-from outbox.harvest.status import SET_SHARD, UPSERT
+from outbox.harvest.status_board import UPSERT_MANY_SHARDS, board_row
 from outbox.models import HarvesterStatus
 
 
@@ -33,7 +34,7 @@ def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_
                throughput: float = 0.0, published: int = 0, using: str = "default",
                shard: int | None = None, shards: int = 1, table: str = "outbox") -> HarvesterStatus:
     """Upsert a replica's status row; `seen` seconds ago. With `shards`, a shard engine's row (`shard`), or the
-    sharded replica's own (no shard), as their reporters write them (status.SET_SHARD)."""
+    sharded replica's own (no shard), as the status writer writes them."""
     if leader_id is not None and state is not ReplicaState.LEADER:
         raise ValueError("only a leader reports a leader id")
     if marked_upto is not None and leader_id is None:
@@ -54,11 +55,10 @@ def status_row(name: str, state: ReplicaState = ReplicaState.STANDBY, *, leader_
     }
     connection = connections[using]
     connection.ensure_connection()
+    columns = {"shard": shard, "shards": shards} if shards > 1 else None
     with connection.connection.cursor() as cursor:
-        cursor.execute(sql.SQL(UPSERT).format(table=sql.Identifier(HarvesterStatus._meta.db_table)), params)
-        if shards > 1:
-            cursor.execute(sql.SQL(SET_SHARD).format(table=sql.Identifier(HarvesterStatus._meta.db_table)),
-                           {"name": name, "shard": shard, "shards": shards})
+        cursor.execute(sql.SQL(UPSERT_MANY_SHARDS).format(table=sql.Identifier(HarvesterStatus._meta.db_table)),
+                       {"rows": Jsonb([board_row(params, columns)])})
     if seen:
         HarvesterStatus.objects.using(using).filter(name=name).update(last_seen=now - timedelta(seconds=seen))
     return HarvesterStatus.objects.using(using).get(name=name)

@@ -148,7 +148,7 @@ def test_a_delivery_timeout_too_long_for_safe_fail_over_is_a_warning():
 def test_the_engine_sql_matches_the_models():
     import re
 
-    from outbox.harvest import contract, status
+    from outbox.harvest import contract, status_board
     from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
 
     outbox_columns = {f.column for f in OutboxRecord._meta.get_fields()}
@@ -157,11 +157,11 @@ def test_the_engine_sql_matches_the_models():
     assert read == [*contract.COLUMNS, "xmin::text::bigint"]
     parked = re.search(r"INSERT INTO \{dead_letters\} \((.*?)\)", contract.PARK, re.S).group(1)
     assert {c.strip() for c in parked.split(",")} == {f.column for f in DeadLetter._meta.get_fields()} - {"id"}
-    inserted = re.search(r"INSERT INTO \{table\} \((.*?)\)", status.UPSERT, re.S).group(1)
-    set_shard = set(re.findall(r"(\w+) = %\(\w+\)s", status.SET_SHARD.split("WHERE")[0]))
-    assert set_shard == {"shard", "shards"}
+    inserted = re.search(r"INSERT INTO \{table\} \((.*?)\)", status_board.UPSERT_MANY_SHARDS, re.S).group(1)
     columns = {f.column for f in HarvesterStatus._meta.get_fields()}
-    assert {c.strip() for c in inserted.split(",")} | set_shard == columns
+    assert {c.strip() for c in inserted.split(",")} == columns
+    assert set(re.findall(r"(\w+) = EXCLUDED", status_board.UPSERT_MANY_SHARDS)) == columns - {"name", "started",
+                                                                                             "last_seen"}
 
 
 @pytest.mark.parametrize(("outbox", "code", "text"), [

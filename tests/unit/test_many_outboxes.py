@@ -713,7 +713,7 @@ def test_an_engines_row_on_the_board_is_plain_json_with_what_a_status_row_says()
 
     from outbox.harvest.contract import HeldRecord
     from outbox.harvest.status import StatusSnapshot
-    from outbox.harvest.status_board import BoardReporter
+    from outbox.harvest.status_board import BoardReporter, StatusBoards
 
     leader_id = uuid.uuid4()
     since = datetime(2026, 11, 25, 7, 0, tzinfo=UTC)
@@ -723,7 +723,7 @@ def test_an_engines_row_on_the_board_is_plain_json_with_what_a_status_row_says()
                               in_flight_keys=["a", "b"], in_flight_key_count=2, held=[held], blocked_by=None,
                               throughput=3.5, published=10, failed=1, marked_upto=42)
     config = World.config("acme")
-    reporter = BoardReporter(board=None, config=config, snapshot=lambda: snapshot, on_backlog=lambda rows: None)
+    reporter = BoardReporter(StatusBoards(), config=config, snapshot=lambda: snapshot, on_backlog=lambda rows: None)
     row = json.loads(json.dumps(reporter.row()))
     assert row["name"] == "replica/acme" and row["harvested_table"] == "acme.outbox"
     assert row["leader_group"] == "leader-acme" and row["state"] == "leader"
@@ -735,13 +735,58 @@ def test_an_engines_row_on_the_board_is_plain_json_with_what_a_status_row_says()
 
 def test_the_boards_upsert_writes_every_column_of_the_one_row_upsert():
     from outbox.harvest.status import UPSERT
-    from outbox.harvest.status_board import UPSERT_MANY
+    from outbox.harvest.status_board import UPSERT_MANY, UPSERT_MANY_SHARDS
 
     def columns(statement: str) -> list[str]:
         return [c.strip() for c in statement[statement.index("(") + 1:statement.index(")")].split(",")]
 
     assert columns(UPSERT_MANY) == columns(UPSERT)
     assert UPSERT_MANY.endswith(UPSERT[UPSERT.index("ON CONFLICT"):]), "the same update of an existing row"
+    assert columns(UPSERT_MANY_SHARDS) == [*columns(UPSERT), "shard", "shards"]
+    assert UPSERT_MANY_SHARDS.rstrip().endswith("shard = EXCLUDED.shard, shards = EXCLUDED.shards")
+
+
+def test_one_board_per_status_table_for_a_replica_and_its_shards_ended_by_the_last_to_leave(monkeypatch):
+    """A sharded replica's own row and its shards' engines' rows on one session: a shard's engine's row carries its
+    shard and goes when it stops (its shard moved); the replica's row says stopped; the board then ends."""
+    import dataclasses
+
+    from outbox.harvest import status_board
+    from outbox.harvest.config import Limits
+
+    statements: list[str] = []
+    sessions: list[FakeStatusConnection] = []
+
+    def connect(*args: Any, **kwargs: Any) -> FakeStatusConnection:
+        sessions.append(FakeStatusConnection(statements))
+        return sessions[-1]
+
+    monkeypatch.setattr(status_board, "connect", connect)
+    replica = dataclasses.replace(World.config("acme", status_table="outbox_harvester_status",
+                                               limits=Limits(history_interval=0.0, status_interval=60.0)), shards=2)
+    boards = status_board.StatusBoards(name="replica")
+    own = boards.reporter(replica, a_snapshot, lambda rows: None, sharded_replica=True)
+    engines = [boards.reporter(dataclasses.replace(replica.for_shard(shard), name=f"replica/acme/s{shard}"),
+                               a_snapshot, lambda rows: None) for shard in (0, 1)]
+    for reporter in (own, *engines):
+        reporter.start()
+    [board] = boards.boards
+    assert [own.shard, engines[0].shard, engines[1].shard] == [{"shard": None, "shards": 2},
+                                                             {"shard": 0, "shards": 2}, {"shard": 1, "shards": 2}]
+    assert [own.forget, engines[0].forget] == [False, True] and own.notes is not None and engines[0].notes is None
+    wait_for(lambda: any(s.startswith("INSERT INTO") for s in statements), "the rows written")
+    engines[0].stop()
+    engines[0].join(timeout=5)
+    assert "DELETE FROM" in statements, "the moved shard's row is gone"
+    assert board.is_alive() and boards.boards == [board]
+    statements.clear()
+    engines[1].stop()
+    own.stop()
+    own.join(timeout=5)
+    engines[1].join(timeout=5)
+    assert sorted(statements[:2]) == ["DELETE FROM", "UPDATE \"outbox_harvester_status\""], statements
+    wait_for(lambda: not board.is_alive(), "the board to end with its last engine")
+    assert boards.boards == [] and len(sessions) == 1 and sessions[0].closed
 
 
 # ---------------------------------------------------------------------------------------------- manage.py harvest
@@ -774,7 +819,8 @@ def a_snapshot() -> Any:
 
 
 class FakeStatusConnection:
-    """The board's session: each statement's first words, in order; `exists` answers to_regclass."""
+    """The board's session: each statement's first words, in order; `exists` answers to_regclass (and whether the
+    shard columns are there)."""
 
     def __init__(self, log: list[str], exists: bool = True) -> None:
         self.log, self.exists, self.closed = log, exists, False
@@ -782,7 +828,7 @@ class FakeStatusConnection:
     def execute(self, statement: Any, params: Any = None) -> FakeStatusConnection:
         text = statement.as_string(None) if hasattr(statement, "as_string") else str(statement)
         self.log.append(" ".join(text.split()[:2]))
-        self._answer = [(self.exists,)] if "to_regclass(%s) IS NOT NULL" in text else []
+        self._answer = [(self.exists,)] if "to_regclass(%s) IS NOT NULL" in text or "pg_attribute" in text else []
         return self
 
     def fetchone(self) -> tuple[Any, ...] | None:
@@ -814,11 +860,11 @@ def test_a_board_whose_database_cannot_say_at_first_is_started_and_writes_once_i
     monkeypatch.setattr(status_board, "connect", connect)
     boards = status_board.StatusBoards(name="replica")
     config = World.config("acme", status_table="outbox_harvester_status")
-    board = boards.board(config)
+    reporter = boards.reporter(config, a_snapshot, lambda rows: None)
     try:
-        assert board is not None, "one refused connection must not turn status rows off for good"
-        assert boards.board(config) is board
-        status_board.BoardReporter(board, config, a_snapshot, lambda rows: None).start()
+        assert reporter is not None, "one refused connection must not turn status rows off for good"
+        reporter.start()
+        assert boards.boards == [reporter.board]
         wait_for(lambda: any(s.startswith("INSERT INTO") for s in statements), "the engine's row written")
     finally:
         boards.close()
@@ -835,7 +881,8 @@ def test_a_missing_status_table_turns_rows_off_and_its_probe_session_is_closed(m
 
     monkeypatch.setattr(status_board, "connect", connect)
     boards = status_board.StatusBoards(name="replica")
-    assert boards.board(World.config("acme", status_table="outbox_harvester_status")) is None
+    assert boards.reporter(World.config("acme", status_table="outbox_harvester_status"), a_snapshot,
+                           lambda rows: None) is None
     assert len(sessions) == 1 and sessions[0].closed
 
 
@@ -847,8 +894,9 @@ def test_an_engine_started_again_keeps_its_row_the_old_ones_stopped_is_written_f
     monkeypatch.setattr(status_board, "connect", lambda *a, **k: FakeStatusConnection(statements))
     config = World.config("acme", status_table="outbox_harvester_status", limits=Limits(history_interval=0.0))
     board = status_board.StatusBoard(config, name="replica")
-    old = status_board.BoardReporter(board, config, a_snapshot, lambda rows: None)
-    new = status_board.BoardReporter(board, config, a_snapshot, lambda rows: None)
+    boards = status_board.StatusBoards()
+    old = status_board.BoardReporter(boards, config, a_snapshot, lambda rows: None)
+    new = status_board.BoardReporter(boards, config, a_snapshot, lambda rows: None)
     board.attach(old)
     board._write()
     board.detach(old)

@@ -41,7 +41,8 @@ from django.test import override_settings
 
 from outbox import conf
 from outbox.harvest.contract import HeldRecord, ReplicaState
-from outbox.harvest.status import StatusReporter, StatusSnapshot
+from outbox.harvest.status import StatusSnapshot
+from outbox.harvest.status_board import BoardReporter, StatusBoards
 from outbox.harvest.store import APPLICATION_PREFIX
 from outbox.models import HarvesterSample, HarvesterStatus, OutboxRecord
 from outbox.stasher import stash, stash_many
@@ -535,7 +536,7 @@ class Command(BaseCommand):
 
     def bench_admin(self, rows: int, repeat: int, parked: int, history_replicas: int = 3, **_: Any) -> None:
         """Time the dashboard and the records pages on an outbox of `rows` rows, with a live leader
-        (a status row written by the engine's own StatusReporter) holding one record of a busy key, and a full
+        (a status row written by the engine's own status writer) holding one record of a busy key, and a full
         hour of history for `history_replicas` replicas (the dashboard's charts)."""
         from django.contrib.auth.models import User
         from django.test import Client
@@ -636,7 +637,7 @@ class Command(BaseCommand):
                            {"replicas": replicas})
 
     @staticmethod
-    def _leader_status(leader_id: uuid.UUID, held: HeldRecord) -> StatusReporter:
+    def _leader_status(leader_id: uuid.UUID, held: HeldRecord) -> BoardReporter:
         """A live leader's status row, written by the engine's own reporter (removed when it stops)."""
         from datetime import UTC, datetime
 
@@ -645,7 +646,9 @@ class Command(BaseCommand):
         snapshot = StatusSnapshot(state=ReplicaState.LEADER, leader_id=leader_id, since=now, in_flight=500, queued=0,
                                   in_flight_keys=[f"key-{i}" for i in range(1001, 1051)], in_flight_key_count=500,
                                   held=[held], blocked_by=None, throughput=0.0, published=0, failed=0)
-        reporter = StatusReporter(config, snapshot=lambda: snapshot, on_backlog=lambda _rows: None)
+        reporter = StatusBoards().reporter(config, lambda: snapshot, lambda _rows: None)
+        if reporter is None:
+            raise CommandError(f"no status table {config.status_table}: run manage.py migrate")
         reporter.start()
         deadline = time.monotonic() + 10
         while not HarvesterStatus.objects.filter(name=config.name).exists():
