@@ -120,19 +120,24 @@ def test_health_fails_for_a_replica_blocked_by_the_fence_naming_the_holder(datab
 
 def test_health_names_each_replica_with_the_shards_it_leads(database_url):
     """Two replicas of a 2-shard group, each leading one shard: the probe credits each with its own shard (it
-    once named the first replica as leading both)."""
-    for replica, shard, host in (("replica-a", 1, "host-a"), ("replica-b", 0, "host-b")):
-        status_row(replica, ReplicaState.STANDBY, shards=2, host=host)
-        status_row(f"{replica}-s{shard}", ReplicaState.LEADER, leader_id=uuid.uuid4(), shard=shard, shards=2,
-                   host=host, throughput=10.0)
+    once named the first replica as leading both). The rows are written again before each probe, as live replicas
+    keep writing theirs: eight probes on a loaded machine took longer than a row counts as live."""
+    def live_rows() -> None:
+        for replica, shard, host in (("replica-a", 1, "host-a"), ("replica-b", 0, "host-b")):
+            status_row(replica, ReplicaState.STANDBY, shards=2, host=host)
+            status_row(f"{replica}-s{shard}", ReplicaState.LEADER, leader_id=uuid.UUID(int=shard + 1), shard=shard,
+                       shards=2, host=host, throughput=10.0)
+
     both = ("replica-a leads shard(s) 1 of 2 (10 records/s, 0 in flight); "
             "replica-b leads shard(s) 0 of 2 (10 records/s, 0 in flight)")
     for flags in (["--any"], ["--any", "--require-leader"]):
+        live_rows()
         result = manage("harvest_health", *flags, env={"DATABASE_URL": database_url})
         assert result.returncode == 0 and result.stdout.startswith(f"ok: {both}, seen "), result.stdout
     for name, host, own in (("replica-a", "host-a", "replica-a leads shard(s) 1 of 2"),
                             ("replica-b", "host-b", "replica-b leads shard(s) 0 of 2")):
         for flags in (["--name", name], ["--host", host]):
+            live_rows()
             result = manage("harvest_health", *flags, env={"DATABASE_URL": database_url})
             assert result.returncode == 0 and result.stdout.startswith(f"ok: {own} ("), (flags, result.stdout)
             assert ("replica-a" in result.stdout) != ("replica-b" in result.stdout), result.stdout
