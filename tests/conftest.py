@@ -34,6 +34,8 @@ settings.load_profile(os.environ.get("OUTBOX_FUZZ_PROFILE", "ci"))
 # inherits it; users' own runs keep the JVM's default.
 os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
 os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", "-XX:TieredStopAtLevel=1")
+# And Spark's defaults for tiny frames (tests/support/spark-conf/spark-defaults.conf says which, and what they save).
+os.environ.setdefault("SPARK_CONF_DIR", str(Path(__file__).parent / "support" / "spark-conf"))
 
 #: Fixtures kept beside the helpers they go with.
 pytest_plugins = ["tests.support.statement_stats", "tests.support.tenants", "tests.support.fresh_project"]
