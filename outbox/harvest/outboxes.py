@@ -31,15 +31,14 @@ from typing import Any, Protocol
 from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import LiveConnector
-from outbox.harvest.contract import ReplicaState
-from outbox.harvest.harvester import Harvester, HarvestError, Lifecycle, State
+from outbox.harvest.harvester import Harvester, HarvestError, State
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.notify_hub import NotifyHubs
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.status import StatusSnapshot
 from outbox.harvest.status_board import BoardReporter, StatusBoards
 from outbox.harvest.store import PostgresStore
-from outbox.harvest.supervisor import Supervisor
+from outbox.harvest.supervisor import EngineSet, RunningEngine, Supervisor
 from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line
 
@@ -51,20 +50,12 @@ MANAGE_INTERVAL = 0.1
 RESCAN_INTERVAL = 30.0
 
 
-class Engine(Protocol):
-    """What the supervisor needs of an engine (Harvester and ShardedHarvester are two)."""
+class Engine(RunningEngine, Protocol):
+    """What the set needs of an outbox's engine (Harvester and ShardedHarvester are two)."""
 
     config: HarvestConfig
 
-    @property
-    def state(self) -> State: ...
-    @property
-    def replica_state(self) -> ReplicaState: ...
-    @property
-    def published(self) -> int: ...
     def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 class RestingStore(PostgresStore):
@@ -101,8 +92,11 @@ class ManyConnector(LiveConnector):
         return self.boards.reporter(self.config, snapshot, on_backlog, one_of_many=True)
 
 
-class ManyHarvester(Lifecycle):
+class ManyHarvester(EngineSet[str, Engine]):
     """Harvests every outbox `discover` names, an engine each, in this process (module docstring)."""
+
+    manage_interval = MANAGE_INTERVAL
+    thread_name = "outbox-outboxes"
 
     def __init__(self, discover: Callable[[], dict[str, HarvestConfig]], *, name: str = "",
                  rescan_interval: float = RESCAN_INTERVAL,
@@ -112,30 +106,18 @@ class ManyHarvester(Lifecycle):
                  clock: Callable[[], float] = time.monotonic,
                  supervisor_class: type[Supervisor[str, Engine]] = Supervisor) -> None:
         """`supervisor_class`: the reconcile step's class (the simulator swaps in a deliberate bug)."""
-        super().__init__()
-        self.name = name
+        super().__init__(self._start_engine, describe=lambda label: f"Outbox {label}'s engine", name=name,
+                         supervisor_class=supervisor_class, clock=clock)
         self._discover = discover
         self._rescan_interval = rescan_interval
         self._on_event = on_event
         self._instruments = instruments
         self._tracer = tracer
-        self._clock = clock
-        self.hubs = NotifyHubs(name=name)
-        self.boards = StatusBoards(name=name)
         self._factory = engine_factory or self._live_engine
         self._lock = threading.Lock()
-        self._supervisor: Supervisor[str, Engine] = supervisor_class(self._start_engine,
-                                                                     describe=lambda label: f"Outbox {label}'s engine")
         self._wanted: dict[str, HarvestConfig] = {}
         self._next_scan = 0.0
         self._scan_failing = False
-        self._manager: threading.Thread | None = None
-
-    # -- the view (any thread) --------------------------------------------------------------------
-
-    @property
-    def state(self) -> State:
-        return self._state
 
     @property
     def outboxes(self) -> dict[str, HarvestConfig]:
@@ -143,46 +125,9 @@ class ManyHarvester(Lifecycle):
         with self._lock:
             return dict(self._wanted)
 
-    @property
-    def engines(self) -> dict[str, Engine]:
-        """The engines running (or stopping) now, by outbox label."""
-        return self._supervisor.engines()
-
-    @property
-    def engine_health(self) -> dict[str, tuple[bool, int]]:
-        """Every outbox wanted or still stopping, by label: whether its engine runs now, and how often it failed
-        (an outbox whose engine fails in a loop has no engine most of the time: the metrics say so)."""
-        return self._supervisor.health()
-
-    @property
-    def leading(self) -> list[str]:
-        """The outboxes this process publishes now."""
-        return sorted(label for label, engine in self.engines.items()
-                      if engine.replica_state is ReplicaState.LEADER)
-
-    @property
-    def replica_state(self) -> ReplicaState:
-        if self._state in (State.STOPPING, State.STOPPED):
-            return ReplicaState.STOPPING if self._state is State.STOPPING else ReplicaState.STOPPED
-        return ReplicaState.LEADER if self.leading else ReplicaState.STANDBY
-
-    @property
-    def published(self) -> int:
-        return sum(engine.published for engine in self.engines.values())
-
     def discover(self) -> dict[str, HarvestConfig]:
         """The outboxes to harvest now, by label (what the supervisor asks every rescan_interval)."""
         return self._discover()
-
-    # -- lifecycle --------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Discover the outboxes (raises HarvestError if that fails) and start supervising them."""
-        if not self.open():
-            return  # stop() came during the first discovery (a SIGTERM at start): nothing was started
-        with self._state_lock:  # a stop() from now on finds the manager, which ends at once and says so
-            self._manager = threading.Thread(target=self._manage, name="outbox-outboxes", daemon=True)
-            self._manager.start()
 
     def open(self) -> bool:
         """The first discovery (HarvestError if it fails), starting no thread: start() then runs tick() on the
@@ -206,33 +151,20 @@ class ManyHarvester(Lifecycle):
                  ", ".join(sorted(found)) or "none yet")
         return True
 
+    # -- the step (supervisor.py): an engine for each outbox found; one whose outbox is gone or changed stops,
+    # and a fresh one starts once it settled --------------------------------------------------------------
 
-    # -- the supervisor thread --------------------------------------------------------------------
-
-    def _manage(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self.tick()
-                self._stopping.wait(MANAGE_INTERVAL)
-        except BaseException as error:  # a bug of ours, not an engine's failure: stop as a whole, saying why
-            self._failure = error
-            log.error("Harvester stopping after a failure: %s", first_line(error), exc_info=error)
-        finally:
-            self._state = State.STOPPING
-            self._supervisor.stop_all()
-            self.hubs.close()
-            self.boards.close()
-            self._state = State.STOPPED
-            log.info("Stopped")
-            self._stopped.set()
-
-    def tick(self) -> None:
-        """One look: discover again when due, then reconcile the engines with the outboxes found."""
-        now = self._clock()
+    def wanted(self, now: float) -> dict[str, HarvestConfig]:
+        """Discover again when due: the outboxes found."""
         if now >= self._next_scan:
             self._next_scan = now + self._rescan_interval
             self._rescan()
-        self._reconcile(now)
+        with self._lock:
+            return dict(self._wanted)
+
+    def retires(self, label: str, engine: Engine) -> bool:
+        with self._lock:
+            return self._wanted.get(label) != engine.config
 
     def _rescan(self) -> None:
         try:
@@ -252,14 +184,6 @@ class ManyHarvester(Lifecycle):
             log.info("Outbox %s found (%s)", label, found[label].table)
         for label in sorted(set(before) - set(found)):
             log.info("Outbox %s gone: its engine stops", label)
-
-    def _reconcile(self, now: float) -> None:
-        """One step (supervisor.py): an engine for each outbox found; one whose outbox is gone or changed stops,
-        and a fresh one starts once it settled."""
-        with self._lock:
-            wanted = dict(self._wanted)
-        self._supervisor.reconcile(wanted, now, lambda label, engine: wanted.get(label) != engine.config,
-                                   stopping=self._stopping.is_set)
 
     def _start_engine(self, label: str) -> Engine:
         with self._lock:

@@ -43,7 +43,7 @@ from outbox.harvest import contract, events, sharding
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import LiveConnector
 from outbox.harvest.contract import ReplicaState
-from outbox.harvest.harvester import Harvester, HarvestError, Lifecycle, State
+from outbox.harvest.harvester import Harvester, HarvestError, State
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import (
     ConsumerLike,
@@ -67,7 +67,7 @@ from outbox.harvest.store import (
     table_identifier,
     table_name,
 )
-from outbox.harvest.supervisor import Supervisor
+from outbox.harvest.supervisor import EngineSet
 from outbox.harvest.tracing import PublishTracer
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.kafka.redaction import remember_secrets
@@ -366,9 +366,13 @@ class ShardConnector(LiveConnector):
         return self.election
 
 
-class ShardedHarvester(Lifecycle):
+class ShardedHarvester(EngineSet[int, Harvester]):
     """Harvests one outbox table in `config.shards` shards; any number of replicas may run, each shard is
     led by one of them (module docstring)."""
+
+    manage_interval = MANAGE_INTERVAL
+    thread_name = "outbox-shards"
+    kind = "Sharded harvester"
 
     def __init__(self, config: HarvestConfig, *, on_event: Callable[[Harvester, events.Event], None] | None = None,
                  instruments: Callable[[int], Instruments] | None = None, tracer: PublishTracer | None = None,
@@ -377,50 +381,27 @@ class ShardedHarvester(Lifecycle):
                  hubs: NotifyHubs | None = None, boards: StatusBoards | None = None) -> None:
         """`hubs`, `boards`: the process's LISTEN hubs and status writers (ManyHarvester's, where this is one of its
         outboxes; default: this replica's own), shared by every shard's engine and the replica's own row."""
-        super().__init__()
+        super().__init__(self._start_engine, describe=lambda shard: f"Shard {shard}'s engine", name=config.name,
+                         hubs=hubs, boards=boards)
         self.config = config
         remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
         self._on_event = on_event
         self._instruments = instruments
         self._tracer = tracer
         self._consumer_factory, self._producer_factory = consumer_factory, producer_factory
-        self._supervisor: Supervisor[int, Harvester] = Supervisor(self._start_engine,
-                                                                   describe=lambda shard: f"Shard {shard}'s engine")
         self._connectors: dict[int, ShardConnector] = {}
-        #: One LISTEN session for every shard's engine (notify_hub.py).
-        self.hubs = hubs if hubs is not None else NotifyHubs(name=config.name)
-        #: One status writer for every shard's engine's row and the replica's own.
-        self.boards = boards if boards is not None else StatusBoards(name=config.name)
         self._group: ShardGroup | None = None
-        self._manager: threading.Thread | None = None
+        self._owned: set[int] = set()
         self._status: BoardReporter | None = None
         self._started_at = datetime.now(UTC)
-
-    # -- the view (any thread) --------------------------------------------------------------------
-
-    @property
-    def state(self) -> State:
-        return self._state
-
-    @property
-    def engines(self) -> dict[int, Harvester]:
-        """This replica's engines by shard (running, or settling a shard that moved)."""
-        return self._supervisor.engines()
 
     @property
     def leading_shards(self) -> list[int]:
         """The shards this replica publishes now (assigned, own heartbeats seen, fence held)."""
-        return sorted(shard for shard, engine in self.engines.items() if engine.is_leader)
+        return self.leading
 
-    @property
-    def replica_state(self) -> ReplicaState:
-        if self._state in (State.STOPPING, State.STOPPED):
-            return ReplicaState.STOPPING if self._state is State.STOPPING else ReplicaState.STOPPED
-        return ReplicaState.LEADER if self.leading_shards else ReplicaState.STANDBY
-
-    @property
-    def published(self) -> int:
-        return sum(engine.published for engine in self.engines.values())
+    def _leads(self, engine: Harvester) -> bool:
+        return engine.is_leader
 
     def _replica_status(self) -> StatusSnapshot:
         """The replica's own status row: in the group (its engines' rows say which shards it leads), and its totals."""
@@ -434,10 +415,8 @@ class ShardedHarvester(Lifecycle):
                               published=sum(engine.published for engine in engines),
                               failed=sum(engine.failed for engine in engines))
 
-    # -- lifecycle --------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Check the table and the leader topic, join the group; raises HarvestError with a one-line reason."""
+    def open(self) -> bool:
+        """Check the table and the leader topic, and join the group; raises HarvestError with a one-line reason."""
         config = self.config
         problems = config.validate()
         if problems:
@@ -455,51 +434,41 @@ class ShardedHarvester(Lifecycle):
             raise HarvestError(str(error)) from None
         except KafkaException as error:
             raise HarvestError(f"cannot create a Kafka client: {first_line(error)}") from None
+        with self._state_lock:
+            if self._state is not State.CREATED:  # stop() came meanwhile: the consumer never joined
+                consumer.close()
+                return False
+            self._state = State.RUNNING
         self._group = ShardGroup(config, consumer, producer)
-        self._status = self.boards.reporter(config, self._replica_status, lambda _rows: None, sharded_replica=True)
-        self._state = State.RUNNING
         self._group.start()
+        self._status = self.boards.reporter(config, self._replica_status, lambda _rows: None, sharded_replica=True)
         if self._status is not None:
             self._status.start()
-        self._manager = threading.Thread(target=self._manage, name="outbox-shards", daemon=True)
-        self._manager.start()
         log.info("Harvesting %s in %d shards as %s (leader topic %s, group %s)", config.table, config.shards,
                  config.name, config.leader_topic, config.leader_group)
+        return True
 
+    # -- the step (supervisor.py): engines for the shards assigned, stopped once they let their shard go -----
 
-    # -- the manager thread -----------------------------------------------------------------------
+    def wanted(self, now: float) -> set[int]:
+        assert self._group is not None
+        if self._group.failure is not None:
+            raise self._group.failure
+        self._owned = self._group.owned()  # one look per step: retires() reads the same
+        return self._owned
 
-    def _manage(self) -> None:
+    def retires(self, shard: int, engine: Harvester) -> bool:
+        connector = self._connectors.get(shard)
+        return retires(shard, self._owned, connector.election if connector is not None else None)
+
+    def _closed(self) -> None:
         group = self._group
-        assert group is not None
-        try:
-            while not self._stopping.is_set():
-                if group.failure is not None:
-                    raise group.failure
-                self._reconcile(group.owned(), time.monotonic())
-                self._stopping.wait(MANAGE_INTERVAL)
-        except BaseException as error:
-            self._failure = error
-            log.error("Sharded harvester stopping after a failure: %s", first_line(error))
-        finally:
-            self._state = State.STOPPING
-            self._supervisor.stop_all()
+        if group is not None:
             group.stop()
             group.join(timeout=10)
-            if self._status is not None:
-                self._status.stop()
-                self._status.join(timeout=10)
-            self._state = State.STOPPED
-            log.info("Stopped")
-            self._stopped.set()
-
-    def _reconcile(self, owned: set[int], now: float) -> None:
-        """One step (supervisor.py): engines for the shards assigned, stopped once they let their shard go."""
-        def retire(shard: int, engine: Harvester) -> bool:
-            connector = self._connectors.get(shard)
-            return retires(shard, owned, connector.election if connector is not None else None)
-
-        self._supervisor.reconcile(owned, now, retire)
+        if self._status is not None:
+            self._status.stop()
+            self._status.join(timeout=10)
 
     def _start_engine(self, shard: int) -> Harvester:
         assert self._group is not None

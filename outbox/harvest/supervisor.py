@@ -1,10 +1,12 @@
 """One reconcile step for a process's set of engines: what should run, what runs; start what is missing,
 stop (after it settled) what should not run, forget what stopped, start again after a backoff that doubles.
 
-A process runs a set of engines. A sharded replica (shards.py) runs one per shard the group assigned it; a
-process harvesting many outboxes (outboxes.py) one per outbox, each a Harvester or a sharded replica. Both
-call `Supervisor.reconcile` from their manager thread with what should run now and their rule for an engine
-to retire; the shard simulator (tests/sim/shard_replica.py) calls the very same step on its clock.
+A process runs a set of engines (`EngineSet`: its manager thread, the view other threads read, its end). A
+sharded replica (shards.py) runs one per shard the group assigned it; a process harvesting many outboxes
+(outboxes.py) one per outbox, each a Harvester or a sharded replica. Both are an EngineSet that says what
+should run now and its rule for an engine to retire; its tick() calls `Supervisor.reconcile` with them. The
+many-outbox simulator (tests/sim/many_process.py) runs the same tick() on its clock, the shard simulator
+(tests/sim/shard_replica.py) the same reconcile step with the same rule.
 
 An engine is stopped, never dropped: stop() lets what it has in flight settle, and only once it has stopped is
 its slot free for a new engine (a shard's hand-off waits on that: shards.py). An engine that failed, or could
@@ -16,11 +18,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from outbox.harvest.harvester import HarvestError, State
+from outbox.harvest.contract import ReplicaState
+from outbox.harvest.harvester import HarvestError, Lifecycle, State
+from outbox.harvest.notify_hub import NotifyHubs
+from outbox.harvest.status_board import StatusBoards
+from outbox.kafka.clients import KafkaUnavailable
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.supervisor")
@@ -40,8 +47,18 @@ class EngineLike(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
+class RunningEngine(EngineLike, Protocol):
+    """What an EngineSet reads of its engines besides (a Harvester, a ShardedHarvester)."""
+
+    @property
+    def replica_state(self) -> ReplicaState: ...
+    @property
+    def published(self) -> int: ...
+
+
 K = TypeVar("K")
 E = TypeVar("E", bound=EngineLike)
+R = TypeVar("R", bound=RunningEngine)
 
 
 @dataclass
@@ -150,3 +167,119 @@ class Supervisor(Generic[K, E]):
         slot.failed_total += 1
         slot.retry_at = now + backoff
         log.error("%s %s (started again in %gs)", self._describe(key), why, backoff)
+
+
+class EngineSet(Lifecycle, Generic[K, R]):
+    """A process's engines under one Supervisor, stepped by one manager thread. What it wants (`wanted`) and when a
+    running engine must go (`retires`) are its kind's: a shard the group assigned this replica (ShardedHarvester), an
+    outbox found (ManyHarvester). open() prepares without starting a thread, and tick() is one step of the manager
+    (start() runs it every MANAGE_INTERVAL), so a simulator can step it on its clock. Its engines share the process's
+    LISTEN hubs and status boards: its own, ended with it, unless it is given the ones of a set it belongs to."""
+
+    #: How often the manager steps; what the set is, for the log.
+    manage_interval = 0.1
+    kind = "Harvester"
+    thread_name = "outbox-engines"
+
+    def __init__(self, start_engine: Callable[[K], R], *, describe: Callable[[K], str], name: str = "",
+                 hubs: NotifyHubs | None = None, boards: StatusBoards | None = None,
+                 supervisor_class: type[Supervisor[K, R]] = Supervisor,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`start_engine(key)`: a new engine for `key`, started; `describe(key)`: how the log names it;
+        `supervisor_class`: the reconcile step's class (the simulator swaps in a deliberate bug)."""
+        super().__init__()
+        self.name = name
+        self._supervisor: Supervisor[K, R] = supervisor_class(start_engine, describe=describe)
+        self._own_services = hubs is None and boards is None
+        #: One LISTEN session per database and one status writer per status table for every engine of the process.
+        self.hubs = hubs if hubs is not None else NotifyHubs(name=name)
+        self.boards = boards if boards is not None else StatusBoards(name=name)
+        self._clock = clock
+        self._manager: threading.Thread | None = None
+
+    # -- what a kind of set says ------------------------------------------------------------------
+
+    def open(self) -> bool:
+        """Prepare, and go from CREATED to RUNNING (HarvestError if it cannot); False if stop() came meanwhile."""
+        raise NotImplementedError
+
+    def wanted(self, now: float) -> Collection[K]:
+        """The keys that should have an engine now."""
+        raise NotImplementedError
+
+    def retires(self, key: K, engine: R) -> bool:
+        """Whether a running engine must stop (it settles first)."""
+        raise NotImplementedError
+
+    def _closed(self) -> None:
+        """After every engine stopped: end what the kind holds of its own."""
+
+    def _leads(self, engine: R) -> bool:
+        return engine.replica_state is ReplicaState.LEADER
+
+    # -- the view (any thread) --------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def engines(self) -> dict[K, R]:
+        """The engines running or settling now, by key."""
+        return self._supervisor.engines()
+
+    @property
+    def engine_health(self) -> dict[K, tuple[bool, int]]:
+        """Every key wanted or still settling: whether its engine runs now, and how often it failed (an engine
+        that fails in a loop has none most of the time: the metrics say so)."""
+        return self._supervisor.health()
+
+    @property
+    def leading(self) -> list[K]:
+        """The keys whose engine publishes now."""
+        return sorted(key for key, engine in self.engines.items() if self._leads(engine))  # type: ignore[type-var]
+
+    @property
+    def replica_state(self) -> ReplicaState:
+        if self._state in (State.STOPPING, State.STOPPED):
+            return ReplicaState.STOPPING if self._state is State.STOPPING else ReplicaState.STOPPED
+        return ReplicaState.LEADER if self.leading else ReplicaState.STANDBY
+
+    @property
+    def published(self) -> int:
+        return sum(engine.published for engine in self.engines.values())
+
+    # -- the manager thread -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """open() (raises HarvestError with a one-line reason), then step on the manager thread."""
+        if not self.open():
+            return  # stop() came meanwhile (a SIGTERM at start): nothing was started
+        with self._state_lock:  # a stop() from now on finds the manager, which ends at once and says so
+            self._manager = threading.Thread(target=self._manage, name=self.thread_name, daemon=True)
+            self._manager.start()
+
+    def tick(self) -> None:
+        """One step: reconcile the engines with what is wanted now (supervisor.py)."""
+        now = self._clock()
+        self._supervisor.reconcile(self.wanted(now), now, self.retires, stopping=self._stopping.is_set)
+
+    def _manage(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self.tick()
+                self._stopping.wait(self.manage_interval)
+        except BaseException as error:  # not an engine's failure: stop as a whole, saying why (a bug's traceback)
+            self._failure = error
+            log.error("%s stopping after a failure: %s", self.kind, first_line(error),
+                      exc_info=None if isinstance(error, (HarvestError, KafkaUnavailable)) else error)
+        finally:
+            self._state = State.STOPPING
+            self._supervisor.stop_all()
+            self._closed()
+            if self._own_services:
+                self.hubs.close()
+                self.boards.close()
+            self._state = State.STOPPED
+            log.info("Stopped")
+            self._stopped.set()
