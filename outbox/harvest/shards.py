@@ -67,7 +67,7 @@ from outbox.harvest.store import (
     table_identifier,
     table_name,
 )
-from outbox.harvest.supervisor import EngineSet
+from outbox.harvest.supervisor import EngineSet, Supervisor
 from outbox.harvest.tracing import PublishTracer
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.kafka.redaction import remember_secrets
@@ -283,6 +283,13 @@ class ShardGroup(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
 
+    def close(self) -> None:
+        """A group that never ran: its consumer ends without joining."""
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as error:
+            log.warning("Closing the leader consumer: %s", error)
+
     def route(self, partition: int, value: bytes) -> None:
         """A message of the leader topic: an engine's own heartbeat, sent less than heartbeat_timeout ago,
         tells it so."""
@@ -378,11 +385,14 @@ class ShardedHarvester(EngineSet[int, Harvester]):
                  instruments: Callable[[int], Instruments] | None = None, tracer: PublishTracer | None = None,
                  consumer_factory: Callable[[dict[str, Any]], ConsumerLike] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], ProducerLike] = Producer,
-                 hubs: NotifyHubs | None = None, boards: StatusBoards | None = None) -> None:
+                 hubs: NotifyHubs | None = None, boards: StatusBoards | None = None,
+                 supervisor_class: type[Supervisor[int, Harvester]] = Supervisor,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`hubs`, `boards`: the process's LISTEN hubs and status writers (ManyHarvester's, where this is one of its
-        outboxes; default: this replica's own), shared by every shard's engine and the replica's own row."""
+        outboxes; default: this replica's own), shared by every shard's engine and the replica's own row;
+        `supervisor_class`, `clock`: the reconcile step's class and the manager's clock (the simulator's)."""
         super().__init__(self._start_engine, describe=lambda shard: f"Shard {shard}'s engine", name=config.name,
-                         hubs=hubs, boards=boards)
+                         hubs=hubs, boards=boards, supervisor_class=supervisor_class, clock=clock)
         self.config = config
         remember_secrets(config.dsn, config.base_kafka_config, config.producer_kafka_config)
         self._on_event = on_event
@@ -416,13 +426,33 @@ class ShardedHarvester(EngineSet[int, Harvester]):
                               failed=sum(engine.failed for engine in engines))
 
     def open(self) -> bool:
-        """Check the table and the leader topic, and join the group; raises HarvestError with a one-line reason."""
+        """Check the config, the table and the leader topic, and join the group; raises HarvestError with a one-line
+        reason. False if stop() came meanwhile."""
         config = self.config
         problems = config.validate()
         if problems:
             raise HarvestError("invalid configuration: " + "; ".join(map(str, problems)))
         if config.shards < 2:
             raise HarvestError("a sharded harvester needs shards > 1 (Harvester harvests one shard)")
+        group = self._join_group()
+        with self._state_lock:
+            if self._state is not State.CREATED:  # stop() came meanwhile: the consumer never joined
+                group.close()
+                return False
+            self._state = State.RUNNING
+        self._group = group
+        group.start()
+        self._status = self.boards.reporter(config, self._replica_status, lambda _rows: None, sharded_replica=True)
+        if self._status is not None:
+            self._status.start()
+        log.info("Harvesting %s in %d shards as %s (leader topic %s, group %s)", config.table, config.shards,
+                 config.name, config.leader_topic, config.leader_group)
+        return True
+
+    def _join_group(self) -> ShardGroup:
+        """The table's index for its shards, the leader topic with a partition each, and the group's consumer and
+        heartbeat producer (the simulator's are the world's)."""
+        config = self.config
         try:
             prepare_table(config)
             found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT,
@@ -434,19 +464,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
             raise HarvestError(str(error)) from None
         except KafkaException as error:
             raise HarvestError(f"cannot create a Kafka client: {first_line(error)}") from None
-        with self._state_lock:
-            if self._state is not State.CREATED:  # stop() came meanwhile: the consumer never joined
-                consumer.close()
-                return False
-            self._state = State.RUNNING
-        self._group = ShardGroup(config, consumer, producer)
-        self._group.start()
-        self._status = self.boards.reporter(config, self._replica_status, lambda _rows: None, sharded_replica=True)
-        if self._status is not None:
-            self._status.start()
-        log.info("Harvesting %s in %d shards as %s (leader topic %s, group %s)", config.table, config.shards,
-                 config.name, config.leader_topic, config.leader_group)
-        return True
+        return ShardGroup(config, consumer, producer)
 
     # -- the step (supervisor.py): engines for the shards assigned, stopped once they let their shard go -----
 
@@ -458,8 +476,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         return self._owned
 
     def retires(self, shard: int, engine: Harvester) -> bool:
-        connector = self._connectors.get(shard)
-        return retires(shard, self._owned, connector.election if connector is not None else None)
+        return retires(shard, self._owned, self._election(shard, engine))
 
     def _closed(self) -> None:
         group = self._group
@@ -471,12 +488,20 @@ class ShardedHarvester(EngineSet[int, Harvester]):
             self._status.join(timeout=10)
 
     def _start_engine(self, shard: int) -> Harvester:
+        engine = self._new_engine(shard)
+        engine.start()
+        return engine
+
+    def _new_engine(self, shard: int) -> Harvester:
+        """Shard `shard`'s engine, not started: a Harvester whose election is the group's view of its shard."""
         assert self._group is not None
         config = dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
-        connector = ShardConnector(config, self._group, self.hubs, self.boards)
-        engine = Harvester.sending_events_to(
+        connector = self._connectors[shard] = ShardConnector(config, self._group, self.hubs, self.boards)
+        return Harvester.sending_events_to(
             self._on_event, config, connector=connector, tracer=self._tracer,
             instruments=self._instruments(shard) if self._instruments is not None else None)
-        engine.start()
-        self._connectors[shard] = connector
-        return engine
+
+    def _election(self, shard: int, engine: Harvester) -> ShardElection | None:
+        """The running engine's view of its shard (None until it asked for one)."""
+        connector = self._connectors.get(shard)
+        return connector.election if connector is not None else None

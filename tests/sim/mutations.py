@@ -362,12 +362,13 @@ class DroppedOutboxKept(ManyHarvester):
     """Retires an engine only when its outbox changed, not when discovery no longer finds it: a dropped tenant's
     engine keeps running, and its fence."""
 
-    def _reconcile(self, now: float) -> None:
+    def wanted(self, now: float) -> dict[str, Any]:
+        return {**{label: engine.config for label, engine in self.engines.items()}, **super().wanted(now)}
+
+    def retires(self, label: str, engine: Any) -> bool:
         with self._lock:
-            wanted = dict(self._wanted)
-        kept = {**{label: engine.config for label, engine in self.engines.items()}, **wanted}
-        self._supervisor.reconcile(kept, now, lambda label, engine: kept[label] != engine.config,
-                                   stopping=self._stopping.is_set)
+            found = self._wanted.get(label)
+        return found is not None and found != engine.config
 
 
 class DiscoveryFailureDropsAll(ManyHarvester):
@@ -394,7 +395,8 @@ MANY_MUTATIONS: dict[str, ManyOptions] = {
 SHARD_MUTATIONS: dict[str, ShardOptions] = {
     "a status report that credits one replica with another's shards": ShardOptions(
         patches={"outbox.harvest.replicas._by_replica": credited_to_one}),
-    "an engine whose shard moved keeps running": ShardOptions(retires=moved_shard_kept),
+    "an engine whose shard moved keeps running": ShardOptions(
+        patches={"outbox.harvest.shards.retires": moved_shard_kept}),
     "a failed engine started again at once, without a backoff": ShardOptions(supervisor_class=RestartedAtOnce),
     "a failed engine never started again": ShardOptions(supervisor_class=NeverRestarted),
     "a shard's fence let go at once when its term ends": ShardOptions(

@@ -1,17 +1,19 @@
 """One simulated sharded harvester process (`harvest --shards N`, outbox/harvest/shards.py): one group
 consumer of the leader topic, and an engine (the real Core and the real Driver) for each shard it is given.
 
-What runs is the real code where it can be stepped: the group's rebalance callbacks and its table of
-shards (`shards.ShardGroup`, not started as a thread), each engine's view of its shard
-(`shards.ShardElection`: its events, its own heartbeats, `gone`), and the core and driver of every
-engine. The threads are world events, as in replica.py: the group thread consumes the leader topic
-every min_poll_interval through the memory consumer (groups.py: cooperative-sticky, so a moving
-partition is revoked, the callback returns at once, as ShardGroup's does, and then assigned to its new
-owner); each engine's election thread runs the production step (neli.ElectionPoll) over its
-ShardElection, blocking in a revoke until the core answers ReleasePartition (election_thread.py); the
-manager thread reconciles every MANAGE_INTERVAL what the group assigned with the engines it has, as
-ShardedHarvester._reconcile does (an engine started on assignment, stopped once its revoke settled or
-its shard was lost: the real supervisor.Supervisor with the real shards.retires).
+What runs is the real code where it can be stepped: the process's `shards.ShardedHarvester` itself (its
+open() and its manager's step, tick(): what the group assigned, the real supervisor.Supervisor, the real
+shards.retires), the group's rebalance callbacks and its table of shards (`shards.ShardGroup`, not
+started as a thread), each engine's view of its shard (`shards.ShardElection`: its events, its own
+heartbeats, `gone`), and the core and driver of every engine. What the harvester would do with Postgres
+and Kafka to join its group, and its engines' real I/O, are the world's (SimShardedHarvester). The
+threads are world events, as in replica.py: the group thread consumes the leader topic every
+min_poll_interval through the memory consumer (groups.py: cooperative-sticky, so a moving partition is
+revoked, the callback returns at once, as ShardGroup's does, and then assigned to its new owner); each
+engine's election thread runs the production step (neli.ElectionPoll) over its ShardElection, blocking
+in a revoke until the core answers ReleasePartition (election_thread.py); the manager thread runs the
+harvester's tick() every MANAGE_INTERVAL (an engine started on assignment, stopped once its revoke
+settled or its shard was lost).
 
 The process can crash, pause (SIGSTOP), stop gracefully (every engine settles, then the consumer
 leaves the group) and lose its links to the leader topic, the record brokers or Postgres; an engine's
@@ -24,14 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from operator import methodcaller
 from types import SimpleNamespace
+from typing import Any
 
 from outbox.harvest import sharding, status
-from outbox.harvest.config import Limits
+from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.harvester import HarvestError, State
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
-from outbox.harvest.shards import MANAGE_INTERVAL, ShardElection, ShardGroup, retires
+from outbox.harvest.shards import MANAGE_INTERVAL, ShardedHarvester, ShardElection, ShardGroup
 from outbox.harvest.supervisor import RESTART_BACKOFF, Supervisor
 from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
 from outbox.kafka.memory.consumer import MemoryConsumer
@@ -209,7 +212,6 @@ class ShardedReplica:
     def __init__(self, world: SimWorld, name: str, group: str, shards: int, limits: Limits, kafka: MemoryBroker,
                  table: MemoryTable, log: Log, *, park_after: int | None = None,
                  core_factory: Callable[..., Core] = Core, driver_factory: Callable[..., Driver] = Driver,
-                 retires: Callable[..., bool] = retires,
                  supervisor_class: type[Supervisor[int, ShardEngine]] = Supervisor,
                  status_table: StatusTable | None = None) -> None:
         self.world = world
@@ -221,7 +223,7 @@ class ShardedReplica:
         self.table = table
         self.log = log
         self.park_after = park_after
-        self.core_factory, self.driver_factory, self.retires = core_factory, driver_factory, retires
+        self.core_factory, self.driver_factory = core_factory, driver_factory
         self.links = Links()
         self.status = status_table if status_table is not None else StatusTable(world)
         self.running = False
@@ -235,11 +237,11 @@ class ShardedReplica:
         self.consumer = MemoryConsumer(kafka, {"group.id": group,
                                                "session.timeout.ms": int(3 * limits.heartbeat_timeout * 1000)},
                                        name=name, alive=lambda: self.process_running() and self.links.leader)
-        config = SimpleNamespace(leader_topic=self.leader_topic, limits=limits)
-        self.group = ShardGroup(config, self.consumer, HeartbeatProducer(self),  # type: ignore[arg-type]
-                                clock=lambda: self.world.now)
-        self.supervisor: Supervisor[int, ShardEngine] = supervisor_class(
-            self._start_engine, describe=lambda shard: f"{name}: shard {shard}'s engine")
+        config = HarvestConfig(dsn="postgresql://sim/sim", leader_topic=self.leader_topic, leader_group=group,
+                               name=name, limits=limits, status_table=None, shards=shards, park_after=park_after)
+        self.group = SteppedGroup(config, self.consumer, HeartbeatProducer(self),  # type: ignore[arg-type]
+                                  clock=lambda: self.world.now)
+        self.harvester = SimShardedHarvester(self, config, supervisor_class=supervisor_class)
         self._numbers = 0
         #: Every engine this process started (the world's view of its threads: the supervisor's may forget one).
         self.started: list[ShardEngine] = []
@@ -251,7 +253,7 @@ class ShardedReplica:
 
     @property
     def engines(self) -> dict[int, ShardEngine]:
-        return self.supervisor.engines()
+        return self.harvester.engines  # type: ignore[return-value]
 
     def process_running(self) -> bool:
         return self.running and not self.crashed and self.world.now >= self.paused_until
@@ -264,6 +266,7 @@ class ShardedReplica:
 
     def start(self) -> None:
         self.running = True
+        self.harvester.open()
         group = self.group
         self.consumer.subscribe([self.leader_topic], on_assign=lambda _c, ps: group._changed("assign", ps),
                                 on_revoke=lambda _c, ps: group._changed("revoke", ps),
@@ -329,7 +332,7 @@ class ShardedReplica:
             self.status.write(self.name, engine.config, snapshot)
         self.world.after(REPORT_EVERY, self._report)
 
-    # -- the manager thread (ShardedHarvester._manage and _reconcile) -----------------------------
+    # -- the manager thread (ShardedHarvester._manage) ------------------------------------------------
 
     def _manage(self) -> None:
         if self.crashed or self.finished:
@@ -340,18 +343,14 @@ class ShardedReplica:
         if self.stopped:
             self._shut_down()
         else:
-            self._reconcile(self.group.owned())
+            for shard in [shard for shard in self.failed_at if shard not in self.group.owned()]:
+                del self.failed_at[shard]  # the shard went: its next engine is a new start, not a restart
+            self.harvester.tick()
         if not self.finished:
             self.world.after(MANAGE_INTERVAL, self._manage)
 
-    def _reconcile(self, owned: set[int]) -> None:
-        """ShardedHarvester._reconcile: the production step over this replica's engines."""
-        for shard in [shard for shard in self.failed_at if shard not in owned]:
-            del self.failed_at[shard]  # the shard went: its next engine is a new start, not a restart
-        self.supervisor.reconcile(owned, self.world.now,
-                                  lambda shard, engine: self.retires(shard, owned, engine.election))
-
-    def _start_engine(self, shard: int) -> ShardEngine:
+    def new_engine(self, shard: int) -> ShardEngine:
+        """The harvester's new engine for `shard` (its start() follows), watched for starts that came too early."""
         failed_at = self.failed_at.pop(shard, None)
         if failed_at is not None and self.world.now - failed_at < RESTART_BACKOFF:
             # Said by the scenario's watch: a Violation raised here would be an engine that cannot start.
@@ -365,7 +364,6 @@ class ShardedReplica:
         self._numbers += 1
         engine = ShardEngine(self, shard, self._numbers)
         self.started.append(engine)
-        engine.start()
         return engine
 
     def engines_not_stopped(self) -> list[ShardEngine]:
@@ -382,3 +380,29 @@ class ShardedReplica:
             self.finished = True
             self.running = False
             self.world.note(f"{self.name} stopped")
+
+
+class SteppedGroup(ShardGroup):
+    """The replica's ShardGroup, not a thread: the world runs its polls (ShardedReplica._poll_group)."""
+
+    def start(self) -> None:
+        pass
+
+
+class SimShardedHarvester(ShardedHarvester):
+    """The production sharded harvester, joined to the world's group and running the world's engines: what it
+    does with Postgres and Kafka to join (the shard index, the leader topic, the clients) and its engines' real
+    I/O are what the simulator models; its open(), step and rules are the production code's."""
+
+    def __init__(self, replica: ShardedReplica, config: HarvestConfig, **kwargs: Any) -> None:
+        super().__init__(config, clock=lambda: replica.world.now, **kwargs)
+        self.replica = replica
+
+    def _join_group(self) -> ShardGroup:
+        return self.replica.group
+
+    def _new_engine(self, shard: int) -> ShardEngine:  # type: ignore[override]
+        return self.replica.new_engine(shard)
+
+    def _election(self, shard: int, engine: ShardEngine) -> ShardElection:  # type: ignore[override]
+        return engine.election

@@ -36,7 +36,6 @@ from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.harvester import State
 from outbox.harvest.memory_table import MemoryTable, TableFaults, key_shard
-from outbox.harvest.shards import retires as engine_retires
 from outbox.harvest.supervisor import Supervisor
 from outbox.kafka.memory.broker import HUGE, POISON, MemoryBroker, ProducerFaults, StoredMessage
 from outbox.kafka.memory.world import SimWorld, Violation
@@ -74,8 +73,6 @@ class ShardOptions:
     driver_factory: Callable[..., Driver] = Driver
     table_factory: Callable[..., MemoryTable] = MemoryTable
     per_key: int | None = None
-    #: The manager's rule for an engine to retire (shards.retires).
-    retires: Callable[..., bool] = engine_retires
     #: The reconcile step of each replica's engines (supervisor.Supervisor).
     supervisor_class: type[Supervisor[int, Any]] = Supervisor
     #: Production functions replaced for the run, by dotted name (unittest.mock.patch).
@@ -158,7 +155,7 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
     def spawn(delay: float = 0.0) -> ShardedReplica:
         replica = ShardedReplica(world, f"r{next(counter)}", "g1", shards, limits, kafka, table, log,
                                  park_after=park_after, core_factory=options.core_factory,
-                                 driver_factory=options.driver_factory, retires=options.retires,
+                                 driver_factory=options.driver_factory,
                                  supervisor_class=options.supervisor_class, status_table=status_table)
         replicas.append(replica)
         world.after(delay, replica.start)
