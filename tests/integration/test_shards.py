@@ -23,7 +23,8 @@ from psycopg import sql
 from outbox.harvest import contract, sharding
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester, HarvestError
-from outbox.harvest.shards import ShardedHarvester, ensure_shard_index
+from outbox.harvest.shard_index import ensure_shard_index
+from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.store import PostgresStore, connect
 from outbox.models import ShardTerm
 from tests.support.harness import (

@@ -24,7 +24,7 @@ from psycopg import sql
 from outbox import conf
 from outbox.harvest import contract, sharding
 from outbox.harvest.kafka import cluster_metadata
-from outbox.harvest.shards import ensure_shard_index
+from outbox.harvest.shard_index import ensure_shard_index
 from outbox.harvest.store import StoreError, table_identifier, table_name
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_config
 from outbox.management.database import connect_or_fail
