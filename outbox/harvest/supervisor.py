@@ -5,8 +5,8 @@ A process runs a set of engines (`EngineSet`: its manager thread, the view other
 sharded replica (shards.py) runs one per shard the group assigned it; a process harvesting many outboxes
 (outboxes.py) one per outbox, each a Harvester or a sharded replica. Both are an EngineSet that says what
 should run now and its rule for an engine to retire; its tick() calls `Supervisor.reconcile` with them. The
-many-outbox simulator (tests/sim/many_process.py) runs the same tick() on its clock, the shard simulator
-(tests/sim/shard_replica.py) the same reconcile step with the same rule.
+many-outbox and shard simulators (tests/sim/many_process.py, tests/sim/shard_replica.py) run the production
+ManyHarvester's and ShardedHarvester's tick() on their clocks.
 
 An engine is stopped, never dropped: stop() lets what it has in flight settle, and only once it has stopped is
 its slot free for a new engine (a shard's hand-off waits on that: shards.py). An engine that failed, or could
@@ -173,7 +173,7 @@ class EngineSet(Lifecycle, Generic[K, R]):
     """A process's engines under one Supervisor, stepped by one manager thread. What it wants (`wanted`) and when a
     running engine must go (`retires`) are its kind's: a shard the group assigned this replica (ShardedHarvester), an
     outbox found (ManyHarvester). open() prepares without starting a thread, and tick() is one step of the manager
-    (start() runs it every MANAGE_INTERVAL), so a simulator can step it on its clock. Its engines share the process's
+    (start() runs it every `manage_interval`), so a simulator can step it on its clock. Its engines share the process's
     LISTEN hubs and status boards: its own, ended with it, unless it is given the ones of a set it belongs to."""
 
     #: How often the manager steps; what the set is, for the log.
