@@ -57,9 +57,7 @@ from outbox.harvest.notify_hub import NotifyHubs
 from outbox.harvest.shard_index import prepare_table
 from outbox.harvest.status import StatusSnapshot
 from outbox.harvest.status_board import BoardReporter, StatusBoards
-from outbox.harvest.store import (
-    StoreError,
-)
+from outbox.harvest.store import StoreError
 from outbox.harvest.supervisor import EngineSet, Supervisor
 from outbox.harvest.tracing import PublishTracer
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
