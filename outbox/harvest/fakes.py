@@ -5,9 +5,10 @@
 
 They are the in-memory world the deterministic simulator runs (outbox/kafka/memory/), on the
 wall clock and with its faults off: a log per topic, a consumer group whose owner of partition 0
-leads (rebalance callbacks included), idempotent producers whose delivery reports are served by
-poll(), either at once (auto_deliver) or when a test says so (deliver()), and the outbox table
-with the engine's mark / purge / reset semantics and its fence. Switches for failure tests:
+leads (the memory consumer and group, rebalance callbacks included), idempotent producers whose
+delivery reports are served by poll(), either at once (auto_deliver) or when a test says so
+(deliver()), and the outbox table with the engine's mark / purge / reset semantics and its fence.
+Switches for failure tests:
 `FakeKafka.refuse`, `heartbeats_lost`, `move_partition_zero()`, `lose_partition_zero()`;
 `FakeStore.fail_marks`, `fail_purges`, `purge_gate`, `fence_holder`.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,7 +28,9 @@ from outbox.harvest.memory_table import MemoryStore, MemoryTable, Row
 from outbox.harvest.neli import LeaderElection
 from outbox.harvest.store import FenceHolder
 from outbox.harvest.topics import TopicLimits
-from outbox.kafka.memory.broker import Member, MemoryBroker, MemoryProducer, StoredMessage
+from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer, StoredMessage
+from outbox.kafka.memory.consumer import MemoryConsumer
+from outbox.kafka.memory.groups import ConsumerGroup
 from outbox.kafka.memory.world import LiveWorld
 from outbox.kafka.sizes import UNLIMITED, batch_size_for
 
@@ -39,14 +41,15 @@ FakeMessage = StoredMessage
 
 
 class FakeKafka:
-    """A broker: topic logs, one consumer group for partition 0, and switches for failure tests."""
+    """A broker: topic logs, the leader election's consumer group, and switches for failure tests."""
+
+    #: The consumer group FakeConsumers join (one election per FakeKafka).
+    GROUP = "leader"
 
     def __init__(self, *, auto_deliver: bool = True) -> None:
         self.world = LiveWorld()
         self.lock = self.world.lock
         self.broker = MemoryBroker(self.world, partitions=1)
-        self.group = self.broker.group("leader")
-        self.group.move_chance = 0.0  # partition 0 stays with its owner until a test moves it
         self.auto_deliver = auto_deliver
         #: While True, heartbeats never reach the leader topic (a network partition).
         self.heartbeats_lost = False
@@ -65,19 +68,30 @@ class FakeKafka:
             return self.broker.append(topic, partition, key, value, headers)
 
     @property
+    def group(self) -> ConsumerGroup | None:
+        """The leader election's group (none before the first consumer subscribed)."""
+        return self.broker.consumer_groups.get(self.GROUP)
+
+    @property
     def owner(self) -> FakeConsumer | None:
         """The consumer that owns partition 0 of the leader topic."""
-        return next((c for c in self.consumers if c.member is self.group.owner), None)
+        group = self.group
+        held = group.owners.get((group.topics[0], 0)) if group is not None else None
+        return next((c for c in self.consumers if c.member is held), None)
 
     def move_partition_zero(self, to: FakeConsumer | None = None) -> None:
         """Rebalance: the owner's on_revoke runs first; the new owner is assigned once it returns."""
         with self.lock:
-            self.group.move(to.member if to is not None else None)
+            group = self.group
+            if group is not None:
+                group.move((group.topics[0], 0), to.member if to is not None else None)
 
     def lose_partition_zero(self) -> None:
         """The owner's session expires: its on_lost runs at its next poll; another member is assigned."""
         with self.lock:
-            self.group.lose()
+            owner, group = self.owner, self.group
+            if owner is not None and group is not None:
+                group.expire(owner.member)
 
 
 class FakeProducer(MemoryProducer):
@@ -132,74 +146,40 @@ class FakeProducer(MemoryProducer):
             return super().__len__()
 
 
-@dataclass
-class FakePartition:
-    """A TopicPartition as the rebalance callbacks see it."""
-
-    topic: str
-    partition: int = 0
-
-
-class FakeConsumer:
-    """confluent_kafka.Consumer's subscribe / consume / close for the leader topic. The rebalance
-    callbacks run inside consume(), as librdkafka runs them inside poll(), outside the fakes' lock:
+class FakeConsumer(MemoryConsumer):
+    """confluent_kafka.Consumer over FakeKafka's leader group (the memory consumer the simulator runs). The
+    rebalance callbacks run inside consume(), as librdkafka runs them inside poll(), outside the fakes' lock:
     a revoke may wait in its callback for the harvester to settle."""
 
     def __init__(self, kafka: FakeKafka, name: str = "consumer") -> None:
+        super().__init__(kafka.broker, {"group.id": kafka.GROUP, "auto.offset.reset": "latest",
+                                        "session.timeout.ms": 30_000}, name=name, alive=lambda: not self.closed)
         self.kafka = kafka
-        self.group = kafka.group
-        self.member = Member(name, alive=lambda: not self.closed)
-        self.topic = ""
-        self.position: int | None = None
-        self.closed = False
         #: How often consume() was called: a test that proves something does not happen waits on progress.
         self.polls = 0
-        self._callbacks: dict[str, Callable[..., Any] | None] = {}
         kafka.consumers.append(self)
 
     def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None, on_lost: Any = None) -> None:
-        self.topic = topics[0]
-        self._callbacks = {"assign": on_assign, "revoke": on_revoke, "lost": on_lost}
         with self.kafka.lock:
-            self.group.join(self.member)
+            super().subscribe(topics, on_assign, on_revoke, on_lost)
 
-    def _serve_events(self) -> None:
-        kafka, member = self.kafka, self.member
-        while True:
-            with kafka.lock:
-                kafka.world.run_due()
-                if not member.events:
-                    return
-                kind = member.events.popleft()
-                self.position = len(kafka.broker.log(self.topic, 1)[0]) if kind == "assign" else None
-            callback = self._callbacks.get(kind)
-            if callback is not None:
-                callback(self, [FakePartition(self.topic, 0)])
-            if kind == "revoke":
-                with kafka.lock:
-                    self.group.revoked(member)
-
-    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[StoredMessage]:
+    def consume(self, num_messages: int = 1, timeout: float | None = None) -> list[StoredMessage]:
         self.polls += 1
-        self._serve_events()
         with self.kafka.lock:
-            if self.position is None:
-                return []
-            log = self.kafka.broker.log(self.topic, 1)[0]
-            batch = log[self.position:self.position + num_messages]
-            self.position += len(batch)
-            return batch
+            self.world.run_due()
+            return super().consume(num_messages, 0)
 
     def close(self) -> None:
-        if self.closed:
-            return
         with self.kafka.lock:
-            if self.group.owner is self.member and self.group.revoking is None:
-                self.group.move()
-        self._serve_events()
-        with self.kafka.lock:
-            self.closed = True
-            self.group.leave(self.member)
+            super().close()
+
+    def _call(self, kind: str, partitions: list[tuple[str, int]]) -> None:
+        lock = self.kafka.lock
+        lock.release()  # held once, by consume() or close()
+        try:
+            super()._call(kind, partitions)
+        finally:
+            lock.acquire()
 
 
 class FakeStore(MemoryStore):

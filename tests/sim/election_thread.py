@@ -4,10 +4,12 @@ topic, scheduled as runtime.ElectionThread schedules it.
 What is modelled here is the world around the step, never the step: a thread that runs it every
 min_poll_interval, freezes with its process (SIGSTOP) and ends with it; a thread blocked inside Kafka's revoke
 callback until the core answers ReleasePartition (`Held`: the step ends there, and the callback is called
-again, returning at once, when it is released: as librdkafka serves a callback it is inside); the leader
-topic's consumer as librdkafka serves it over the world's group (`LeaderTopicConsumer`, for the one-table
-replica of replica.py; a shard's engine polls shards.ShardElection, production code too); and heartbeats that
-land a moment after they are sent, if the link holds (`HeartbeatProducer`).
+again, returning at once, when it is released: as librdkafka serves a callback it is inside; and at once while
+the thread stops, as runtime.ElectionThread's hold returns); the leader topic's consumer, the world's memory
+consumer in its group, which hears nothing while the replica's link to the leader topic is down
+(`LinkedConsumer`, for the one-table replica of replica.py; a shard's engine polls shards.ShardElection,
+production code too); and heartbeats that land a moment after they are sent, if the link holds
+(`HeartbeatProducer`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from confluent_kafka import TopicPartition
-
 from outbox.harvest.neli import Election, ElectionPoll, Post
-from outbox.kafka.memory.broker import Group, Member, MemoryBroker, StoredMessage
+from outbox.kafka.memory.broker import MemoryBroker, StoredMessage
+from outbox.kafka.memory.consumer import MemoryConsumer
 from outbox.kafka.memory.world import SimWorld
 
 
@@ -33,9 +34,11 @@ class Held:
     def __init__(self) -> None:
         self.held = False
         self._released = False
+        #: The thread is stopping: a revoke callback returns at once, announcing nothing.
+        self.stopping = False
 
     def __call__(self, announce: Callable[[], None]) -> None:
-        if self._released:
+        if self._released or self.stopping:
             self._released = False
             return
         announce()
@@ -85,7 +88,7 @@ class SimElectionThread:
         ends, and the election closes (the consumer leaves the group)."""
         if self.stopped:
             return
-        self.stopped = True
+        self.stopped = self.held.stopping = True
         if self.held.release():
             try:
                 self.poll.step()
@@ -140,45 +143,15 @@ class HeartbeatProducer:
         return 0
 
 
-Callback = Callable[[Any, list[TopicPartition]], None]
+class LinkedConsumer(MemoryConsumer):
+    """The leader topic's consumer as librdkafka serves it in a replica's process: the world's memory consumer
+    (groups.py's coordinator), except that with the link to the leader topic down a poll reaches nothing: no
+    records, no rebalance callbacks (and the coordinator hears nothing from it: `alive`)."""
 
-
-class LeaderTopicConsumer:
-    """The leader topic's consumer as librdkafka serves it, over the world's group (broker.Group: who owns
-    partition 0). The rebalance callbacks run inside consume(), in order; one the thread is blocked in (it
-    raised InRevoke) is called again at the next consume, and Kafka moves partition 0 on only once it returned.
-    Partition 0's new messages are returned while the member owns it; with the link to the leader topic down,
-    consume() returns nothing and the coordinator does not hear from it. After a loss, librdkafka rejoins by
-    itself (unless the process is stopping)."""
-
-    def __init__(self, replica: Replica, group: Group, member: Member, topic: str) -> None:
-        self._replica, self._group, self._member, self._topic = replica, group, member, topic
-        self._callbacks: dict[str, Callback] = {}
-        self._offset = 0
-
-    def subscribe(self, topics: list[str], on_assign: Callback, on_revoke: Callback, on_lost: Callback) -> None:
-        self._callbacks = {"assign": on_assign, "revoke": on_revoke, "lost": on_lost}
-        self._group.join(self._member)
+    def __init__(self, broker: MemoryBroker, config: dict[str, Any], *, name: str, alive: Callable[[], bool],
+                 linked: Callable[[], bool]) -> None:
+        super().__init__(broker, config, name=name, alive=alive)
+        self._linked = linked
 
     def consume(self, num_messages: int = 1, timeout: float | None = None) -> list[StoredMessage]:
-        if not self._replica.links.leader:
-            return []
-        member, group = self._member, self._group
-        while member.events:
-            event = member.events[0]
-            self._callbacks[event](self, [TopicPartition(self._topic, 0)])
-            member.events.popleft()
-            if event == "revoke":
-                group.revoked(member)
-            elif event == "lost" and not self._replica.stopped:
-                group.join(member)
-        heartbeats = self._replica.kafka.log(self._topic, 1)[0]
-        if group.owner is not member:
-            self._offset = len(heartbeats)  # not assigned: it fetches nothing, and starts at the end when it is
-            return []
-        fresh = heartbeats[self._offset:self._offset + num_messages]
-        self._offset += len(fresh)
-        return fresh
-
-    def close(self) -> None:
-        self._group.leave(self._member)
+        return super().consume(num_messages, timeout) if self._linked() else []

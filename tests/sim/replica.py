@@ -27,10 +27,10 @@ from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.neli import ElectionPoll, LeaderElection
-from outbox.kafka.memory.broker import Group, Member, MemoryBroker, MemoryProducer
+from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
 from outbox.kafka.memory.world import SimWorld, Violation
 from outbox.kafka.sizes import UNLIMITED, batch_size_for
-from tests.sim.election_thread import HeartbeatProducer, LeaderTopicConsumer, SimElectionThread
+from tests.sim.election_thread import HeartbeatProducer, LinkedConsumer, SimElectionThread
 
 
 @dataclass
@@ -164,18 +164,22 @@ class SimReplica:
         self.slow_until = 0.0  # its database statements crawl until then
         self.core = core_factory(limits, new_leader_id=world.uuid, park_after=park_after, now=world.now)
         self.core.checking = True
-        self.group: Group = kafka.group(group, 3 * limits.heartbeat_timeout)
         self.leader_topic = f"leader-{group}"
-        self.member = Member(name, alive=lambda: self.process_running() and self.links.leader)
+        kafka.create_topic(self.leader_topic, 1)
+        session_timeout = 3 * limits.heartbeat_timeout  # as kafka.leader_consumer_config sets it
+        # The coordinator may give partition 0 to a replica that joins (a hand-over while the group scales out).
+        kafka.consumer_group(group, [self.leader_topic], session_timeout, move_chance=0.3)
+        self.consumer = LinkedConsumer(kafka, {"group.id": group, "auto.offset.reset": "latest",
+                                               "session.timeout.ms": int(session_timeout * 1000)},
+                                       name=name, alive=lambda: self.process_running() and self.links.leader,
+                                       linked=lambda: self.links.leader)
         self.store = MemoryStore(table, name, group, reachable=lambda: self.links.database)
         self._busy_until = {"fence": 0.0, "purge": 0.0}
         self.io = SimIO(self)
         self.driver = driver_factory(self.core, self.io)
         self.driver.wake = lambda: self._wake(0.0)
-        self.election = LeaderElection(self.leader_topic, name, LeaderTopicConsumer(self, self.group, self.member,
-                                                                                    self.leader_topic),
-                                       HeartbeatProducer(self), max_age=limits.heartbeat_timeout,
-                                       clock=lambda: int(world.now * 1e9))
+        self.election = LeaderElection(self.leader_topic, name, self.consumer, HeartbeatProducer(self),
+                                       max_age=limits.heartbeat_timeout, clock=lambda: int(world.now * 1e9))
         self.election_thread = SimElectionThread(self, self.election, self.driver.post, limits.min_poll_interval,
                                                  election_poll_class)
         self._wake_at: float | None = None

@@ -1,4 +1,4 @@
-"""The in-memory Kafka the queue's simulator runs on: transactions, read_committed, groups and their fence.
+"""The in-memory Kafka the simulators and the fakes run on: transactions, read_committed, groups and their fence.
 
 Each test states a behaviour of real Kafka (and librdkafka) the queue's correctness depends on, so
 the simulator cannot pass by modelling a friendlier broker.
@@ -177,3 +177,63 @@ def test_a_member_paused_past_its_session_is_dropped_and_notices_only_after_it_r
     world.run_until(world.now + 0.1)
     zombie.poll(0)
     assert lost == [1] and zombie.assignment() == []
+
+
+def test_a_one_partition_group_keeps_its_live_owner_when_a_member_ahead_of_it_rejoins(world, broker):
+    """Cooperative-sticky: the leader election's partition stays with its owner while the owner lives, whoever
+    joined first (a share rounded up goes to the member that holds partitions)."""
+    running = {"a": True}
+    first = MemoryConsumer(broker, GROUP, name="a", alive=lambda: running["a"])
+    second = MemoryConsumer(broker, GROUP, name="b")
+    first.subscribe(["m"])
+    second.subscribe(["m"])
+    world.run_until(1.0)
+    first.poll(0), second.poll(0)
+    assert [tp.partition for tp in first.assignment()] == [0] and second.assignment() == []
+    running["a"] = False
+    world.run_until(6.0)
+    second.poll(0)
+    assert [tp.partition for tp in second.assignment()] == [0], "the silent owner was dropped"
+    running["a"] = True
+    for _ in range(3):
+        world.run_until(world.now + 0.5)
+        first.poll(0), second.poll(0)
+    assert first.assignment() == [] and [tp.partition for tp in second.assignment()] == [0]
+
+
+def test_a_partition_moved_to_a_member_that_joins_goes_once_its_owner_revoked_it(world, broker):
+    """The coordinator's freedom the one-table simulator uses (`move_chance`): the owner is revoked first."""
+    broker.consumer_group("g", ["m"], 3.0, move_chance=1.0)
+    first, second = MemoryConsumer(broker, GROUP, name="a"), MemoryConsumer(broker, GROUP, name="b")
+    held = {"revoking": True}
+
+    def revoke(consumer, tps):
+        if held["revoking"]:
+            raise RuntimeError("the thread is still inside the callback")
+    first.subscribe(["m"], on_revoke=revoke)
+    world.run_until(1.0)
+    first.poll(0)
+    second.subscribe(["m"])
+    world.run_until(2.0)
+    with pytest.raises(RuntimeError):
+        first.poll(0)
+    second.poll(0)
+    assert second.assignment() == [] and first.assignment(), "not while the revoke callback has not returned"
+    held["revoking"] = False
+    first.poll(0)  # the callback is called again, and returns
+    world.run_until(3.0)
+    second.poll(0)
+    assert first.assignment() == [] and [tp.partition for tp in second.assignment()] == [0]
+
+
+def test_a_partition_with_no_committed_offset_starts_where_auto_offset_reset_says(world, broker):
+    for n in range(3):
+        broker.append("m", 0, b"k", b"%d" % n, None)
+    latest = MemoryConsumer(broker, {"group.id": "late", "session.timeout.ms": 3000})
+    earliest = MemoryConsumer(broker, {"group.id": "early", "auto.offset.reset": "earliest",
+                                       "session.timeout.ms": 3000})
+    latest.subscribe(["m"])
+    earliest.subscribe(["m"])
+    world.run_until(1.0)
+    assert latest.consume(10, 0) == [], "librdkafka's default: the end"
+    assert [m.value() for m in earliest.consume(10, 0)] == [b"0", b"1", b"2"]

@@ -227,7 +227,7 @@ def test_a_revoked_leader_lets_partition_zero_go_only_once_its_records_settled(r
     standby_consumer = leader.kafka.consumers[1]
     polled = standby_consumer.polls
     wait_until(lambda: standby_consumer.polls >= polled + 20, what="the standby to poll twenty times")
-    assert leader.kafka.group.revoking is not None and not standby.harvester.is_leader
+    assert leader.kafka.group.revoking and not standby.harvester.is_leader
     leader.producer.deliver()
     wait_until(lambda: standby.harvester.is_leader, what="the standby to lead once the records settled")
     assert sorted(record_id for _, record_id in leader.published()) == [1, 2, 3]

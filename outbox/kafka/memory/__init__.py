@@ -1,4 +1,5 @@
-"""One in-memory world of the outbox table and of Kafka, behind the engine's own interfaces.
+"""One in-memory Kafka, behind confluent-kafka's interfaces (the outbox table's twin is the engine's own,
+outbox/harvest/memory_table.py).
 
 The deterministic simulator (tests/sim/) runs it on a seeded clock with faults; the fakes users
 get for their tests (outbox.harvest.fakes) run it in real time with the faults off. Either way the
@@ -6,10 +7,10 @@ engine meets the same `Store` (connector.py) and the same confluent-kafka produc
 interfaces as in production.
 
 - world.py: time, scheduled actions and chance (SimWorld: seeded; LiveWorld: the wall clock);
-- table.py: the outbox table, its sessions and fence, and MemoryStore (the Store protocol);
-- broker.py: topics, idempotent producers, the leader election's consumer group;
-- groups.py and consumer.py: consumer groups over whole topics (assignment, rebalances,
-  generations, committed offsets) and a consumer in one, with confluent-kafka's interface;
-- transactions.py: a transactional producer (read_committed visibility, the group's fence).
-The queue's simulator runs its consumers and trackers on the last three.
+- broker.py: topics and idempotent producers;
+- groups.py and consumer.py: the one model of a consumer group (assignment, cooperative rebalances,
+  generations, committed offsets; the leader elections' groups and the queues' alike) and a consumer
+  in one, with confluent-kafka's interface;
+- transactions.py: a transactional producer (read_committed visibility, the group's fence);
+- share_groups.py and share_consumer.py: Kafka's share groups, for the queues' share backend.
 """

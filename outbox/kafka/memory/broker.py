@@ -1,4 +1,4 @@
-"""Kafka in memory: topic logs, idempotent producers, and the leader election's consumer group.
+"""Kafka in memory: topic logs, idempotent producers, and the brokers' consumer groups.
 
 What the harvester relies on, and what goes wrong with it, is modelled; the wire is not:
 - a producer has confluent-kafka's interface (produce, poll, flush, purge, len); its delivery
@@ -26,12 +26,8 @@ What the harvester relies on, and what goes wrong with it, is modelled; the wire
   consumers when it commits (transactions.py); a partition's last stable offset stops at the first
   record of a transaction still open; every message has a timestamp (the broker's append time for
   topics created with `log_append_time`, as the queue's markers topic is);
-- the group coordinator gives partition 0 of the leader topic to one live member; a member it has
-  not heard from for the session timeout is dropped and the partition moves (the dropped member
-  learns it is lost only when it can poll again); a member leaving gracefully is revoked first; a
-  member joining may be given partition 0 (`Group.move_chance`): the owner is revoked, and nobody
-  is assigned until the owner's revoke callback has returned (or the owner is dropped). Consumer
-  groups over whole topics, with offsets, generations and rebalances, are groups.py's.
+- consumer groups (the leader elections' and the queues', with their coordinator, offsets, generations and
+  rebalances) are groups.py's, one model for all of them.
 """
 
 from __future__ import annotations
@@ -39,12 +35,13 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, KafkaError, KafkaException
 
 from outbox.kafka.headers import HEADER_ID
+from outbox.kafka.memory.groups import ConsumerGroup
 from outbox.kafka.memory.world import World
 from outbox.kafka.sizes import RECORD_BATCH_OVERHEAD, record_size
 
@@ -209,13 +206,12 @@ class MemoryBroker:
         #: (producer id, epoch, topic, partition) -> {sequence: offset it was written at}
         self._written_at: dict[tuple[int, int, str, int], dict[int, int]] = {}
         self._fenced_epochs: dict[int, int] = {}
-        self.groups: dict[str, Group] = {}
         #: Topics' max.message.bytes (a topic not named here takes any batch).
         self.max_message_bytes: dict[str, int] = {}
         #: When a batch was refused for its size, and its topic.
         self.size_refusals: list[tuple[float, str]] = []
-        #: Consumer groups over whole topics (groups.py), by group id.
-        self.consumer_groups: dict[str, Any] = {}
+        #: Consumer groups (groups.py), by group id.
+        self.consumer_groups: dict[str, ConsumerGroup] = {}
         #: Share groups (share_groups.py), by group id.
         self.share_groups: dict[str, Any] = {}
         #: Topics whose timestamps are the broker's append time (message.timestamp.type=LogAppendTime).
@@ -258,10 +254,12 @@ class MemoryBroker:
         self._producer_ids += 1
         return self._producer_ids
 
-    def group(self, name: str, session_timeout: float = 30.0) -> Group:
-        if name not in self.groups:
-            self.groups[name] = Group(self.world, name, session_timeout)
-        return self.groups[name]
+    def consumer_group(self, name: str, topics: list[str], session_timeout: float,
+                       move_chance: float = 0.0) -> ConsumerGroup:
+        """The group `name` (made by the first member to subscribe, for the topics it subscribes to)."""
+        if name not in self.consumer_groups:
+            self.consumer_groups[name] = ConsumerGroup(self.world, self, name, topics, session_timeout, move_chance)
+        return self.consumer_groups[name]
 
     def append(self, topic: str, partition: int, key: Any, value: Any, headers: Any, *, producer: int = 0,
                replica: str = "", txn: Any = None, control: bool = False) -> StoredMessage:
@@ -539,125 +537,3 @@ class MemoryProducer:
             for message in at.messages:
                 self._report(message, error)
         self.purge(error=FATAL)
-
-
-@dataclass(eq=False)
-class Member:
-    name: str
-    alive: Callable[[], bool]  # heard by the coordinator (running and reachable)
-    events: deque[str] = field(default_factory=deque)  # assign / revoke / lost, served at its next poll
-    last_heard: float = 0.0
-    left: bool = False
-
-
-class Group:
-    """The leader topic's consumer group: who owns partition 0.
-
-    Cooperative rebalancing, as the harvester configures it: partition 0 stays with a live owner,
-    except that a member joining may be given it (the coordinator's choice, `move_chance`). Then the
-    owner is revoked first, and nobody is assigned until its revoke callback returns (`revoked()`)
-    or the coordinator drops it for silence.
-    """
-
-    def __init__(self, world: World, name: str, session_timeout: float, move_chance: float = 0.3) -> None:
-        self.world = world
-        self.name = name
-        self.session_timeout = session_timeout
-        self.move_chance = move_chance
-        self.members: list[Member] = []
-        self.owner: Member | None = None
-        #: The owner being revoked (its callback has not returned), and who was chosen to follow it.
-        self.revoking: Member | None = None
-        self._successor: Member | None = None
-        self._watching = False
-        self._rebalancing = False
-
-    def join(self, member: Member) -> None:
-        member.last_heard = self.world.now
-        member.left = False
-        self.members.append(member)
-        self._watch()
-        self._rebalance_soon(joined=member)
-
-    def leave(self, member: Member) -> None:
-        """A graceful leave (the member has run its revoke callback): hand the partition on at once."""
-        member.left = True
-        if member in self.members:
-            self.members.remove(member)
-        self._forget(member)
-
-    def move(self, to: Member | None = None) -> None:
-        """Move partition 0 (to `to`, or the next live member): the owner is revoked first."""
-        owner = self.owner
-        if owner is None:
-            self._successor = to
-            self._rebalance_soon()
-        elif self.revoking is None:
-            self.revoking, self._successor = owner, to
-            owner.events.append("revoke")
-
-    def lose(self) -> None:
-        """The owner's session expires at once: it learns so at its next poll; partition 0 moves on."""
-        owner = self.owner
-        if owner is not None:
-            self.members.remove(owner)
-            owner.events.clear()
-            owner.events.append("lost")
-            self._forget(owner)
-
-    def revoked(self, member: Member) -> None:
-        """The member's revoke callback returned: partition 0 may go to another member."""
-        if self.revoking is member:
-            self.revoking = None
-            if self.owner is member:
-                self.owner = None
-            self._rebalance_soon()
-
-    def _forget(self, member: Member) -> None:
-        if self.revoking is member:
-            self.revoking = None
-        if self.owner is member:
-            self.owner = None
-            self._rebalance_soon()
-
-    def _watch(self) -> None:
-        if not self._watching:
-            self._watching = True
-            self.world.after(0.1, self._tick)
-
-    def _tick(self) -> None:
-        now = self.world.now
-        for member in list(self.members):
-            if member.alive():
-                member.last_heard = now
-            elif now - member.last_heard > self.session_timeout and not member.left:
-                # The session expired: the member is out; it learns so when it can poll again.
-                self.members.remove(member)
-                member.events.clear()
-                member.events.append("lost")
-                self._forget(member)
-        if self.owner is None and not self._rebalancing and any(m.alive() for m in self.members):
-            self._rebalance_soon()  # a member came back: the coordinator hears from it and rebalances
-        self.world.after(0.1, self._tick)
-
-    def _rebalance_soon(self, joined: Member | None = None) -> None:
-        self._rebalancing = True
-        self.world.after(self.world.latency(0.05, 0.5), lambda: self._rebalance(joined))
-
-    def _rebalance(self, joined: Member | None = None) -> None:
-        self._rebalancing = False
-        owner = self.owner
-        if owner is not None and owner in self.members:
-            if joined is not None and joined is not owner and self.revoking is None and joined in self.members \
-                    and self.world.chance(self.move_chance):
-                self.move(joined)
-            return
-        if self.revoking is not None:
-            return
-        candidates = [m for m in self.members if not m.left and m.alive()]
-        if self._successor in candidates:
-            candidates.insert(0, self._successor)
-        self._successor = None
-        if candidates:
-            self.owner = candidates[0]
-            candidates[0].events.append("assign")

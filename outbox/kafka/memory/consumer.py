@@ -1,8 +1,10 @@
 """A Kafka consumer in a consumer group (groups.py), with confluent_kafka.Consumer's interface.
 
-What the queue's consumers and trackers use is modelled: subscribe() with rebalance callbacks
-(served inside poll() and consume(), as librdkafka serves them; an assignment the callback did
-not apply itself is applied after it, and a revoked one taken away), incremental assignment,
+What the queue's consumers and trackers and the harvester's leader elections use is modelled: subscribe() with
+rebalance callbacks (served inside poll() and consume(), as librdkafka serves them; an assignment the callback did
+not apply itself is applied after it, and a revoked one taken away; a callback that raised, as the simulator's
+thread blocked in it does, is called again at the next poll and its event is served only once it returned),
+auto.offset.reset (librdkafka's default, latest, where nothing was committed), incremental assignment,
 pause and resume, seek, synchronous commits (refused for a stale generation or a member the group
 dropped) and the committed offsets, consumer_group_metadata() for transactions, read_committed isolation (nothing at or
 past the last stable offset, nothing aborted, no control records), get_watermark_offsets() (the
@@ -41,6 +43,7 @@ class MemoryConsumer:
         self.world = broker.world
         self.group_id = str(config["group.id"])
         self.read_committed = config.get("isolation.level") == "read_committed"
+        self.from_earliest = config.get("auto.offset.reset", "latest") in ("earliest", "smallest", "beginning")
         self.partition_eof = bool(config.get("enable.partition.eof", False))
         self.session_timeout = float(config.get("session.timeout.ms", 45_000)) / 1000
         self.fetch_wait = float(config.get("fetch.wait.max.ms", 500)) / 1000
@@ -65,11 +68,7 @@ class MemoryConsumer:
     def subscribe(self, topics: list[str], on_assign: Callback | None = None, on_revoke: Callback | None = None,
                   on_lost: Callback | None = None) -> None:
         self.checkpoint()
-        groups = self.broker.consumer_groups
-        if self.group_id not in groups:
-            groups[self.group_id] = ConsumerGroup(self.world, self.broker, self.group_id, list(topics),
-                                                  self.session_timeout)
-        self.group = groups[self.group_id]
+        self.group = self.broker.consumer_group(self.group_id, list(topics), self.session_timeout)
         self._callbacks = {"assign": on_assign, "revoke": on_revoke, "lost": on_lost or on_revoke}
         self.group.join(self.member)
 
@@ -95,15 +94,17 @@ class MemoryConsumer:
         if not group.rejoined(member):
             return
         while member.events:
-            kind, partitions = member.events.popleft()
+            kind, partitions = member.events[0]
             if kind == "assign":
                 self._call("assign", partitions)
+                member.events.popleft()
                 fresh = [tp for tp in partitions if tp not in self.positions]
                 if fresh:  # the callback did not assign them itself
                     self.incremental_assign(_tps(fresh))
             else:
                 mine = [tp for tp in partitions if tp in self.positions]
                 self._call("revoke", mine)
+                member.events.popleft()
                 self._unassign(mine)
                 group.revoked(member, partitions)
 
@@ -119,8 +120,14 @@ class MemoryConsumer:
         assert self.group is not None
         for tp in partitions:
             key = (tp.topic, tp.partition)
-            self.positions[key] = tp.offset if tp.offset >= 0 else self.group.committed.get(key, 0)
+            self.positions[key] = tp.offset if tp.offset >= 0 else self.group.committed.get(key, self._reset_to(key))
             self._forget_reads(key)
+
+    def _reset_to(self, tp: TP) -> int:
+        """Where a partition with no committed offset starts (auto.offset.reset)."""
+        if self.from_earliest:
+            return 0
+        return self.broker.stable_end(*tp) if self.read_committed else len(self.broker.log(tp[0])[tp[1]])
 
     def incremental_unassign(self, partitions: list[TopicPartition]) -> None:
         self._unassign([(tp.topic, tp.partition) for tp in partitions])

@@ -1,11 +1,15 @@
 """Consumer groups over whole topics: assignment, cooperative rebalances, generations and offsets.
 
-What the queue's consumers and trackers rely on is modelled (the leader election's one-partition
-group is broker.Group):
-- the coordinator spreads the subscribed topic's partitions evenly over the live members, sticky:
-  a member keeps what it has up to its share. A partition that must move is revoked from its
-  owner first and assigned to its new owner only once the owner's revoke callback returned
-  (`revoked()`), the cooperative protocol's two rounds; a free partition is assigned at once;
+One model for every group the simulators and the fakes run: the queue's consumers and trackers, the sharded
+replicas' leader topic, and the one-partition leader election of a single outbox. What they rely on is modelled:
+- the coordinator spreads the subscribed topics' partitions evenly over the live members, sticky as
+  cooperative-sticky is: a member keeps what it has up to its share, and the members that hold partitions are
+  the ones whose share is rounded up (so a one-partition group keeps its owner while the owner lives). A
+  partition that must move is revoked from its owner first and assigned to its new owner only once the owner's
+  revoke callback returned (`revoked()`), the cooperative protocol's two rounds; a free partition is assigned
+  at once;
+- the coordinator's freedom, as faults: it may move a partition a member holds to another (`move()`; and, with
+  `move_chance`, to a member that just joined), and a member's session may expire at once (`expire()`);
 - every change of membership is a new generation. A member learns it, with its assignment,
   when its rejoin round trip completes (a little after the change; at its next poll after that);
   meanwhile, and always after it was dropped or left, the offsets it commits are refused
@@ -20,7 +24,7 @@ group is broker.Group):
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,15 +71,20 @@ class GroupMetadata:
 
 
 class ConsumerGroup:
-    def __init__(self, world: World, broker: Any, name: str, topics: list[str], session_timeout: float) -> None:
+    def __init__(self, world: World, broker: Any, name: str, topics: list[str], session_timeout: float,
+                 move_chance: float = 0.0) -> None:
         self.world = world
         self.broker = broker
         self.name = name
         self.topics = topics
         self.session_timeout = session_timeout
+        #: How likely a member that joins is given a partition another member holds (moved as `move()` moves it).
+        self.move_chance = move_chance
         self.members: list[GroupMember] = []
         self.owners: dict[TP, GroupMember] = {}
         self.revoking: dict[TP, GroupMember] = {}
+        #: Partitions the coordinator moves away from their owners (`move()`), and to whom (None: any other).
+        self.moving: dict[TP, GroupMember | None] = {}
         self.committed: dict[TP, int] = {}
         self.generation = 0
         self._changed = False  # membership changed since the last rebalance: a new generation
@@ -95,6 +104,9 @@ class ConsumerGroup:
             self._ticking = True
             self.world.after(TICK, self._tick)
         self._changed = True
+        taken = [tp for tp, owner in self.owners.items() if owner is not member and tp not in self.moving]
+        if self.move_chance and taken and self.world.chance(self.move_chance):
+            self.move(self.world.rng.choice(taken), to=member)
         self._rebalance_soon()
 
     def leave(self, member: GroupMember) -> None:
@@ -121,6 +133,24 @@ class ConsumerGroup:
 
     def owned_by(self, member: GroupMember) -> list[TP]:
         return [tp for tp, owner in self.owners.items() if owner is member]
+
+    # -- faults -----------------------------------------------------------------------------------
+
+    def move(self, tp: TP, to: GroupMember | None = None) -> None:
+        """The coordinator moves `tp` from its owner (to `to`, or to another live member): the owner is revoked
+        first, and `to` is assigned once the owner's callback returned."""
+        if tp in self.owners or tp in self.revoking or to is not None:
+            self.moving[tp] = to
+            self._rebalance_soon()
+
+    def expire(self, member: GroupMember) -> None:
+        """The member's session expires (now, or at the coordinator's tick when it was not heard from for the
+        session timeout): it is out at once, and learns so only when it can talk to the coordinator again."""
+        if member.standing is Standing.MEMBER:
+            member.lost = self.owned_by(member)
+            member.standing = Standing.DROPPED
+            member.events.clear()
+            self._forget(member)
 
     # -- offsets ----------------------------------------------------------------------------------
 
@@ -156,11 +186,7 @@ class ConsumerGroup:
             if member.alive():
                 member.last_heard = now
             elif now - member.last_heard > self.session_timeout:
-                # The session expired: out; it learns so when it can talk to the coordinator again.
-                member.lost = self.owned_by(member)
-                member.standing = Standing.DROPPED
-                member.events.clear()
-                self._forget(member)
+                self.expire(member)
         self.members = [m for m in self.members if m.standing is not Standing.LEFT]
         self.world.after(TICK, self._tick)
 
@@ -180,20 +206,34 @@ class ConsumerGroup:
             self.generation += 1
             return
         partitions = self._partitions()
+        for tp, to in list(self.moving.items()):
+            if tp not in partitions or (to is not None and to not in live):
+                del self.moving[tp]  # the member it was moving to is gone: a rebalance as any other
         base, extra = divmod(len(partitions), len(live))
-        share = {id(m): base + (1 if i < extra else 0) for i, m in enumerate(live)}
-        # Sticky: each keeps what it owns (or is handing over) up to its share.
+        # The members a partition is moved to, then those holding the most, have their share rounded up.
+        held = Counter(id(owner) for tp, owner in self.owners.items() if tp not in self.moving)
+        chosen = {id(to) for to in self.moving.values() if to is not None}
+        ranked = sorted(live, key=lambda m: (id(m) not in chosen, -held[id(m)]))
+        share = {id(m): base + (1 if i < extra else 0) for i, m in enumerate(ranked)}
         target: dict[TP, GroupMember] = {}
+        for tp, to in self.moving.items():
+            if to is not None and share[id(to)] > 0:
+                target[tp] = to
+                share[id(to)] -= 1
+        # Sticky: each keeps what it owns (or is handing over) up to its share, unless the coordinator moves it.
         for tp in partitions:
             owner = self.owners.get(tp)
-            if owner is not None and share[id(owner)] > 0:
+            if tp not in target and tp not in self.moving and owner is not None and share[id(owner)] > 0:
                 target[tp] = owner
                 share[id(owner)] -= 1
         order = list(live)
         self.world.rng.shuffle(order)  # the coordinator's choice of who takes what is free
         for tp in partitions:
             if tp not in target:
-                taker = next(m for m in order if share[id(m)] > 0)
+                # A partition moved goes to another member than its owner when one has room.
+                owner = self.owners.get(tp) if tp in self.moving else None
+                takers = [m for m in order if share[id(m)] > 0]
+                taker = next((m for m in takers if m is not owner), takers[0])
                 target[tp] = taker
                 share[id(taker)] -= 1
         assigned: dict[int, list[TP]] = {}
@@ -203,8 +243,11 @@ class ConsumerGroup:
             if owner is None:
                 if tp not in self.revoking:
                     self.owners[tp] = member
+                    self.moving.pop(tp, None)
                     assigned.setdefault(id(member), []).append(tp)
-            elif owner is not member and tp not in self.revoking:
+            elif owner is member:
+                self.moving.pop(tp, None)  # nobody else can take it
+            elif tp not in self.revoking:
                 self.revoking[tp] = owner
                 revoked.setdefault(id(owner), []).append(tp)
         if not assigned and not revoked and not self._changed:
