@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from operator import methodcaller
 
 from outbox.harvest import events
-from outbox.harvest.config import Limits
+from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
+from outbox.harvest.kafka import leader_consumer_config
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.neli import ElectionPoll, LeaderElection
 from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
@@ -166,12 +167,15 @@ class SimReplica:
         self.core.checking = True
         self.leader_topic = f"leader-{group}"
         kafka.create_topic(self.leader_topic, 1)
-        session_timeout = 3 * limits.heartbeat_timeout  # as kafka.leader_consumer_config sets it
-        # The coordinator may give partition 0 to a replica that joins (a hand-over while the group scales out).
-        kafka.consumer_group(group, [self.leader_topic], session_timeout, move_chance=0.3)
-        self.consumer = LinkedConsumer(kafka, {"group.id": group, "auto.offset.reset": "latest",
-                                               "session.timeout.ms": int(session_timeout * 1000)},
-                                       name=name, alive=lambda: self.process_running() and self.links.leader,
+        # The production consumer's settings (its session timeout is three heartbeat timeouts). The coordinator
+        # may give partition 0 to a replica that joins (a hand-over while the group scales out).
+        config = HarvestConfig(dsn="postgresql://sim/sim", leader_topic=self.leader_topic, leader_group=group,
+                               name=name, limits=limits, status_table=None)
+        consumer_config = leader_consumer_config(config)
+        kafka.consumer_group(group, [self.leader_topic], consumer_config["session.timeout.ms"] / 1000,
+                             move_chance=0.3)
+        self.consumer = LinkedConsumer(kafka, consumer_config, name=name,
+                                       alive=lambda: self.process_running() and self.links.leader,
                                        linked=lambda: self.links.leader)
         self.store = MemoryStore(table, name, group, reachable=lambda: self.links.database)
         self._busy_until = {"fence": 0.0, "purge": 0.0}

@@ -33,6 +33,7 @@ from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.harvester import HarvestError, State
+from outbox.harvest.kafka import leader_consumer_config
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.shards import MANAGE_INTERVAL, ShardedHarvester, ShardElection, ShardGroup
 from outbox.harvest.supervisor import RESTART_BACKOFF, Supervisor
@@ -234,11 +235,10 @@ class ShardedReplica:
         self.slow_until = 0.0
         self.leader_topic = f"leader-{group}"
         kafka.create_topic(self.leader_topic, shards)
-        self.consumer = MemoryConsumer(kafka, {"group.id": group,
-                                               "session.timeout.ms": int(3 * limits.heartbeat_timeout * 1000)},
-                                       name=name, alive=lambda: self.process_running() and self.links.leader)
         config = HarvestConfig(dsn="postgresql://sim/sim", leader_topic=self.leader_topic, leader_group=group,
                                name=name, limits=limits, status_table=None, shards=shards, park_after=park_after)
+        self.consumer = MemoryConsumer(kafka, leader_consumer_config(config), name=name,
+                                       alive=lambda: self.process_running() and self.links.leader)
         self.group = SteppedGroup(config, self.consumer, HeartbeatProducer(self),  # type: ignore[arg-type]
                                   clock=lambda: self.world.now)
         self.harvester = SimShardedHarvester(self, config, supervisor_class=supervisor_class)
