@@ -81,11 +81,13 @@ class NotifyHub(threading.Thread):
 
     def __init__(self, dsn: str, *, name: str = "",
                  connect: Callable[[], psycopg.Connection] | None = None,
-                 on_empty: Callable[[NotifyHub], None] | None = None) -> None:
+                 on_empty: Callable[[NotifyHub], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`connect` opens the LISTEN session (default: an engine session to `dsn`, with keepalives); `on_empty`
-        is told when the last listener left (NotifyHubs then ends the hub)."""
+        is told when the last listener left (NotifyHubs then ends the hub); `clock` times the retries."""
         super().__init__(name="outbox-notify-hub", daemon=True)
         self.dsn = dsn
+        self._clock = clock
         self._connect = connect or (lambda: connect_session(dsn, "listen", name=name, **KEEPALIVES))
         self._on_empty = on_empty
         self._lock = threading.Lock()
@@ -152,21 +154,23 @@ class NotifyHub(threading.Thread):
         try:
             while not self._stop_event.is_set():
                 try:
-                    self._turn()
+                    self.step(wait=True)
                 except Exception:  # never leave the engines without their wakes: start over
                     log.exception("LISTEN session failed (started again in %gs)", RETRY_AFTER)
                     self._drop()
                     self._stop_event.wait(RETRY_AFTER)
         finally:
-            self._drop()
-            with self._lock:
-                self._control.close()
+            self.end()
 
-    def _turn(self) -> None:
+    def step(self, *, wait: bool = False) -> None:
+        """One turn of the hub: the session opened if it is down and its retry is due, the channels subscribed
+        since LISTENed (and those left UNLISTENed), the NOTIFYs that arrived handed to their listeners. The
+        thread waits (`wait`) until its session or a subscriber has something, or the next retry is due; a
+        caller that steps the hub itself (a test) looks once and returns."""
         conn = self._session()
         control = self._control.fileno()
         readers = [control] + ([conn.fileno()] if conn is not None else [])
-        timeout = None if conn is not None else max(0.0, self._retry_at - time.monotonic())
+        timeout = 0.0 if not wait else None if conn is not None else max(0.0, self._retry_at - self._clock())
         ready = readable(readers, timeout)
         if control in ready:
             self._control.drain()
@@ -180,14 +184,14 @@ class NotifyHub(threading.Thread):
         """The LISTEN session, connected again (at most every RETRY_AFTER) when it is down."""
         if self._conn is not None and not self._conn.closed:
             return self._conn
-        if time.monotonic() < self._retry_at:
+        if self._clock() < self._retry_at:
             return None
         try:
             self._conn = self._connect()
         except psycopg.Error as error:
             self._failed(error)
             return None
-        self._opened_at = time.monotonic()
+        self._opened_at = self._clock()
         self.sessions += 1
         if self._apply():
             self._dispatch(self._conn)
@@ -201,7 +205,7 @@ class NotifyHub(threading.Thread):
                         RETRY_AFTER, first_line(error))
         self._failing = True
         self._drop()
-        self._retry_at = time.monotonic() + RETRY_AFTER
+        self._retry_at = self._clock() + RETRY_AFTER
         with self._lock:
             wanted = frozenset(self._subscribers)
         self._wake(wanted)  # a NOTIFY meanwhile would be lost: each engine marks instead
@@ -209,7 +213,7 @@ class NotifyHub(threading.Thread):
     def _lost(self, error: psycopg.Error) -> None:
         """The session failed: connect again at once, unless it had only just been opened (then back off,
         rather than open sessions in a loop that never wakes anyone)."""
-        if time.monotonic() - self._opened_at < RETRY_AFTER:
+        if self._clock() - self._opened_at < RETRY_AFTER:
             self._failed(error)
             return
         log.warning("LISTEN session lost, its outboxes poll until it is back: %s", first_line(error))
@@ -262,16 +266,26 @@ class NotifyHub(threading.Thread):
         conn, self._conn = self._conn, None
         close_quietly(conn)
 
+    def end(self) -> None:
+        """The session closed, and the pipe that wakes the hub: the thread's last act, or its owner's for a hub
+        it steps itself."""
+        self._drop()
+        with self._lock:
+            self._control.close()
+
 
 
 class NotifyHubs:
     """The process's hubs, one per database (by connection string): started by the first listener, ended when
     the last one closed."""
 
-    def __init__(self, *, name: str = "", connect: Callable[[str], psycopg.Connection] | None = None) -> None:
-        """`connect(dsn)` opens a hub's LISTEN session (default: NotifyHub's)."""
+    def __init__(self, *, name: str = "", connect: Callable[[str], psycopg.Connection] | None = None,
+                 threads: bool = True) -> None:
+        """`connect(dsn)` opens a hub's LISTEN session (default: NotifyHub's). Without `threads` no hub's thread
+        is started: the caller steps each hub (`step()`), as the unit tests do."""
         self._name = name
         self._connect = connect
+        self._threads = threads
         self._lock = threading.Lock()
         self._hubs: dict[str, NotifyHub] = {}
 
@@ -283,7 +297,8 @@ class NotifyHubs:
                 connect = self._connect
                 hub = self._hubs[dsn] = NotifyHub(dsn, name=self._name, on_empty=self._retire,
                                                   connect=None if connect is None else lambda: connect(dsn))
-                hub.start()
+                if self._threads:
+                    hub.start()
             return hub.subscribe(channel)
 
     def _retire(self, hub: NotifyHub) -> None:
@@ -291,8 +306,7 @@ class NotifyHubs:
             if self._hubs.get(hub.dsn) is not hub or not hub.empty:
                 return
             del self._hubs[hub.dsn]
-        hub.stop()
-        hub.join(timeout=10)
+        _end(hub)
 
     @property
     def hubs(self) -> list[NotifyHub]:
@@ -303,4 +317,13 @@ class NotifyHubs:
         for hub in self.hubs:
             hub.stop()
         for hub in self.hubs:
-            hub.join(timeout=10)
+            _end(hub)
+
+
+def _end(hub: NotifyHub) -> None:
+    """Stop the hub and wait for its thread to end (or end it here: a hub that was stepped, never started)."""
+    hub.stop()
+    if hub.ident is None:
+        hub.end()
+    else:
+        hub.join(timeout=10)

@@ -10,9 +10,7 @@ import dataclasses
 import itertools
 import logging
 import os
-import select
 import threading
-import time
 from collections import deque
 from typing import Any
 
@@ -355,103 +353,101 @@ def wait_for(condition: Any, what: str, timeout: float = 5.0) -> None:
     waiting.wait_until(condition, timeout, what, interval=0.005)
 
 
-def woken(listener: Any, timeout: float = 0.0) -> int:
-    """How many wakes the listener has (selecting on its pipe for up to `timeout`), drained."""
-    fd = listener.fileno()
-    if fd is None:
-        return 0
-    select.select([fd], [], [], timeout)
-    return listener.drain()
+def woken(listener: Any) -> int:
+    """How many wakes the listener has, drained."""
+    return 0 if listener.fileno() is None else listener.drain()
+
+
+class Clock:
+    """The hub's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture
 def hub():
+    """A hub stepped by the test (`hub.step()`), on a clock it moves (`hub.clock.now`): no thread, no wait."""
     sessions: list[FakeSession] = []
 
     def connect() -> FakeSession:
         sessions.append(FakeSession())
         return sessions[-1]
 
-    found = NotifyHub("dbname=x", connect=connect)
+    clock = Clock()
+    found = NotifyHub("dbname=x", connect=connect, clock=clock)
     found.sessions_made = sessions
-    found.start()
+    found.clock = clock
     yield found
-    found.stop()
-    found.join(timeout=5)
+    found.end()
     for session in sessions:
         session.close()
 
 
 def test_a_notify_wakes_only_the_engine_of_the_table_that_was_written(hub):
     a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
-    wait_for(lambda: a.connected and b.connected, "both channels listened to")
+    hub.step()
+    assert a.connected and b.connected
     session = hub.sessions_made[0]
     assert sorted(session.statements) == ['LISTEN "outbox_1"', 'LISTEN "outbox_2"'], "one session for both"
     woken(a), woken(b)  # the wake each gets when its channel starts being listened to
     session.deliver("outbox_2", "outbox_2", "outbox_3")
-    wait_for(lambda: hub.received == 3, "the hub to take the three NOTIFYs in")
-    assert woken(b, 5.0) >= 1, "b's table was written"
+    hub.step()
+    assert hub.received == 3, "the hub took the three NOTIFYs in"
+    assert woken(b) >= 1, "b's table was written"
     assert woken(a) == 0, "a's was not"
 
 
-def test_a_listener_is_woken_once_its_channel_is_listened_to():
-    gate = threading.Event()
-    sessions: list[FakeSession] = []
-
-    def connect() -> FakeSession:
-        gate.wait(5)
-        sessions.append(FakeSession())
-        return sessions[-1]
-
-    hub = NotifyHub("dbname=x", connect=connect)
-    hub.start()
-    try:
-        listener = hub.subscribe("outbox_7")
-        assert listener.fileno() is not None and not listener.connected, "a pipe at once, no LISTEN yet"
-        assert woken(listener) == 0
-        gate.set()
-        wait_for(lambda: listener.connected, "the channel to be listened to")
-        assert woken(listener, 5.0) >= 1, "woken once: a NOTIFY before the LISTEN would have been lost"
-    finally:
-        hub.stop()
-        hub.join(timeout=5)
-        for session in sessions:
-            session.close()
+def test_a_listener_is_woken_once_its_channel_is_listened_to(hub):
+    listener = hub.subscribe("outbox_7")
+    assert listener.fileno() is not None and not listener.connected, "a pipe at once, no LISTEN yet"
+    assert woken(listener) == 0
+    hub.step()
+    assert listener.connected
+    assert woken(listener) >= 1, "woken once: a NOTIFY before the LISTEN would have been lost"
+    hub.step()
+    assert woken(listener) == 0, "once"
 
 
-def test_while_no_session_can_be_had_every_engine_is_woken_at_each_attempt(monkeypatch, caplog):
+def test_while_no_session_can_be_had_every_engine_is_woken_at_each_attempt(caplog):
     import psycopg
 
-    from outbox.harvest import notify_hub
+    from outbox.harvest.notify_hub import RETRY_AFTER
 
-    monkeypatch.setattr(notify_hub, "RETRY_AFTER", 0.05)
+    clock = Clock()
     attempts = []
 
     def connect() -> FakeSession:
-        attempts.append(time.monotonic())
+        attempts.append(clock.now)
         raise psycopg.OperationalError("connection refused")
 
-    hub = NotifyHub("dbname=x", connect=connect)
+    hub = NotifyHub("dbname=x", connect=connect, clock=clock)
     a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
     with caplog.at_level(logging.WARNING, logger="outbox.harvest.notify_hub"):
-        hub.start()
         try:
-            wait_for(lambda: len(attempts) >= 4, "four attempts to connect")
-            assert woken(a, 5.0) >= 1 and woken(b, 5.0) >= 1, "each engine looks at its table instead"
+            for _ in range(4):
+                hub.step()
+                assert woken(a) >= 1 and woken(b) >= 1, "each engine looks at its table instead"
+                hub.step()
+                clock.now += RETRY_AFTER / 2
+                hub.step()
+                assert woken(a) == 0, "not again before the next attempt"
+                clock.now += RETRY_AFTER / 2
         finally:
-            hub.stop()
-            hub.join(timeout=5)
+            hub.end()
+    assert len(attempts) == 4 and all(later - earlier == RETRY_AFTER
+                                      for earlier, later in itertools.pairwise(attempts)), "every RETRY_AFTER"
     assert caplog.text.count("LISTEN session unavailable") == 1, "said once"
-    assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(attempts)), \
-        "at most every RETRY_AFTER"
 
 
-def test_a_session_that_refuses_listen_is_tried_again_after_a_backoff_and_the_engines_are_woken(monkeypatch,
-                                                                                                    caplog):
+def test_a_session_that_refuses_listen_is_tried_again_after_a_backoff_and_the_engines_are_woken(caplog):
     # A hot standby accepts the connection and refuses LISTEN: opening sessions in a loop would wake nobody.
-    from outbox.harvest import notify_hub
+    from outbox.harvest.notify_hub import RETRY_AFTER
 
-    monkeypatch.setattr(notify_hub, "RETRY_AFTER", 0.05)
+    clock = Clock()
     sessions: list[FakeSession] = []
 
     def connect() -> FakeSession:
@@ -459,19 +455,18 @@ def test_a_session_that_refuses_listen_is_tried_again_after_a_backoff_and_the_en
         sessions[-1].broken = True
         return sessions[-1]
 
-    hub = NotifyHub("dbname=x", connect=connect)
+    hub = NotifyHub("dbname=x", connect=connect, clock=clock)
     a = hub.subscribe("outbox_1")
     with caplog.at_level(logging.WARNING, logger="outbox.harvest.notify_hub"):
-        hub.start()
         try:
-            started = time.monotonic()
-            wait_for(lambda: len(sessions) >= 4, "four sessions tried")
-            assert woken(a, 5.0) >= 1, "the engine looks at its table instead"
-            elapsed = time.monotonic() - started
-            assert len(sessions) <= elapsed / 0.05 + 3, f"{len(sessions)} sessions in {elapsed:.2f}s: no backoff"
+            for tried in range(1, 5):
+                hub.step()
+                hub.step()
+                assert len(sessions) == tried, "no second session before RETRY_AFTER"
+                assert woken(a) >= 1, "the engine looks at its table instead"
+                clock.now += RETRY_AFTER
         finally:
-            hub.stop()
-            hub.join(timeout=5)
+            hub.end()
             for session in sessions:
                 session.close()
     assert caplog.text.count("LISTEN session unavailable") == 1, "said once"
@@ -480,38 +475,45 @@ def test_a_session_that_refuses_listen_is_tried_again_after_a_backoff_and_the_en
 
 def test_a_listener_closed_is_unlistened_and_the_others_stay(hub):
     a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
-    wait_for(lambda: hub.channels == {"outbox_1", "outbox_2"}, "both channels listened to")
+    hub.step()
+    assert hub.channels == {"outbox_1", "outbox_2"}
     a.close()
-    wait_for(lambda: hub.channels == {"outbox_2"}, "outbox_1 unlistened")
+    hub.step()
+    assert hub.channels == {"outbox_2"}
     assert 'UNLISTEN "outbox_1"' in hub.sessions_made[0].statements
     assert b.connected
 
 
 def test_two_engines_of_one_table_share_its_channel(hub):
     first, second = hub.subscribe("outbox_1"), hub.subscribe("outbox_1")
-    wait_for(lambda: first.connected, "the channel listened to")
+    hub.step()
+    assert first.connected and second.connected
     woken(first), woken(second)
     hub.sessions_made[0].deliver("outbox_1")
-    assert woken(first, 5.0) >= 1 and woken(second, 5.0) >= 1
+    hub.step()
+    assert woken(first) >= 1 and woken(second) >= 1
     first.close()
-    hub.subscribe("outbox_2")  # the hub handles subscriptions in order: once this is listened to, the close was too
-    wait_for(lambda: "outbox_2" in hub.channels, "the later subscription listened to")
-    assert hub.channels == {"outbox_1", "outbox_2"}, "outbox_1 still listened to for the other"
+    hub.step()
+    assert hub.channels == {"outbox_1"}, "still listened to for the other"
+    assert hub.sessions_made[0].statements == ['LISTEN "outbox_1"']
 
 
-def test_after_the_session_is_lost_every_engine_is_woken_on_the_next_one(hub, monkeypatch):
-    from outbox.harvest import notify_hub
+def test_after_the_session_is_lost_every_engine_is_woken_on_the_next_one(hub):
+    from outbox.harvest.notify_hub import RETRY_AFTER
 
-    monkeypatch.setattr(notify_hub, "RETRY_AFTER", 0.05)
     a, b = hub.subscribe("outbox_1"), hub.subscribe("outbox_2")
-    wait_for(lambda: a.connected and b.connected, "both channels listened to")
+    hub.step()
     woken(a), woken(b)
+    hub.clock.now += RETRY_AFTER  # the session has lived a while: it is opened again at once
     first = hub.sessions_made[0]
     first.broken = True
     first.deliver("outbox_1")  # the socket says something: the session is found broken
-    wait_for(lambda: len(hub.sessions_made) == 2 and hub.channels == {"outbox_1", "outbox_2"}, "a new session")
+    hub.step()
+    assert hub.channels == frozenset() and not a.connected, "nothing listened to without a session"
+    hub.step()
+    assert len(hub.sessions_made) == 2 and hub.channels == {"outbox_1", "outbox_2"}, "a new session"
     assert sorted(hub.sessions_made[1].statements) == ['LISTEN "outbox_1"', 'LISTEN "outbox_2"']
-    assert woken(a, 5.0) >= 1 and woken(b, 5.0) >= 1, "both woken: a NOTIFY may have been lost meanwhile"
+    assert woken(a) >= 1 and woken(b) >= 1, "both woken: a NOTIFY may have been lost meanwhile"
 
 
 def test_a_process_has_one_hub_per_database_ended_by_its_last_listener():
@@ -521,21 +523,28 @@ def test_a_process_has_one_hub_per_database_ended_by_its_last_listener():
         sessions.setdefault(dsn, []).append(FakeSession())
         return sessions[dsn][-1]
 
-    hubs = NotifyHubs(connect=connect)
+    hubs = NotifyHubs(connect=connect, threads=False)
+
+    def step() -> None:
+        for each in hubs.hubs:
+            each.step()
+
     a, b, other = (hubs.subscribe("db1", "outbox_1"), hubs.subscribe("db1", "outbox_2"),
                    hubs.subscribe("db2", "outbox_1"))
     try:
-        wait_for(lambda: a.connected and b.connected and other.connected, "every channel listened to")
+        step()
+        assert a.connected and b.connected and other.connected
         assert [len(sessions["db1"]), len(sessions["db2"])] == [1, 1], "one session per database"
         [first, _] = hubs.hubs
         a.close()
+        step()
         assert hubs.hubs[0] is first and b.connected, "b still listens on db1's hub"
         b.close()
         assert [hub.dsn for hub in hubs.hubs] == ["db2"], "db1's hub ended with its last listener"
-        assert not first.is_alive() and sessions["db1"][0].closed, "its thread and session are gone"
+        assert sessions["db1"][0].closed and first.channels == frozenset(), "its session is gone"
         again = hubs.subscribe("db1", "outbox_1")
-        wait_for(lambda: again.connected, "a new hub listening")
-        assert len(sessions["db1"]) == 2 and woken(again, 5.0) >= 1
+        step()
+        assert again.connected and len(sessions["db1"]) == 2 and woken(again) >= 1, "a new hub listening"
         again.close()
     finally:
         other.close()
