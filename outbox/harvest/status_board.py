@@ -172,10 +172,13 @@ class StatusBoard(threading.Thread):
     """Writes the status rows of every engine attached, for one status table, on one session."""
 
     def __init__(self, config: HarvestConfig, *, name: str = "",
-                 on_empty: Callable[[StatusBoard], None] | None = None) -> None:
-        """`on_empty` is told when the last engine left (StatusBoards then ends the board)."""
+                 on_empty: Callable[[StatusBoard], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`on_empty` is told when the last engine left (StatusBoards then ends the board); `clock` times the
+        pruning of stale rows."""
         super().__init__(name="outbox-status-board", daemon=True)
         self._dsn = config.dsn
+        self._clock = clock
         self._name = name
         self._on_empty = on_empty
         self._status_table = config.status_table
@@ -198,6 +201,7 @@ class StatusBoard(threading.Thread):
         self._failing = False
         self._writes = 0
         self._pruned_at = float("-inf")
+        self._ended = False
 
     def usable(self) -> bool:
         """Whether the status table is there (else status rows are off, said once by the caller). A database
@@ -244,22 +248,35 @@ class StatusBoard(threading.Thread):
         try:
             while not self._stop_event.is_set():
                 self._wake.clear()
-                self._write_safely()
+                self.step()
                 self._wake.wait(self._interval)
-            self._write_safely()  # the last ones to leave say stopped
+        finally:
+            self.end()
+
+    def step(self) -> None:
+        """One round of rows, which the thread writes every status_interval (and at once when an engine comes or
+        goes): the engines that left say stopped (a shard's engine's row goes), every attached engine's row in
+        one statement, then their retention, history samples and lines. A surprise (a bug of ours) costs one
+        round of rows, not every engine's status from now on."""
+        try:
+            self._write()
+        except Exception:
+            log.exception("Status rows not written")
+
+    def end(self) -> None:
+        """The last round (the last engines to leave say stopped), every engine waiting on its row released, the
+        session closed: the thread's last act, or its owner's for a board it steps itself."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            self.step()
         finally:
             with self._lock:
                 leaving, self._leaving = self._leaving + self._reporters, []
             for reporter in leaving:
                 reporter._gone.set()
             self._close_session()
-
-    def _write_safely(self) -> None:
-        """A surprise (a bug of ours) costs one round of rows, not every engine's status from now on."""
-        try:
-            self._write()
-        except Exception:
-            log.exception("Status rows not written")
 
     def _write(self) -> None:
         with self._lock:
@@ -283,7 +300,7 @@ class StatusBoard(threading.Thread):
                         reporter.sampler.sample(conn, snapshot)
                     if reporter.notes is not None:
                         reporter.notes.say(conn, snapshot)
-            now = time.monotonic()
+            now = self._clock()
             if now - self._pruned_at >= PRUNE_INTERVAL:
                 self._pruned_at = now
                 conn.execute(self._prune, {"age": self._prune_after})
@@ -330,8 +347,11 @@ class StatusBoards:
     """The process's boards, one per status table (by database): started by the first engine, ended once the
     last one's row was written as it left."""
 
-    def __init__(self, *, name: str = "") -> None:
+    def __init__(self, *, name: str = "", threads: bool = True) -> None:
+        """Without `threads` no board's thread is started: the caller steps each board (`step()`), as the unit
+        tests do."""
         self._name = name
+        self._threads = threads
         self._lock = threading.Lock()
         self._boards: dict[tuple[str, str], StatusBoard | None] = {}
 
@@ -359,7 +379,8 @@ class StatusBoards:
         if key not in self._boards:
             board = StatusBoard(config, name=self._name, on_empty=self._retire)
             if board.usable():
-                board.start()
+                if self._threads:
+                    board.start()
                 self._boards[key] = board
             else:
                 log.info("Status rows off: table %s does not exist (manage.py migrate creates it)",
@@ -376,7 +397,7 @@ class StatusBoards:
                     break
             else:
                 return
-        board.stop()  # its last write says the leaving engines stopped; their join() waits for it
+        _end(board)  # its last write says the leaving engines stopped; their join() waits for it
 
     @property
     def boards(self) -> list[StatusBoard]:
@@ -386,6 +407,15 @@ class StatusBoards:
     def close(self) -> None:
         boards = self.boards
         for board in boards:
-            board.stop()
+            _end(board)
         for board in boards:
-            board.join(timeout=10)
+            if board.ident is not None:
+                board.join(timeout=10)
+
+
+def _end(board: StatusBoard) -> None:
+    """Stop the board: its thread writes the last rows and ends (a board that was stepped, never started, ends
+    here)."""
+    board.stop()
+    if board.ident is None:
+        board.end()

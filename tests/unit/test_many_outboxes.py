@@ -773,7 +773,7 @@ def test_one_board_per_status_table_for_a_replica_and_its_shards_ended_by_the_la
     monkeypatch.setattr(status_board, "connect", connect)
     replica = dataclasses.replace(World.config("acme", status_table="outbox_harvester_status",
                                                limits=Limits(history_interval=0.0, status_interval=60.0)), shards=2)
-    boards = status_board.StatusBoards(name="replica")
+    boards = status_board.StatusBoards(name="replica", threads=False)
     own = boards.reporter(replica, a_snapshot, lambda rows: None, sharded_replica=True)
     engines = [boards.reporter(dataclasses.replace(replica.for_shard(shard), name=f"replica/acme/s{shard}"),
                                a_snapshot, lambda rows: None) for shard in (0, 1)]
@@ -783,19 +783,20 @@ def test_one_board_per_status_table_for_a_replica_and_its_shards_ended_by_the_la
     assert [own.shard, engines[0].shard, engines[1].shard] == [{"shard": None, "shards": 2},
                                                              {"shard": 0, "shards": 2}, {"shard": 1, "shards": 2}]
     assert [own.forget, engines[0].forget] == [False, True] and own.notes is not None and engines[0].notes is None
-    wait_for(lambda: any(s.startswith("INSERT INTO") for s in statements), "the rows written")
+    board.step()
+    assert any(s.startswith("INSERT INTO") for s in statements), "the rows written"
     engines[0].stop()
-    engines[0].join(timeout=5)
+    board.step()
+    engines[0].join(timeout=0)
     assert "DELETE FROM" in statements, "the moved shard's row is gone"
-    assert board.is_alive() and boards.boards == [board]
+    assert boards.boards == [board] and not sessions[0].closed
     statements.clear()
     engines[1].stop()
-    own.stop()
-    own.join(timeout=5)
-    engines[1].join(timeout=5)
+    own.stop()  # the last to leave: the board ends, writing their rows
+    own.join(timeout=0)
+    engines[1].join(timeout=0)
     assert sorted(statements[:2]) == ["DELETE FROM", "UPDATE \"outbox_harvester_status\""], statements
-    wait_for(lambda: not board.is_alive(), "the board to end with its last engine")
-    assert boards.boards == [] and len(sessions) == 1 and sessions[0].closed
+    assert boards.boards == [] and len(sessions) == 1 and sessions[0].closed, "the board ended with its last engine"
 
 
 # ---------------------------------------------------------------------------------------------- manage.py harvest
@@ -867,14 +868,15 @@ def test_a_board_whose_database_cannot_say_at_first_is_started_and_writes_once_i
         return sessions[-1]
 
     monkeypatch.setattr(status_board, "connect", connect)
-    boards = status_board.StatusBoards(name="replica")
+    boards = status_board.StatusBoards(name="replica", threads=False)
     config = World.config("acme", status_table="outbox_harvester_status")
     reporter = boards.reporter(config, a_snapshot, lambda rows: None)
     try:
         assert reporter is not None, "one refused connection must not turn status rows off for good"
         reporter.start()
         assert boards.boards == [reporter.board]
-        wait_for(lambda: any(s.startswith("INSERT INTO") for s in statements), "the engine's row written")
+        reporter.board.step()
+        assert any(s.startswith("INSERT INTO") for s in statements), "the engine's row written"
     finally:
         boards.close()
 
