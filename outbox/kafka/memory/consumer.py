@@ -120,7 +120,9 @@ class MemoryConsumer:
         assert self.group is not None
         for tp in partitions:
             key = (tp.topic, tp.partition)
-            self.positions[key] = tp.offset if tp.offset >= 0 else self.group.committed.get(key, self._reset_to(key))
+            committed = self.group.committed.get(key)
+            self.positions[key] = (tp.offset if tp.offset >= 0 else committed if committed is not None
+                                   else self._reset_to(key))
             self._forget_reads(key)
 
     def _reset_to(self, tp: TP) -> int:
