@@ -227,22 +227,39 @@ def _clean(text: str) -> str:
     return _STATE_SUFFIX.sub("", _BROKER_PREFIX.sub("", text.strip()))
 
 
+#: How many times `timeout` a start waits for a broker that is connected but slow to answer (a metadata
+#: request timed out, rather than no broker being up): a loaded broker is not an unreachable one.
+SLOW_BROKER_PATIENCE = 6
+
+
 def cluster_metadata(base: Mapping[str, Any], timeout: float) -> Any:
     """Kafka's metadata, or KafkaUnavailable saying why not: unreachable, a refused login, an untrusted certificate.
 
-    Asks once a second until `timeout`, and gives up at once on an error no retry can fix.
+    Asks once a second and gives up at once on an error no retry can fix. No broker up after `timeout` is
+    unreachable; a broker that is up but has not answered (every request timed out) gets SLOW_BROKER_PATIENCE
+    times as long, saying once that it waits.
     """
     problems = ConnectionProblems()
     admin = AdminClient({**admin_config(base), "error_cb": problems.error_cb, "logger": problems})
     bootstrap = base.get("bootstrap.servers", "?")
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
         try:
             return admin.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
         except KafkaException as error:
             admin.poll(0)  # serves the error callbacks
-            if problems.hopeless is not None or time.monotonic() >= deadline:
+            if problems.hopeless is not None:
                 raise KafkaUnavailable(problems.describe(bootstrap, kafka_reason(error))) from None
+            if time.monotonic() < deadline:
+                continue
+            slow = error.args and error.args[0].code() == KafkaError._TIMED_OUT
+            if slow and deadline == started + timeout:
+                deadline = started + timeout * SLOW_BROKER_PATIENCE
+                log.warning("Kafka at %s is up but has not answered for %gs: waiting up to %gs", bootstrap,
+                            timeout, timeout * SLOW_BROKER_PATIENCE)
+                continue
+            raise KafkaUnavailable(problems.describe(bootstrap, kafka_reason(error))) from None
 
 
 def ensure_topic(base: dict[str, Any], topic: str, timeout: float, partitions: int = 1) -> int:

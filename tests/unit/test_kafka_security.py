@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from confluent_kafka import KafkaError
+import pytest
+from confluent_kafka import KafkaError, KafkaException
 
+from outbox.harvest import kafka
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.kafka import ConnectionProblems, heartbeat_producer_config, leader_consumer_config
+from outbox.kafka.clients import KafkaUnavailable
 from outbox.pipeline.sources import java_options, security_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +57,53 @@ def test_an_unreachable_cluster_says_why_or_falls_back_to_the_calls_own_error():
     assert refused.describe("b1:9093", "Local: Broker transport failure") == \
         "Kafka is unreachable at b1:9093: Connect to ipv4#127.0.0.1:1 failed: Connection refused"
     assert problems().describe("b1:9093", "Local: Timed out") == "Kafka is unreachable at b1:9093: Local: Timed out"
+
+
+class SlowAdmin:
+    """An AdminClient whose metadata requests fail with `code` until `answers_at` seconds on its own clock (each
+    request spends its timeout), as a loaded broker (timed out) or one not up at all (transport failure) would."""
+
+    def __init__(self, code: int, answers_at: float) -> None:
+        self.code, self.answers_at, self.now = code, answers_at, 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def list_topics(self, timeout: float) -> str:
+        if self.now >= self.answers_at:
+            return "metadata"
+        self.now += timeout
+        raise KafkaException(KafkaError(self.code, "Failed to get metadata"))
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+
+@pytest.fixture
+def admin(monkeypatch: pytest.MonkeyPatch):
+    def install(code: int, answers_at: float) -> SlowAdmin:
+        fake = SlowAdmin(code, answers_at)
+        monkeypatch.setattr(kafka, "AdminClient", lambda config: fake)
+        monkeypatch.setattr(kafka, "time", fake)
+        return fake
+    return install
+
+
+def test_a_broker_that_is_up_but_slow_is_waited_for_longer_than_one_that_is_not_up(admin, caplog):
+    slow = admin(KafkaError._TIMED_OUT, answers_at=25.0)
+    assert kafka.cluster_metadata({"bootstrap.servers": "b1:9093"}, timeout=10.0) == "metadata"
+    assert "Kafka at b1:9093 is up but has not answered for 10s: waiting up to 60s" in caplog.text
+    assert slow.now == 25.0
+
+    silent = admin(KafkaError._TIMED_OUT, answers_at=float("inf"))
+    with pytest.raises(KafkaUnavailable, match="Kafka is unreachable at b1:9093: Failed to get metadata"):
+        kafka.cluster_metadata({"bootstrap.servers": "b1:9093"}, timeout=10.0)
+    assert silent.now == 60.0, "a slow broker's patience ends too"
+
+    down = admin(KafkaError._TRANSPORT, answers_at=25.0)
+    with pytest.raises(KafkaUnavailable, match="Kafka is unreachable at b1:9093"):
+        kafka.cluster_metadata({"bootstrap.servers": "b1:9093"}, timeout=10.0)
+    assert down.now == 10.0, "no broker up: unreachable after the timeout"
 
 
 def test_librdkafka_security_settings_become_the_java_clients_for_spark():
