@@ -266,7 +266,7 @@ def ensure_topic(base: dict[str, Any], topic: str, timeout: float, partitions: i
     """Create the leader topic with `partitions` partitions (one per shard) unless it exists; returns
     how many partitions it has. Raises KafkaUnavailable if Kafka cannot be used."""
     metadata = cluster_metadata(base, timeout)
-    if topic in metadata.topics and metadata.topics[topic].error is None:
+    if topic in metadata.topics and metadata.topics[topic].error is None and metadata.topics[topic].partitions:
         return len(metadata.topics[topic].partitions)
     admin = AdminClient(admin_config(base))
     bootstrap = base.get("bootstrap.servers", "?")
@@ -276,10 +276,23 @@ def ensure_topic(base: dict[str, Any], topic: str, timeout: float, partitions: i
         log.info("Created leader topic %s (%d partition%s)", topic, partitions, "s" if partitions > 1 else "")
     except KafkaException as error:
         if error.args and error.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:  # another replica made it
-            found = cluster_metadata(base, timeout).topics.get(topic)
-            return len(found.partitions) if found is not None and found.error is None else partitions
+            return partitions_once_known(base, topic, timeout)
         raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
     return partitions
+
+
+def partitions_once_known(base: Mapping[str, Any], topic: str, timeout: float) -> int:
+    """How many partitions `topic` has, once the cluster's metadata shows them: a topic another replica has just
+    created can show without them for a moment, and the number it was asked for is not the number it has."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = cluster_metadata(base, timeout).topics.get(topic)
+        if found is not None and found.error is None and found.partitions:
+            return len(found.partitions)
+        if time.monotonic() >= deadline:
+            raise KafkaUnavailable(f"leader topic {topic!r} exists at {base.get('bootstrap.servers', '?')} but "
+                                   f"its partitions were not known within {timeout:g}s")
+        time.sleep(0.1)
 
 
 def check_leader_partitions(topic: str, found: int, shards: int) -> None:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -154,3 +156,42 @@ def test_election_clients_give_up_on_a_hung_broker_within_two_heartbeat_timeouts
     assert heartbeat_producer_config(config)["socket.timeout.ms"] == 10_000
     custom = HarvestConfig(dsn="dbname=x", base_kafka_config={"bootstrap.servers": "b:1", "socket.timeout.ms": 30_000})
     assert leader_consumer_config(custom)["socket.timeout.ms"] == 30_000, "an explicit setting wins"
+
+
+class TopicJustMade(SlowAdmin):
+    """A cluster where another replica has just made `topic` with three partitions: the first metadata shows it
+    without them (its leaders not yet elected), and creating it again says it exists."""
+
+    def __init__(self, topic: str, shown_after: int) -> None:
+        super().__init__(KafkaError._TIMED_OUT, answers_at=0.0)
+        self.topic, self.shown_after, self.asked = topic, shown_after, 0
+
+    def list_topics(self, timeout: float) -> SimpleNamespace:
+        self.asked += 1
+        ready = self.asked > self.shown_after
+        shown = SimpleNamespace(error=None if ready else KafkaError(KafkaError.LEADER_NOT_AVAILABLE),
+                                partitions=dict.fromkeys(range(3)) if ready else {})
+        return SimpleNamespace(topics={self.topic: shown})
+
+    def create_topics(self, topics: list[Any], request_timeout: float) -> dict[str, Any]:
+        def exists(timeout: float) -> None:
+            raise KafkaException(KafkaError(KafkaError.TOPIC_ALREADY_EXISTS, "Topic already exists"))
+        return {self.topic: SimpleNamespace(result=exists)}
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_leader_topic_another_replica_just_made_counts_the_partitions_it_has_not_the_ones_asked_for(monkeypatch):
+    cluster = TopicJustMade("leader", shown_after=3)
+    monkeypatch.setattr(kafka, "AdminClient", lambda config: cluster)
+    monkeypatch.setattr(kafka, "time", cluster)
+    assert kafka.ensure_topic({"bootstrap.servers": "b1:9093"}, "leader", timeout=10.0, partitions=2) == 3, \
+        "a replica of 2 shards must find the 3 partitions, and refuse to start"
+
+    never = TopicJustMade("leader", shown_after=10**6)
+    monkeypatch.setattr(kafka, "AdminClient", lambda config: never)
+    monkeypatch.setattr(kafka, "time", never)
+    with pytest.raises(KafkaUnavailable, match="leader topic 'leader' exists at b1:9093 but its partitions were not "
+                                               "known within 10s"):
+        kafka.ensure_topic({"bootstrap.servers": "b1:9093"}, "leader", timeout=10.0, partitions=2)
