@@ -217,31 +217,48 @@ class ShardGroup(threading.Thread):
                 if view is not None:
                     view.notify(event)
 
-    def run(self) -> None:
-        consumer = self._consumer
+    @property
+    def stopping(self) -> bool:
+        return self._stop_event.is_set()
+
+    def subscribe(self) -> None:
+        """Join the group: its assignments, revokes and losses reach the engines' views."""
+        self._consumer.subscribe([self.topic], on_assign=lambda _c, ps: self._changed("assign", ps),
+                                 on_revoke=lambda _c, ps: self._changed("revoke", ps),
+                                 on_lost=lambda _c, ps: self._changed("lost", ps))
+
+    def step(self) -> None:
+        """One poll of the leader topic (the group's callbacks, and heartbeats routed to their shard's view), then
+        the heartbeat producer's delivery callbacks. Raises KafkaUnavailable on a fatal consumer error."""
+        for message in self._consumer.consume(num_messages=512, timeout=self._interval):
+            error = message.error()
+            if error is not None:
+                if error.fatal():
+                    raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
+                log.debug("Leader topic: %s", error.str())
+                continue
+            self.route(message.partition(), message.value() or b"")
+        self._producer.poll(0)
+
+    def end(self) -> None:
+        """Leave the group, so the shards move at once, and send the last heartbeats."""
         try:
-            consumer.subscribe([self.topic], on_assign=lambda _c, ps: self._changed("assign", ps),
-                               on_revoke=lambda _c, ps: self._changed("revoke", ps),
-                               on_lost=lambda _c, ps: self._changed("lost", ps))
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as error:
+            log.warning("Closing the leader consumer: %s", error)
+        self._producer.flush(1.0)
+
+    def run(self) -> None:
+        """The group's thread: subscribe(), step() until stop(), end()."""
+        try:
+            self.subscribe()
             while not self._stop_event.is_set():
-                for message in consumer.consume(num_messages=512, timeout=self._interval):
-                    error = message.error()
-                    if error is not None:
-                        if error.fatal():
-                            raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
-                        log.debug("Leader topic: %s", error.str())
-                        continue
-                    self.route(message.partition(), message.value() or b"")
-                self._producer.poll(0)
+                self.step()
         except BaseException as error:  # the harvester notices and stops as a whole
             self.failure = error
             log.error("Leader election failed: %s", error)
         finally:
-            try:
-                consumer.close()  # leave the group, so the shards move at once
-            except (KafkaException, RuntimeError) as error:
-                log.warning("Closing the leader consumer: %s", error)
-            self._producer.flush(1.0)
+            self.end()
 
 
 def retires(shard: int, owned: set[int], election: ShardElection | None) -> bool:
@@ -379,7 +396,8 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         group = self._group
         if group is not None:
             group.stop()
-            group.join(timeout=10)
+            if group.is_alive():  # a simulator steps its group, and ends it as the thread would
+                group.join(timeout=10)
         if self._status is not None:
             self._status.stop()
             self._status.join(timeout=10)

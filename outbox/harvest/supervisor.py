@@ -16,6 +16,7 @@ that ran for MAX_BACKOFF before failing starts the count again, so one broken en
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -122,16 +123,30 @@ class Supervisor(Generic[K, E]):
             if slot.engine is None and now >= slot.retry_at:
                 self._start(key, slot, now)
 
+    def settle_all(self) -> bool:
+        """One step of the end: ask every engine to stop (what it has in flight settles first), forget those that
+        stopped (saying a failure once); True once none is left."""
+        for key, slot in list(self._slots.items()):
+            engine = slot.engine
+            if engine is not None and engine.state is State.STOPPED:
+                try:
+                    engine.wait(0)
+                except HarvestError as error:
+                    log.warning("%s: %s", self._describe(key), error)
+                engine = None
+            elif engine is not None:
+                engine.stop()
+            if engine is None:
+                with self._lock:
+                    del self._slots[key]
+        return not self._slots
+
     def stop_all(self) -> None:
-        """Stop every engine and wait for each (the manager's end)."""
-        engines = list(self.engines().items())
-        for _key, engine in engines:
-            engine.stop()
-        for key, engine in engines:
-            try:
-                engine.wait()
-            except HarvestError as error:
-                log.warning("%s: %s", self._describe(key), error)
+        """Stop every engine and wait for each (the manager thread's end: settle_all() until it is done)."""
+        while not self.settle_all():
+            for engine in self.engines().values():
+                with contextlib.suppress(HarvestError):  # settle_all() says it
+                    engine.wait()
 
     def _reap(self, key: K, slot: Slot[E], engine: E, now: float) -> None:
         """An engine stopped: forget it; if it failed, wait before starting the key's engine again."""
@@ -276,10 +291,22 @@ class EngineSet(Lifecycle, Generic[K, R]):
         finally:
             self._state = State.STOPPING
             self._supervisor.stop_all()
-            self._closed()
-            if self._own_services:
-                self.hubs.close()
-                self.boards.close()
-            self._state = State.STOPPED
-            log.info("Stopped")
-            self._stopped.set()
+            self.end_step()  # every engine stopped: it ends at once
+
+    def end_step(self) -> bool:
+        """One step of the manager's end (its thread's, or a simulator's on its clock): every engine asked to stop;
+        once all stopped, what the set holds ends (its kind's, its own hubs and boards) and it is STOPPED. True
+        once it is."""
+        if self._state is State.STOPPED:
+            return True
+        self._state = State.STOPPING
+        if not self._supervisor.settle_all():
+            return False
+        self._closed()
+        if self._own_services:
+            self.hubs.close()
+            self.boards.close()
+        self._state = State.STOPPED
+        log.info("Stopped")
+        self._stopped.set()
+        return True

@@ -38,9 +38,8 @@ from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.shards import MANAGE_INTERVAL, ShardedHarvester, ShardElection, ShardGroup
 from outbox.harvest.supervisor import RESTART_BACKOFF, Supervisor
 from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
-from outbox.kafka.memory.consumer import MemoryConsumer
 from outbox.kafka.memory.world import SimWorld, Violation
-from tests.sim.election_thread import HeartbeatProducer, SimElectionThread
+from tests.sim.election_thread import HeartbeatProducer, LinkedConsumer, SimElectionThread
 from tests.sim.replica import Links, Log, SimIO
 from tests.sim.status_table import EPOCH, REPORT_EVERY, StatusTable
 
@@ -237,8 +236,9 @@ class ShardedReplica:
         kafka.create_topic(self.leader_topic, shards)
         config = HarvestConfig(dsn="postgresql://sim/sim", leader_topic=self.leader_topic, leader_group=group,
                                name=name, limits=limits, status_table=None, shards=shards, park_after=park_after)
-        self.consumer = MemoryConsumer(kafka, leader_consumer_config(config), name=name,
-                                       alive=lambda: self.process_running() and self.links.leader)
+        self.consumer = LinkedConsumer(kafka, leader_consumer_config(config), name=name,
+                                       alive=lambda: self.process_running() and self.links.leader,
+                                       linked=lambda: self.links.leader)
         self.group = SteppedGroup(config, self.consumer, HeartbeatProducer(self),  # type: ignore[arg-type]
                                   clock=lambda: self.world.now)
         self.harvester = SimShardedHarvester(self, config, supervisor_class=supervisor_class)
@@ -267,10 +267,7 @@ class ShardedReplica:
     def start(self) -> None:
         self.running = True
         self.harvester.open()
-        group = self.group
-        self.consumer.subscribe([self.leader_topic], on_assign=lambda _c, ps: group._changed("assign", ps),
-                                on_revoke=lambda _c, ps: group._changed("revoke", ps),
-                                on_lost=lambda _c, ps: group._changed("lost", ps))
+        self.group.subscribe()
         self.world.note(f"{self.name} started ({self.shards} shards)")
         self.world.after(0.0, self._poll_group)
         self.world.after(0.0, self._manage)
@@ -307,14 +304,17 @@ class ShardedReplica:
     # -- the group thread (ShardGroup.run) --------------------------------------------------------
 
     def _poll_group(self) -> None:
-        if self.crashed or self.finished:
+        """The group's thread (ShardGroup.run): its step until the harvester asks it to stop, then its end (the
+        consumer leaves the group: the shards move at once)."""
+        if self.crashed:
             return
-        if not self.process_running():
+        if self.world.now < self.paused_until:
             self.world.at(self.paused_until, self._poll_group)
             return
-        if self.links.leader:  # else the consumer hears nothing, and the coordinator nothing from it
-            for message in self.consumer.consume(num_messages=512, timeout=self.limits.min_poll_interval):
-                self.group.route(message.partition(), message.value() or b"")
+        if self.group.stopping:
+            self.group.end()
+            return
+        self.group.step()
         self.world.after(self.limits.min_poll_interval, self._poll_group)
 
     # -- the engines' status rows (status_board.StatusBoard) --------------------------------------------
@@ -341,7 +341,10 @@ class ShardedReplica:
             self.world.at(self.paused_until, self._manage)
             return
         if self.stopped:
-            self._shut_down()
+            if self.harvester.end_step():  # the manager's end (EngineSet._manage's finally)
+                self.finished = True
+                self.running = False
+                self.world.note(f"{self.name} stopped")
         else:
             for shard in [shard for shard in self.failed_at if shard not in self.group.owned()]:
                 del self.failed_at[shard]  # the shard went: its next engine is a new start, not a restart
@@ -370,17 +373,6 @@ class ShardedReplica:
         """The engines this process started that have not stopped (the supervisor's view aside)."""
         self.started = [engine for engine in self.started if engine.state is not State.STOPPED]
         return self.started
-
-    def _shut_down(self) -> None:
-        """The manager's `finally`: stop every engine, wait for each, then the group thread closes the consumer."""
-        for engine in self.engines.values():
-            engine.stop()
-        if all(engine.state is State.STOPPED for engine in self.engines.values()):
-            self.consumer.close()  # leave the group: the shards move at once
-            self.finished = True
-            self.running = False
-            self.world.note(f"{self.name} stopped")
-
 
 class SteppedGroup(ShardGroup):
     """The replica's ShardGroup, not a thread: the world runs its polls (ShardedReplica._poll_group)."""

@@ -1,13 +1,15 @@
-"""A sharded replica as an engine set (outbox/harvest/supervisor.py's EngineSet): its start, its step and its end,
-over a group whose consumer is a stand-in (no Kafka, no Postgres: _join_group is where those are met)."""
+"""Engine sets (outbox/harvest/supervisor.py's EngineSet): a sharded replica's start, step and end, over a group whose
+consumer is a stand-in (no Kafka, no Postgres: _join_group is where those are met), and the end as a step."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from outbox.harvest.config import HarvestConfig
-from outbox.harvest.harvester import State
+from outbox.harvest.contract import ReplicaState
+from outbox.harvest.harvester import HarvestError, State
 from outbox.harvest.shards import ShardedHarvester, ShardGroup
+from outbox.harvest.supervisor import EngineSet
 
 CONFIG = HarvestConfig(dsn="postgresql://db/shop", shards=2, status_table=None, name="replica-a")
 
@@ -79,3 +81,64 @@ def test_a_sharded_replica_ends_its_own_hubs_and_boards_and_leaves_shared_ones()
     shared.stop()
     assert shared.wait(10)
     assert ended == ["hubs", "boards"], "the hubs and boards it was lent are its host's to end"
+
+
+class Engine:
+    """An engine that settles when the test says so; `fails`: its wait() re-raises why it stopped."""
+
+    replica_state = ReplicaState.STANDBY
+    published = 0
+
+    def __init__(self, fails: bool = False) -> None:
+        self.state = State.RUNNING
+        self.fails = fails
+
+    def stop(self) -> None:
+        if self.state is State.RUNNING:
+            self.state = State.STOPPING
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.state is not State.STOPPED:
+            return False
+        if self.fails:
+            raise HarvestError("its database went away")
+        return True
+
+
+class Outboxes(EngineSet[str, Engine]):
+    """A set of two engines, opened and stepped by the test (no manager thread)."""
+
+    def open(self) -> bool:
+        self._state = State.RUNNING
+        return True
+
+    def wanted(self, now: float) -> set[str]:
+        return {"acme", "globex"}
+
+    def retires(self, key: str, engine: Engine) -> bool:
+        return False
+
+
+def test_the_end_of_an_engine_set_is_a_step_that_ends_it_once_every_engine_settled(caplog) -> None:
+    engines = {"acme": Engine(), "globex": Engine(fails=True)}
+    ended: list[str] = []
+    outboxes = Outboxes(engines.__getitem__, describe=lambda key: f"Outbox {key}'s engine")
+    outboxes.hubs.close = lambda: ended.append("hubs")  # type: ignore[method-assign]
+    outboxes.boards.close = lambda: ended.append("boards")  # type: ignore[method-assign]
+    outboxes.open()
+    outboxes.tick()
+    assert outboxes.engines == engines
+
+    assert not outboxes.end_step(), "its engines have not settled"
+    assert outboxes.state is State.STOPPING and not outboxes.wait(0)
+    assert [engine.state for engine in engines.values()] == [State.STOPPING, State.STOPPING], "each asked to stop"
+    engines["acme"].state = State.STOPPED
+    assert not outboxes.end_step() and outboxes.engines == {"globex": engines["globex"]}
+    assert ended == [], "nothing it holds ends while an engine settles"
+
+    engines["globex"].state = State.STOPPED
+    assert outboxes.end_step() and outboxes.state is State.STOPPED and outboxes.wait(0)
+    assert ended == ["hubs", "boards"]
+    assert outboxes.end_step() and ended == ["hubs", "boards"], "ended once"
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == \
+        ["Outbox globex's engine: its database went away"], "a failed engine is said once"
