@@ -100,8 +100,9 @@ class SimElectionThread:
         if self.stopped or self.held.held or self.process.crashed:
             return
         if not self.process.process_running():
-            self.world.at(self.process.paused_until, self._step)
-            return
+            if self.world.now < self.process.paused_until:  # SIGSTOP: it runs again at SIGCONT
+                self.world.at(self.process.paused_until, self._step)
+            return  # else its process ended: no thread is left to run
         self._run_step()
 
     def _run_step(self) -> None:

@@ -351,6 +351,15 @@ class NeverRestarted(Supervisor[Any, Any]):
         slot.retry_at = math.inf
 
 
+class EndsBeforeSettled(Supervisor[Any, Any]):
+    """A stopping replica's end asks every engine to stop and ends at once, without waiting for them to settle:
+    its consumer leaves the group while its engines still publish."""
+
+    def settle_all(self) -> bool:
+        super().settle_all()
+        return True
+
+
 def credited_to_one(engines: list[Any]) -> list[tuple[str, list[Any]]]:
     """replicas._by_replica as harvest_health first had it: every leading engine's shard credited to the replica
     of the first row."""
@@ -398,6 +407,8 @@ SHARD_MUTATIONS: dict[str, ShardOptions] = {
     "an engine whose shard moved keeps running": ShardOptions(
         patches={"outbox.harvest.shards.retires": moved_shard_kept}),
     "a failed engine started again at once, without a backoff": ShardOptions(supervisor_class=RestartedAtOnce),
+    "a stopping replica leaves its group before its engines settled": ShardOptions(
+        supervisor_class=EndsBeforeSettled),
     "a failed engine never started again": ShardOptions(supervisor_class=NeverRestarted),
     "a shard's fence let go at once when its term ends": ShardOptions(
         core_factory=with_part(leadership=ShardFenceLetGoAtOnce)),
@@ -434,6 +445,7 @@ CAUGHT_BY: dict[str, list[int]] = {
     "an engine whose shard moved keeps running": [1, 2, 3],
     "a failed engine started again at once, without a backoff": [3, 8, 10],
     "a failed engine never started again": [3, 8, 10],
+    "a stopping replica leaves its group before its engines settled": [3, 4, 5],
     "a status report that credits one replica with another's shards": [1, 2, 3],
     "a shard's mark reads every shard's rows": [1, 2, 3],
     "a shard taken from a leader that did not settle, at once": [212, 467, 1092],

@@ -306,6 +306,9 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
         for replica in replicas:
             if replica.restarted_early:
                 raise Violation(replica.restarted_early[0])
+            if replica.finished and not replica.crashed and replica.engines_not_stopped():
+                raise Violation(f"{replica.name} stopped (its consumer left the group) while "
+                                f"{', '.join(engine.name for engine in replica.engines_not_stopped())} had not")
             running = replica.live and replica.process_running()
             for engine in replica.engines.values():
                 if not running or engine.state is not State.RUNNING or not engine.election.gone:
