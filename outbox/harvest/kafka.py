@@ -232,12 +232,14 @@ def _clean(text: str) -> str:
 SLOW_BROKER_PATIENCE = 6
 
 
-def cluster_metadata(base: Mapping[str, Any], timeout: float) -> Any:
+def cluster_metadata(base: Mapping[str, Any], timeout: float, topic: str | None = None) -> Any:
     """Kafka's metadata, or KafkaUnavailable saying why not: unreachable, a refused login, an untrusted certificate.
 
     Asks once a second and gives up at once on an error no retry can fix. No broker up after `timeout` is
     unreachable; a broker that is up but has not answered (every request timed out) gets SLOW_BROKER_PATIENCE
-    times as long, saying once that it waits.
+    times as long, saying once that it waits. With `topic`, asks again every 0.1 s until the metadata shows
+    that topic's partitions (one another replica has just made can show without them for a moment), and
+    returns the last metadata it got when the time is up.
     """
     problems = ConnectionProblems()
     admin = AdminClient({**admin_config(base), "error_cb": problems.error_cb, "logger": problems})
@@ -246,7 +248,7 @@ def cluster_metadata(base: Mapping[str, Any], timeout: float) -> Any:
     deadline = started + timeout
     while True:
         try:
-            return admin.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            metadata = admin.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
         except KafkaException as error:
             admin.poll(0)  # serves the error callbacks
             if problems.hopeless is not None:
@@ -260,14 +262,23 @@ def cluster_metadata(base: Mapping[str, Any], timeout: float) -> Any:
                             timeout, timeout * SLOW_BROKER_PATIENCE)
                 continue
             raise KafkaUnavailable(problems.describe(bootstrap, kafka_reason(error))) from None
+        if topic is None or partitions_shown(metadata, topic) or time.monotonic() >= deadline:
+            return metadata
+        time.sleep(0.1)
+
+
+def partitions_shown(metadata: Any, topic: str) -> int:
+    """How many partitions the metadata shows `topic` with (0: none yet, or not there)."""
+    found = metadata.topics.get(topic)
+    return len(found.partitions) if found is not None and found.error is None else 0
 
 
 def ensure_topic(base: dict[str, Any], topic: str, timeout: float, partitions: int = 1) -> int:
     """Create the leader topic with `partitions` partitions (one per shard) unless it exists; returns
     how many partitions it has. Raises KafkaUnavailable if Kafka cannot be used."""
-    metadata = cluster_metadata(base, timeout)
-    if topic in metadata.topics and metadata.topics[topic].error is None and metadata.topics[topic].partitions:
-        return len(metadata.topics[topic].partitions)
+    found = partitions_shown(cluster_metadata(base, timeout), topic)
+    if found:
+        return found
     admin = AdminClient(admin_config(base))
     bootstrap = base.get("bootstrap.servers", "?")
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions)], request_timeout=timeout)
@@ -276,23 +287,14 @@ def ensure_topic(base: dict[str, Any], topic: str, timeout: float, partitions: i
         log.info("Created leader topic %s (%d partition%s)", topic, partitions, "s" if partitions > 1 else "")
     except KafkaException as error:
         if error.args and error.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:  # another replica made it
-            return partitions_once_known(base, topic, timeout)
+            # The number it has, not the number asked for, once the metadata shows it.
+            found = partitions_shown(cluster_metadata(base, timeout, topic=topic), topic)
+            if not found:
+                raise KafkaUnavailable(f"leader topic {topic!r} exists at {bootstrap} but its partitions were not "
+                                       f"known within {timeout:g}s") from None
+            return found
         raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
     return partitions
-
-
-def partitions_once_known(base: Mapping[str, Any], topic: str, timeout: float) -> int:
-    """How many partitions `topic` has, once the cluster's metadata shows them: a topic another replica has just
-    created can show without them for a moment, and the number it was asked for is not the number it has."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = cluster_metadata(base, timeout).topics.get(topic)
-        if found is not None and found.error is None and found.partitions:
-            return len(found.partitions)
-        if time.monotonic() >= deadline:
-            raise KafkaUnavailable(f"leader topic {topic!r} exists at {base.get('bootstrap.servers', '?')} but "
-                                   f"its partitions were not known within {timeout:g}s")
-        time.sleep(0.1)
 
 
 def check_leader_partitions(topic: str, found: int, shards: int) -> None:

@@ -396,8 +396,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         group = self._group
         if group is not None:
             group.stop()
-            if group.is_alive():  # a simulator steps its group, and ends it as the thread would
-                group.join(timeout=10)
+            group.join(timeout=10)
         if self._status is not None:
             self._status.stop()
             self._status.join(timeout=10)

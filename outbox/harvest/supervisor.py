@@ -289,7 +289,7 @@ class EngineSet(Lifecycle, Generic[K, R]):
             log.error("%s stopping after a failure: %s", self.kind, first_line(error),
                       exc_info=None if isinstance(error, (HarvestError, KafkaUnavailable)) else error)
         finally:
-            self._state = State.STOPPING
+            self._state = State.STOPPING  # the view says so while the engines settle
             self._supervisor.stop_all()
             self.end_step()  # every engine stopped: it ends at once
 

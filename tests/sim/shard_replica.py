@@ -380,6 +380,9 @@ class SteppedGroup(ShardGroup):
     def start(self) -> None:
         pass
 
+    def join(self, timeout: float | None = None) -> None:
+        """No thread to wait for: the world runs its end() once it is asked to stop (ShardedReplica._poll_group)."""
+
 
 class SimShardedHarvester(ShardedHarvester):
     """The production sharded harvester, joined to the world's group and running the world's engines: what it
