@@ -112,12 +112,9 @@ class Harvester(Lifecycle):
         self._instruments = instruments or Instruments()
         self._clock = clock
         super().__init__()
-        sharded = config.shards > 1
-        self._core = Core(config.limits, park_after=config.park_after, now=clock(), handoff_by_fence=sharded,
-                          **({"leads": f"shard {config.shard} of {config.shards}"} if sharded else {}))
-        self._io = ThreadedIO(config, self._connector, clock, self._announce)
-        self._driver = Driver(self._core, self._io, instruments=self._instruments,
-                              parked_by=f"harvester {config.name}", tracer=tracer)
+        self._core = self._new_core()
+        self._io = self._new_io()
+        self._driver = self._new_driver(tracer)
         self._status: BoardReporter | None = None
         self._engine: threading.Thread | None = None
         self._started_at = datetime.now(UTC)
@@ -215,6 +212,18 @@ class Harvester(Lifecycle):
 
     def start(self) -> None:
         """Connect to Postgres and Kafka and start harvesting in the background."""
+        self.open()
+        self._engine = threading.Thread(target=self._run, name="outbox-engine", daemon=True)
+        self._io.start()
+        if self._status is not None:
+            self._status.start()
+        self._engine.start()
+        log.info("Harvesting %s as %s (leader topic %s, group %s)", self.config.table, self.config.name,
+                 self.config.leader_topic, self.config.leader_group)
+
+    def open(self) -> None:
+        """start() up to its threads: check the configuration, connect, RUNNING. The simulator calls it, then runs
+        step() on its own clock (tests/sim/engine.py)."""
         with self._state_lock:
             if self._state is not State.CREATED:
                 raise HarvestError(f"cannot start a harvester that is {self._state.value}")
@@ -232,13 +241,6 @@ class Harvester(Lifecycle):
                     raise HarvestError(f"cannot create a Kafka client: {kafka_reason(error)}") from None
                 raise
             self._state = State.RUNNING
-        self._engine = threading.Thread(target=self._run, name="outbox-engine", daemon=True)
-        self._io.start()
-        if self._status is not None:
-            self._status.start()
-        self._engine.start()
-        log.info("Harvesting %s as %s (leader topic %s, group %s)", self.config.table, self.config.name,
-                 self.config.leader_topic, self.config.leader_group)
 
     def _stop_requested(self) -> None:
         self._io.wake()
@@ -246,30 +248,65 @@ class Harvester(Lifecycle):
     # -- the engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        core, driver, io = self._core, self._driver, self._io
+        deadline = self.step()
+        while deadline is not None:
+            try:
+                self._io.wait(deadline)
+            except BaseException as error:
+                self._end(error)
+                return
+            deadline = self.step()
+
+    def step(self) -> float | None:
+        """One turn of the engine thread: a failed thread of the I/O ends the engine, a stop() asks the core to
+        settle, the driver runs the core's due work, and the view other threads read is refreshed. Returns the
+        clock time to sleep until (a wake() or a NOTIFY ends the sleep sooner), or None once the engine has ended
+        (finished or failed) and closed what it opened. The simulator runs this same step on its clock."""
+        core = self._core
         try:
-            while not core.finished:
-                failure = io.failure()
-                if failure is not None:
-                    raise failure
-                if self._stopping.is_set() and not core.stopping:
-                    # Graceful: send nothing more, let what is in flight settle (bounded), stay in the group meanwhile.
-                    driver.post(methodcaller("stop"))
-                deadline = driver.turn()
-                self._refresh(self._clock())
-                if not core.finished:
-                    io.wait(deadline)
+            failure = self._io.failure()
+            if failure is not None:
+                raise failure
+            if self._stopping.is_set() and not core.stopping:
+                # Graceful: send nothing more, let what is in flight settle (bounded), stay in the group meanwhile.
+                self._driver.post(methodcaller("stop"))
+            deadline = self._driver.turn()
+            self._refresh(self._clock())
+            if not core.finished:
+                return deadline
         except BaseException as error:
-            self._failure = error
-            log.error("Harvester stopping after a failure: %s", first_line(error), exc_info=error)
-        finally:
-            with self._state_lock:
-                self._state = State.STOPPING
-            self._close_resources()
-            log.info("Stopped (published %d, failed %d)", core.published, core.failed)
-            with self._state_lock:
-                self._state = State.STOPPED
-            self._stopped.set()
+            self._end(error)
+            return None
+        self._end(None)
+        return None
+
+    def _end(self, failure: BaseException | None) -> None:
+        """The engine's end: what it opened closes, then STOPPED (wait() re-raises `failure`)."""
+        if failure is not None:
+            self._failure = failure
+            log.error("Harvester stopping after a failure: %s", first_line(failure), exc_info=failure)
+        with self._state_lock:
+            self._state = State.STOPPING
+        self._close_resources()
+        log.info("Stopped (published %d, failed %d)", self._core.published, self._core.failed)
+        with self._state_lock:
+            self._state = State.STOPPED
+        self._stopped.set()
+
+    # -- its parts (the simulator builds them over its world: tests/sim/engine.py) ----------------------
+
+    def _new_core(self) -> Core:
+        config = self.config
+        sharded = config.shards > 1
+        return Core(config.limits, park_after=config.park_after, now=self._clock(), handoff_by_fence=sharded,
+                    **({"leads": f"shard {config.shard} of {config.shards}"} if sharded else {}))
+
+    def _new_io(self) -> ThreadedIO:
+        return ThreadedIO(self.config, self._connector, self._clock, self._announce)
+
+    def _new_driver(self, tracer: PublishTracer | None) -> Driver:
+        return Driver(self._core, self._io, instruments=self._instruments, parked_by=f"harvester {self.config.name}",
+                      tracer=tracer)
 
     # -- reporting ---------------------------------------------------------------------------------
 

@@ -409,11 +409,15 @@ class ShardedHarvester(EngineSet[int, Harvester]):
     def _new_engine(self, shard: int) -> Harvester:
         """Shard `shard`'s engine, not started: a Harvester whose election is the group's view of its shard."""
         assert self._group is not None
-        config = dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
+        config = self._engine_config(shard)
         connector = self._connectors[shard] = ShardConnector(config, self._group, self.hubs, self.boards)
         return Harvester.sending_events_to(
             self._on_event, config, connector=connector, tracer=self._tracer,
             instruments=self._instruments(shard) if self._instruments is not None else None)
+
+    def _engine_config(self, shard: int) -> HarvestConfig:
+        """Shard `shard`'s engine's configuration: this replica's, for that shard, named after it."""
+        return dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
 
     def _election(self, shard: int, engine: Harvester) -> ShardElection | None:
         """The running engine's view of its shard (None until it asked for one)."""

@@ -5,8 +5,8 @@ What runs is the real code: `outboxes.ManyHarvester` (its first discovery by `op
 MANAGE_INTERVAL of the process's running time, as its manager thread runs it: discovery again every
 `rescan_interval`, the production `Supervisor` reconciling an engine per outbox found, an outbox that is gone
 or changed retired once its engine settled, a failed engine started again after its backoff). Each outbox's
-engine is one unsharded replica of its own (replica.py: the real Core and Driver over SimIO, its own leader
-group, fence and producer), behind `OutboxEngine`, which gives the supervisor Harvester's interface.
+engine is one unsharded replica of its own (replica.py: the production Harvester over the world's I/O, its own
+leader group, fence and producer), behind `OutboxEngine`, which names it after its outbox.
 
 The process can crash (every engine with it) and pause; an engine's thread can fail on its own.
 """
@@ -37,8 +37,9 @@ class Outbox:
 
 
 class OutboxEngine:
-    """One outbox's engine in a process (a Harvester in outboxes.py): a SimReplica of its own, with the
-    lifecycle the supervisor reads (state, stop, wait)."""
+    """One outbox's engine in a process (a Harvester in outboxes.py): a SimReplica of its own (the production
+    Harvester over its outbox's table, Kafka and leader group), as the supervisor meets it (start, state, stop,
+    wait: the Harvester's own)."""
 
     def __init__(self, process: ManyProcess, outbox: Outbox, number: int) -> None:
         self.process = process
@@ -47,26 +48,21 @@ class OutboxEngine:
         self.name = f"{process.name}/{outbox.label}#{number}"
         self.replica = SimReplica(process.world, self.name, outbox.config.leader_group, process.limits, outbox.kafka,
                                   outbox.table, process.log, core_factory=process.core_factory)
-        self.failure: str | None = None
-        self._started = False
+        self.harvester = self.replica.harvester
 
     @property
     def state(self) -> State:
-        replica = self.replica
-        if self.failure is not None or (self._started and not replica.running):
-            return State.STOPPED
-        return State.STOPPING if replica.stopped else State.RUNNING
+        return self.harvester.state
 
     @property
     def replica_state(self) -> ReplicaState:
-        return self.replica.core.state
+        return self.harvester.replica_state
 
     @property
     def published(self) -> int:
-        return self.replica.core.published
+        return self.harvester.published
 
     def start(self) -> None:
-        self._started = True
         self.replica.start()
         self.process.world.note(f"{self.name} started")
 
@@ -74,23 +70,11 @@ class OutboxEngine:
         self.replica.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self.state is State.STOPPED and self.failure is not None:
-            raise HarvestError(f"harvester failed: {self.failure}")
-        return self.state is State.STOPPED
+        return self.harvester.wait(timeout)
 
     def fail(self, why: str) -> None:
-        """The engine thread raised: it closes at once (its sessions, and the fence with them; its producer), leaves
-        its group, and wait() re-raises."""
-        replica = self.replica
-        if self.state is State.STOPPED or replica.crashed:
-            return
-        self.failure = why
-        self.process.world.note(f"{self.name} failed: {why}")
-        replica.store.close()
-        replica.io.producer.purge()
-        replica.io.producer.close()
-        replica.election_thread.stop()
-        replica.running = False
+        """A thread of its I/O dies: the Harvester ends the engine at its next step, and wait() re-raises."""
+        self.replica.engine.fail(why)
 
     def crash(self) -> None:
         self.replica.crash()

@@ -423,15 +423,15 @@ SHARD_MUTATIONS: dict[str, ShardOptions] = {
 CAUGHT_BY: dict[str, list[int]] = {
     "barrier lowered on the ack instead of after the purge": [1, 2, 3],
     "a leader id reused": [1, 2, 3],
-    "purges and resets never read the fence, no heartbeat fence": [5, 545, 1402],
+    "purges and resets never read the fence, no heartbeat fence": [199, 545, 1907],
     "a purge something waits on not reading the fence after a mark, no heartbeat fence": [1529, 3051, 7781],
-    "no fencing on missing heartbeats": [5, 6, 23],
+    "no fencing on missing heartbeats": [6, 23, 29],
     "ids not yet visible skipped (no gaps kept)": [1, 2, 3],
     "a gap forgotten before its writers ended": [1, 2, 3],
     "a failed record resent before the refresh": [2, 5, 9],
     "settling skipped on revoke": [26, 103, 108],
     "the revoke callback returns before the core released partition 0": [26, 103, 108],
-    "every election poll taken for one that saw its own heartbeat, no database fence": [5, 6, 23],
+    "every election poll taken for one that saw its own heartbeat, no database fence": [6, 23, 29],
     "a mark error taken as a mark that found nothing": [14, 17, 34],
     "records sent past a refused record of their key": [1468, 2326, 2934],
     "a producer restart that forgets what was in flight": [3, 9, 15],
@@ -451,7 +451,7 @@ CAUGHT_BY: dict[str, list[int]] = {
     "a shard taken from a leader that did not settle, at once": [212, 467, 1092],
     # Many outboxes in one process (MANY_MUTATIONS, tests/sim/many_scenario.py).
     "a dropped outbox's engine kept running": [6, 7, 10],
-    "a failed discovery taken for no outbox at all": [173, 252, 303],
+    "a failed discovery taken for no outbox at all": [297, 303, 368],
     "a failed outbox engine started again at once": [4, 7, 9],
     # The queue (tests/sim/queue_mutations.py).
     "a tracker that takes the last stable offset for the end of its partition": [30, 109, 121],

@@ -1,5 +1,5 @@
-"""One simulated harvester process: the real Core and the real Driver (outbox/harvest/driver.py),
-over simulated I/O on the world's clock.
+"""One simulated harvester process of one table: the production Harvester (its core, driver and lifecycle)
+over the world's I/O (engine.py), on the world's clock.
 
 The driver's turns, the database sessions' jobs, the delivery reports and the leader election's
 polls are world events, in the same order of threads the real harvester has (runtime.py): each
@@ -9,29 +9,26 @@ signature and age) every min_poll_interval, over the world's leader topic, and b
 until the core lets partition 0 go (election_thread.py).
 
 The process can be paused (SIGSTOP: nothing runs, librdkafka included), crash (its database
-sessions end, its group membership times out), stop gracefully, and lose its network to Kafka's
-leader-election broker, to the record brokers, or to Postgres.
+sessions end, its group membership times out), stop gracefully (Harvester.stop; the process exits
+once the harvester ended), and lose its network to Kafka's leader-election broker, to the record
+brokers, or to Postgres.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import methodcaller
 
-from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig, Limits
-from outbox.harvest.connector import Store
-from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
 from outbox.harvest.kafka import leader_consumer_config
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.neli import ElectionPoll, LeaderElection
-from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
-from outbox.kafka.memory.world import SimWorld, Violation
-from outbox.kafka.sizes import UNLIMITED, batch_size_for
-from tests.sim.election_thread import HeartbeatProducer, LinkedConsumer, SimElectionThread
+from outbox.kafka.memory.broker import MemoryBroker
+from outbox.kafka.memory.world import SimWorld
+from tests.sim.election_thread import HeartbeatProducer, LinkedConsumer
+from tests.sim.engine import EngineHost, SimHarvester
 
 
 @dataclass
@@ -49,102 +46,10 @@ class Log:
     events: list[tuple[float, str, str]] = field(default_factory=list)
 
 
-class SimIO:
-    """The driver's EngineIO in the simulated world."""
-
-    def __init__(self, replica: SimReplica) -> None:
-        self._replica = replica
-        self.batch_limit = UNLIMITED
-        self.producer: MemoryProducer = self._new_producer()
-        self._retiring: list[MemoryProducer] = []
-        #: Topics' max.message.bytes as this replica last read them (the broker's `max_message_bytes`),
-        #: read a moment after first asked for, again every topic_limits_interval and after a refusal.
-        self._limits: dict[str, int] = {}
-        self._reading: set[str] = set()
-
-    def now(self) -> float:
-        return self._replica.world.now
-
-    def _new_producer(self) -> MemoryProducer:
-        producer = self._replica.new_producer()
-        if self.batch_limit < UNLIMITED:
-            producer.batch_bytes = batch_size_for(self.batch_limit)
-        return producer
-
-    def topic_limit(self, topic: str) -> int | None:
-        if topic not in self._limits:
-            self._read_limit(topic)
-        return self._limits.get(topic)
-
-    def _read_limit(self, topic: str) -> None:
-        """An admin request for the topic's configuration, answered a moment later."""
-        replica = self._replica
-        if topic in self._reading:
-            return
-        self._reading.add(topic)
-
-        def answered() -> None:
-            self._reading.discard(topic)
-            if replica.crashed:
-                return
-            self._limits[topic] = replica.kafka.max_message_bytes.get(topic, UNLIMITED)
-            replica.world.after(replica.limits.topic_limits_interval, lambda: self._read_limit(topic))
-        replica.world.after(replica.world.latency(0.001, 0.02), answered)
-
-    def fit_batches(self, limit: int) -> bool:
-        if limit >= self.batch_limit:
-            return True
-        if len(self.producer) or self._retiring:
-            return False
-        self.batch_limit = limit
-        self.producer = self._new_producer()
-        return True
-
-    def refused_for_size(self, topic: str | None) -> None:
-        for name in [topic] if topic is not None else list(self._limits):
-            self._read_limit(name)
-
-    def submit(self, session: str, job: Callable[[Store], None]) -> None:
-        replica = self._replica
-        replica.on_session(session, lambda: job(replica.store))
-
-    def restart_producer(self) -> None:
-        old = self.producer
-        old.purge()
-        self._retiring.append(old)
-        self.producer = self._new_producer()
-        self._replica.world.after(0.001, self._serve_retiring)
-
-    def _serve_retiring(self) -> None:
-        """The delivery thread, polling the old producer until it has reported everything."""
-        replica = self._replica
-        if replica.crashed:
-            return
-        for old in list(self._retiring):
-            if len(old) == 0:
-                self._retiring.remove(old)
-                replica.driver.post(methodcaller("on_producer_restarted"))
-        if self._retiring:
-            replica.world.after(0.005, self._serve_retiring)
-
-    def publish_dead_letter(self, record: Record, reason: str) -> str | None:
-        return None
-
-    def release_partition(self) -> None:
-        self._replica.election_thread.released()
-
-    def leadership(self, *, assigned: bool, leading: bool) -> None:
-        self._replica.election_thread.poll.heartbeat = assigned
-
-    def announce(self, event: events.Event) -> None:
-        replica = self._replica
-        replica.log.events.append((replica.world.now, replica.name, type(event).__name__))
-        if isinstance(event, events.LeaderAcquired | events.LeaderRefreshed):
-            replica.log.leader_ids.append((replica.name, event.leader_id))
-        replica.world.note(f"{replica.name} {event}")
-
-
 class SimReplica:
+    """One `manage.py harvest` process of one table: the production Harvester (engine.py) over the world's leader
+    topic, table and record brokers."""
+
     def __init__(self, world: SimWorld, name: str, group: str, limits: Limits, kafka: MemoryBroker,
                  table: MemoryTable, log: Log, *, park_after: int | None = None,
                  core_factory: Callable[..., Core] = Core,
@@ -163,32 +68,36 @@ class SimReplica:
         self.paused_until = 0.0
         self.links = Links()
         self.slow_until = 0.0  # its database statements crawl until then
-        self.core = core_factory(limits, new_leader_id=world.uuid, park_after=park_after, now=world.now)
-        self.core.checking = True
         self.leader_topic = f"leader-{group}"
         kafka.create_topic(self.leader_topic, 1)
         # The production consumer's settings (its session timeout is three heartbeat timeouts). The coordinator
         # may give partition 0 to a replica that joins (a hand-over while the group scales out).
         config = HarvestConfig(dsn="postgresql://sim/sim", leader_topic=self.leader_topic, leader_group=group,
-                               name=name, limits=limits, status_table=None)
+                               name=name, limits=limits, status_table=None, park_after=park_after)
         consumer_config = leader_consumer_config(config)
         kafka.consumer_group(group, [self.leader_topic], consumer_config["session.timeout.ms"] / 1000,
                              move_chance=0.3)
         self.consumer = LinkedConsumer(kafka, consumer_config, name=name,
                                        alive=lambda: self.process_running() and self.links.leader,
                                        linked=lambda: self.links.leader)
-        self.store = MemoryStore(table, name, group, reachable=lambda: self.links.database)
-        self._busy_until = {"fence": 0.0, "purge": 0.0}
-        self.io = SimIO(self)
-        self.driver = driver_factory(self.core, self.io)
-        self.driver.wake = lambda: self._wake(0.0)
+        store = MemoryStore(table, name, group, reachable=lambda: self.links.database)
         self.election = LeaderElection(self.leader_topic, name, self.consumer, HeartbeatProducer(self),
                                        max_age=limits.heartbeat_timeout, clock=lambda: int(world.now * 1e9))
-        self.election_thread = SimElectionThread(self, self.election, self.driver.post, limits.min_poll_interval,
-                                                 election_poll_class)
-        self._wake_at: float | None = None
-        self._last_turn = -1.0
-        self._spins = 0
+        self.engine = EngineHost(self, name, config, store, self.election, core_factory=core_factory,
+                                 driver_factory=driver_factory, election_poll_class=election_poll_class,
+                                 on_closed=self._ended)
+
+    @property
+    def harvester(self) -> SimHarvester:
+        return self.engine.harvester
+
+    @property
+    def core(self) -> Core:
+        return self.engine.harvester.core
+
+    @property
+    def store(self) -> MemoryStore:
+        return self.engine.store
 
     # -- the process ----------------------------------------------------------------------------
 
@@ -197,8 +106,7 @@ class SimReplica:
 
     def start(self) -> None:
         self.running = True
-        self.election_thread.start()
-        self._wake(0.0)
+        self.harvester.start()
 
     def pause(self, seconds: float) -> None:
         """SIGSTOP for `seconds`, then SIGCONT."""
@@ -206,8 +114,8 @@ class SimReplica:
             return
         self.world.note(f"{self.name} paused for {seconds:.2f}s")
         self.paused_until = self.world.now + seconds
-        self._wake_at = None
-        self.world.at(self.paused_until, lambda: self._wake(0.0))
+        self.engine.paused()
+        self.world.at(self.paused_until, self.engine.wake)
 
     def crash(self) -> None:
         """SIGKILL: everything in memory is gone; sessions end; Kafka notices after the session timeout."""
@@ -215,73 +123,16 @@ class SimReplica:
             return
         self.world.note(f"{self.name} crashed")
         self.crashed = True
-        self.store.close()
-        self.io.producer.purge()  # what was not transmitted is gone with the process
-        self.io.producer.close()
+        self.engine.crash()
 
     def stop(self) -> None:
-        """SIGTERM: the core stops marking and sending; once it has finished, the replica leaves the group."""
+        """SIGTERM (Harvester.stop): the core stops marking and sending; once it has finished, the harvester closes
+        (its election thread leaves the group) and the process exits."""
         if not self.process_running() or self.stopped:
             return
         self.world.note(f"{self.name} stopping")
         self.stopped = True
-        self.driver.post(methodcaller("stop"))
+        self.harvester.stop()
 
-    def new_producer(self) -> MemoryProducer:
-        pipelined = self.limits.max_in_flight_per_key > 1
-        return MemoryProducer(self.kafka, self.name, gapless=pipelined,
-                           delivery_timeout=None if pipelined else self.limits.delivery_timeout,
-                           is_running=self.process_running, can_reach=lambda: self.links.records)
-
-    # -- the engine thread ----------------------------------------------------------------------
-
-    def _wake(self, delay: float) -> None:
-        if self.crashed:
-            return
-        when = self.world.now + max(0.0, delay)
-        if self._wake_at is not None and self._wake_at <= when:
-            return
-        self._wake_at = when
-        self.world.at(when, lambda: self._turn(when))
-
-    def _turn(self, scheduled: float) -> None:
-        if self._wake_at != scheduled:
-            return  # superseded by an earlier wake
-        self._wake_at = None
-        if not self.process_running():
-            return
-        if scheduled == self._last_turn:
-            self._spins += 1
-            if self._spins > 10_000:
-                raise Violation(f"{self.name}: the core keeps asking to run again at once (phase "
-                                f"{self.core.phase.value}, deadline {self.core.next_deadline()})")
-        else:
-            self._last_turn, self._spins = scheduled, 0
-        deadline = self.driver.turn()
-        if self.core.finished:
-            self._leave()
-            return
-        self._wake(deadline - self.world.now)
-
-    def _leave(self) -> None:
-        """The harvester closes: the election thread leaves the group (its revoke callback returns at once),
-        and the store's sessions end."""
-        self.election_thread.stop()
-        self.store.close()
+    def _ended(self, engine: EngineHost) -> None:
         self.running = False
-        self.world.note(f"{self.name} stopped")
-
-    # -- the database sessions ------------------------------------------------------------------
-
-    def on_session(self, name: str, job: Callable[[], None]) -> None:
-        """Each session runs one statement at a time, with a latency (now and then a long one)."""
-        faults = self.table.faults
-        start = max(self.world.now, self._busy_until[name])
-        slow = self.world.now < self.slow_until or self.world.chance(faults.slow)
-        finish = start + self.world.latency(*(faults.slow_latency if slow else faults.latency))
-        self._busy_until[name] = finish
-
-        def execute() -> None:
-            if not self.crashed:
-                job()
-        self.world.at(finish, execute)

@@ -39,7 +39,8 @@ from outbox.harvest.memory_table import MemoryTable, TableFaults, key_shard
 from outbox.harvest.supervisor import Supervisor
 from outbox.kafka.memory.broker import HUGE, POISON, MemoryBroker, ProducerFaults, StoredMessage
 from outbox.kafka.memory.world import SimWorld, Violation
-from tests.sim import checks, replay, shard_replica
+from tests.sim import checks, replay
+from tests.sim.engine import RUNNING
 from tests.sim.replica import Log
 from tests.sim.scenario import Result, finished_when_drained, limits_for, operate_on_poison
 from tests.sim.shard_replica import ShardedReplica
@@ -87,7 +88,7 @@ class TraceLog(logging.Handler):
         self.world = world
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.world.note(f"{shard_replica.RUNNING[0] or '-'}: {record.getMessage()}")
+        self.world.note(f"{RUNNING[0] or '-'}: {record.getMessage()}")
 
 
 class HandOffLedger:
@@ -261,8 +262,8 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
         elif kind == "drop_sessions":
             for engine in list(replica.engines.values()):
                 if world.chance(0.5):
-                    table.drop(engine.store.fence)
-                    table.drop(engine.store.purger)
+                    table.drop(engine.host.store.fence)
+                    table.drop(engine.host.store.purger)
         else:
             link = kind.split("_")[0]
             setattr(replica.links, link, False)
@@ -287,7 +288,7 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
         engines = sorted((engine for replica in live() for engine in replica.engines.values()
                           if engine.state is State.RUNNING), key=lambda engine: engine.name)
         if engines:
-            failures.choice(engines).fail("a simulated failure of its thread")
+            failures.choice(engines).host.fail("a simulated failure of its thread")
 
     if failures.random() < 0.5:
         for _ in range(failures.randint(1, 4)):
@@ -311,13 +312,13 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
                                 f"{', '.join(engine.name for engine in replica.engines_not_stopped())} had not")
             running = replica.live and replica.process_running()
             for engine in replica.engines.values():
-                if not running or engine.state is not State.RUNNING or not engine.election.gone:
+                if not running or engine.state is not State.RUNNING or not engine.host.election.gone:
                     gone_since.pop(engine, None)
                     continue
                 since = gone_since.setdefault(engine, world.now)
                 if world.now - since > RETIRE_WITHIN:
                     raise Violation(f"{engine.name} still runs {world.now - since:.2f}s after it let shard "
-                                    f"{engine.shard} go (owned now: {sorted(replica.group.owned())})")
+                                    f"{engine.config.shard} go (owned now: {sorted(replica.group.owned())})")
         world.after(CHECK_EVERY, watch_engines)
 
     world.after(CHECK_EVERY, watch_engines)
