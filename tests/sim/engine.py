@@ -28,27 +28,23 @@ from outbox.harvest.harvester import Harvester
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.neli import Election, ElectionPoll
 from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
-from outbox.kafka.memory.world import SimWorld, Violation
+from outbox.kafka.memory.world import Violation
 from outbox.kafka.sizes import UNLIMITED, batch_size_for
+from tests.sim import election_thread
 from tests.sim.election_thread import SimElectionThread
 
 #: The engine whose turn runs now (a trace's log lines name it).
 RUNNING: list[str] = [""]
 
 
-class Process(Protocol):
-    """What an engine reads of the process it runs in."""
+class Process(election_thread.Process, Protocol):
+    """What an engine reads of the process it runs in (its election thread reads the rest)."""
 
-    world: SimWorld
     kafka: MemoryBroker
     table: MemoryTable
     log: Any
     links: Any
-    crashed: bool
-    paused_until: float
     slow_until: float
-
-    def process_running(self) -> bool: ...
 
 
 class EngineFailed(Exception):
@@ -218,6 +214,10 @@ class SimHarvester(Harvester):
     def core(self) -> Core:
         return self._core
 
+    @property
+    def io(self) -> SimIO:
+        return self._io  # type: ignore[return-value]  # what _new_io built
+
     def start(self) -> None:
         """Harvester.start: open(), then its threads, which are world events here."""
         self.open()
@@ -270,7 +270,8 @@ class EngineHost:
 
     @property
     def crashed(self) -> bool:
-        """Its process was killed: nothing of it runs any more (a statement already sent still ends)."""
+        """Its process was killed, or it ended: no thread of it runs any more, a statement already sent included (the
+        election thread, the delivery thread and the admin requests read this too)."""
         return self.process.crashed or self.ended
 
     @property
@@ -296,7 +297,7 @@ class EngineHost:
         self._busy_until[name] = finish
 
         def execute() -> None:
-            if not self.crashed and not self.ended:
+            if not self.crashed:
                 job()
         self.world.at(finish, execute)
 
@@ -304,7 +305,7 @@ class EngineHost:
 
     def fail(self, why: str) -> None:
         """A thread of its I/O dies: the Harvester ends the engine at its next step (which is due at once)."""
-        if self.crashed or self.ended or self.failure is not None:
+        if self.crashed or self.failure is not None:
             return
         self.world.note(f"{self.name} failed: {why}")
         self.failure = EngineFailed(why)
@@ -313,8 +314,8 @@ class EngineHost:
     def crash(self) -> None:
         """Its process is killed: its sessions end, and what its producer had not transmitted is gone."""
         self.store.close()
-        self.harvester._io.producer.purge()
-        self.harvester._io.producer.close()
+        self.harvester.io.producer.purge()
+        self.harvester.io.producer.close()
 
     def closed(self) -> None:
         """The Harvester closed its I/O (SimIO.close): the engine thread ends."""
@@ -325,7 +326,7 @@ class EngineHost:
     # -- the engine thread ----------------------------------------------------------------------------
 
     def wake(self, delay: float = 0.0) -> None:
-        if self.crashed or self.ended:
+        if self.crashed:
             return
         when = self.world.now + max(0.0, delay)
         if self._wake_at is not None and self._wake_at <= when:
@@ -346,7 +347,7 @@ class EngineHost:
         if self._wake_at != scheduled:
             return  # superseded by an earlier wake
         self._wake_at = None
-        if self.crashed or self.ended or not self.process.process_running():
+        if self.crashed or not self.process.process_running():
             return
         if scheduled == self._last_turn:
             self._spins += 1
