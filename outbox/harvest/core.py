@@ -115,7 +115,8 @@ class Core:
         active = self.phase is Phase.ACTIVE
         deadline = self.leadership.deadline(self.now + self.limits.drain_interval)
         if active:
-            deadline = self.poison.deadline(self.marking.deadline(deadline))
+            deadline = self.poison.deadline(self.marking.deadline(deadline, self.lanes.queued,
+                                                                  self.leadership.force_remark))
         return max(self.now, self.lanes.deadline(deadline, active))
 
     def snapshot(self) -> Snapshot:
@@ -181,6 +182,11 @@ class Core:
         return self.lanes.queued
 
     @property
+    def restarting_producer(self) -> bool:
+        """RestartProducer was asked for and not answered yet."""
+        return self.lanes.restarting
+
+    @property
     def settled(self) -> bool:
         """Nothing sent is waiting for its outcome, and no purge or reset is pending."""
         return not self.lanes.in_flight
@@ -206,6 +212,8 @@ class Core:
         if now > self.now:
             self.now = now
         self.leadership.tick(self.now)
+        if self.leadership.watching_queue and self.lanes.queue_timed_out(self.now):
+            self.leadership.queue_timed_out()
         self.lanes.tick(self.now)
 
     def abort(self, reason: str) -> None:
@@ -229,12 +237,20 @@ class Core:
 
     def on_revoked(self) -> None:
         """Partition 0 is being revoked in a rebalance: ReleasePartition follows once what is in
-        flight has settled (or after settle_timeout, having given it up)."""
+        flight has settled (or after settle_timeout, having given it up). What is known of poison goes with
+        partition 0: another replica may act on those records meanwhile."""
+        assigned = self.assigned
         self.leadership.on_revoked()
+        if assigned:
+            self.poison.forget()
 
     def on_lost(self) -> None:
-        """The assignment was lost (the session expired): another replica may lead already."""
+        """The assignment was lost (the session expired): another replica may lead already (and act on the
+        records known as poison)."""
+        assigned = self.assigned
         self.leadership.on_lost()
+        if assigned:
+            self.poison.forget()
 
     def stop(self) -> None:
         """Stop marking and sending; records in flight may still settle, for up to settle_timeout
@@ -246,8 +262,12 @@ class Core:
     def on_fence(self, leader_id: uuid.UUID, taken: bool, holder: str | None = None, *,
                  same_group: bool = False, unsettled: str | None = None) -> None:
         """The answer to TakeFence (`same_group`: the holder is a replica of this leader group; `unsettled`:
-        taken, from a shard's previous leader whose fence went with its session, unsettled)."""
+        taken, from a shard's previous leader whose fence went with its session, unsettled). Taken, a term
+        begins, and its marks start from the table's head."""
+        began = not self.leadership.active
         self.leadership.on_fence(leader_id, taken, holder, same_group, unsettled)
+        if began and self.leadership.active:
+            self.marking.begin(self.leadership.grace_until)
 
     def on_fence_failed(self, leader_id: uuid.UUID, error: str) -> None:
         """TakeFence raised (the database is unreachable): try again after io_error_backoff."""
@@ -265,7 +285,7 @@ class Core:
     def on_marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str] | None = frozenset()) -> None:
         """The rows a Mark read, sorted by id, and the transactions writing to the outbox just before
         (their virtual transaction ids; None: not read, as a mark without gaps does not)."""
-        taken = self.marking.marked(mark, records, writers)
+        taken = self.marking.marked(mark, records, writers, self._term())
         if taken is not None:
             self.lanes.settling.mark_saw_fence = True  # it ran on the fence session, which held the fence
         for record in taken or ():
@@ -273,7 +293,7 @@ class Core:
 
     def on_mark_failed(self, mark: cmd.Mark, error: str) -> None:
         """A Mark raised: its UPDATE may have committed all the same, so re-mark rather than retry."""
-        if self.marking.mark_failed(mark, error):
+        if self.marking.mark_failed(mark, error, self._term()):
             self.leadership.remark()
 
     def on_purged(self, fence_held: bool = True) -> None:
@@ -344,6 +364,10 @@ class Core:
 
     # ============================================================================ inside
 
+    def _term(self) -> uuid.UUID | None:
+        """The active term's leader id; None while no term is active."""
+        return self.leadership.leader_id if self.leadership.active else None
+
     def _advance(self) -> None:
         """Everything the core can do now: start or refresh terms, mark, send, purge, reset."""
         lanes = self.lanes
@@ -354,6 +378,6 @@ class Core:
         if phase is Phase.ACTIVE:
             self.poison.check()
             lanes.dispatch()
-            self.marking.mark()
+            self.marking.mark(self.leadership.leader_id, lanes.queued, self.leadership.force_remark)
         lanes.flush_settling(fenced=phase in (Phase.ACTIVE, Phase.DRAINING),
                              active=phase is Phase.ACTIVE and not self.leadership.force_remark)

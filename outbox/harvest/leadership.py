@@ -106,15 +106,20 @@ class Leadership:
             log.warning("Fenced: no own heartbeat for %.1fs", now - self._heartbeat_seen_at)
             self.fenced = True
             self._end_term(events.LeaderFenced(), abort=True)
-        if self.phase is Phase.ACTIVE and not self.force_remark:
-            if now - self._last_poll > limits.max_poll_interval:
-                log.warning("Poll deadline exceeded (%.1fs without polling the leader topic); re-marking",
-                            now - self._last_poll)
-                self.remark()
-            elif self.core.lanes.queue_timed_out(now):
-                log.warning("Queue timeout: a marked record waited more than %.1fs to be sent; re-marking",
-                            limits.queue_timeout)
-                self.remark()
+        if self.watching_queue and now - self._last_poll > limits.max_poll_interval:
+            log.warning("Poll deadline exceeded (%.1fs without polling the leader topic); re-marking",
+                        now - self._last_poll)
+            self.remark()
+
+    @property
+    def watching_queue(self) -> bool:
+        """A marked record waiting longer than queue_timeout to be sent re-marks the term (queue_timed_out)."""
+        return self.phase is Phase.ACTIVE and not self.force_remark
+
+    def queue_timed_out(self) -> None:
+        log.warning("Queue timeout: a marked record waited more than %.1fs to be sent; re-marking",
+                    self.limits.queue_timeout)
+        self.remark()
 
     def deadline(self, deadline: float) -> float:
         if self.assigned and not self.fenced:
@@ -169,7 +174,6 @@ class Leadership:
         self.assigned = False
         self.fenced = False
         self._end_term(events.LeaderRevoked() if was_leading or how == "lost" else None, abort=abort)
-        self.core.poison.forget()
 
     def stop(self) -> None:
         if self.stopping:
@@ -230,11 +234,11 @@ class Leadership:
 
     def fence_lost(self) -> None:
         """The fence session ended (a dropped connection, or another leader ended it): someone else
-        may mark now, so send nothing more; a new term takes the fence again first."""
+        may mark now, so send nothing more (what is in flight is given up); a new term takes the fence again first."""
         if self.phase in (Phase.ACTIVE, Phase.DRAINING) and not self.stopping:
             log.error("Lost the database fence (its session ended, or a pooler in transaction mode moved it: the "
                       "harvester needs a direct or session-pooled connection): stopped sending; taking it again")
-            self.core.lanes.abort("the database fence was lost")
+            self.core.abort("the database fence was lost")
             self.remark()
             self.phase = Phase.DRAINING
 
@@ -242,15 +246,15 @@ class Leadership:
 
     def advance(self) -> None:
         """Settle a revoke or a stop; start, fence or refresh a term."""
-        core, lanes = self.core, self.core.lanes
-        if self._fence_release_owed and not lanes.in_flight and not lanes.restarting:
+        core = self.core
+        if self._fence_release_owed and not core.in_flight and not core.restarting_producer:
             self._fence_release_owed = False
             core.command(cmd.ReleaseFence())
         if self._release_at is not None:
             self._settle_revoke()
         if self.stopping and not self.finished:
             self._settle_stop()
-        quiet = not lanes.in_flight and not lanes.restarting
+        quiet = not core.in_flight and not core.restarting_producer
         if self.phase is Phase.IDLE and self.leading and quiet:
             self._begin_term()
         elif self.phase in (Phase.FENCING, Phase.BLOCKED) and not self._fence_pending \
@@ -261,32 +265,32 @@ class Leadership:
             self._begin_term()  # a refresh: a new leader id re-marks what is left
 
     def _settle_revoke(self) -> None:
-        core, lanes = self.core, self.core.lanes
-        if not lanes.in_flight:
+        core = self.core
+        if not core.in_flight:
             self._release_at = None
             core.command(cmd.ReleasePartition())
         elif core.now >= self._release_at:
             if not self._release_aborted:
                 self._release_aborted = True
                 self._release_at = core.now + REVOKE_GRACE
-                lanes.abort(f"{self.core.leads} was revoked")
+                core.abort(f"{core.leads} was revoked")
             else:
-                log.warning("Letting %s go with %d record(s) unsettled", self.core.leads, lanes.in_flight)
+                log.warning("Letting %s go with %d record(s) unsettled", core.leads, core.in_flight)
                 self._release_at = None
                 self._give_up_fence()
                 core.command(cmd.ReleasePartition())
 
     def _settle_stop(self) -> None:
-        core, lanes = self.core, self.core.lanes
-        if not lanes.in_flight:
+        core = self.core
+        if not core.in_flight:
             self.finished = True
         elif core.now >= self._stop_at:
             if not self._stop_aborted:
                 self._stop_aborted = True
                 self._stop_at = core.now + STOP_GRACE
-                lanes.abort("stopping")
+                core.abort("stopping")
             else:
-                log.warning("Stopping with %d record(s) unsettled; the next leader re-marks them", lanes.in_flight)
+                log.warning("Stopping with %d record(s) unsettled; the next leader re-marks them", core.in_flight)
                 self._give_up_fence()
                 self.finished = True
 
@@ -317,7 +321,6 @@ class Leadership:
         self._acquired = True
         self.phase = Phase.ACTIVE
         self.force_remark = False
-        self.core.marking.begin()
         if refreshed:
             log.warning("Refreshed leader id: %s", self.leader_id)
             self.core.announce(events.LeaderRefreshed(self.leader_id))
@@ -340,16 +343,15 @@ class Leadership:
         self.phase = Phase.IDLE
         self.leader_id = None
         self.force_remark = False
-        core.marking.end()
         self._fence_pending = False
         self.fence_holder = None
         self._holder_same_group = False
         self._handoff_since = None
-        if had_term and core.handoff_by_fence and (core.lanes.in_flight or core.lanes.restarting):
+        if had_term and core.handoff_by_fence and (core.in_flight or core.restarting_producer):
             self._fence_release_owed = True  # the next leader of the shard waits for it: let it go once settled
         elif had_term:
             core.command(cmd.ReleaseFence())
         if abort:
-            core.lanes.abort("leadership lost")
+            core.abort("leadership lost")
         if event is not None:
             core.announce(event)

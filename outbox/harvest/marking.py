@@ -20,6 +20,7 @@ visible already, and rows are taken in id order, gaps first.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,54 +58,58 @@ class Marking:
         self.listening = False
         self.pending: cmd.Mark | None = None
         self.next_mark_at = core.now
+        self.grace_until = core.now  # Leadership.on_fence: no marks before this
         self._notified = False
         self.high_water = 0  # the highest id this term has read
         self.gaps: list[Gap] = []  # sorted by id, disjoint
         self._marks = 0  # marks answered this term
 
-    def begin(self) -> None:
-        """A term begins: its marks start from the table's head."""
+    def begin(self, grace_until: float) -> None:
+        """A term begins: its marks start from the table's head, not before `grace_until` (Leadership.on_fence: the
+        fence's last holder, of another group or unsettled, may still have records landing). A term's end needs no
+        call: marks are asked for only while a term is active, and the next term begins here."""
         self.high_water = 0
         self.gaps = []
         self._marks = 0
         self.next_mark_at = self.core.now
-        self.pending = None
-
-    def end(self) -> None:
+        self.grace_until = grace_until
         self.pending = None
 
     def notified(self) -> None:
         self._notified = True
 
-    def wants_records(self) -> bool:
-        """Mark more only while few records wait: memory stays bounded and marks stay cheap."""
-        return not self.core.leadership.force_remark and self.core.lanes.queued < self.limits.mark_query_records
+    def wants_records(self, queued: int, remarking: bool) -> bool:
+        """Mark more only while few records wait (`queued` of them, not counting those behind a held record):
+        memory stays bounded and marks stay cheap; and not while the term is being re-marked."""
+        return not remarking and queued < self.limits.mark_query_records
 
-    def deadline(self, deadline: float) -> float:
-        if self.pending is None and self.wants_records():
-            deadline = min(deadline, max(self.core.leadership.grace_until, self.next_mark_at))
+    def deadline(self, deadline: float, queued: int, remarking: bool) -> float:
+        if self.pending is None and self.wants_records(queued, remarking):
+            deadline = min(deadline, max(self.grace_until, self.next_mark_at))
         return deadline
 
-    def mark(self) -> None:
+    def mark(self, term: uuid.UUID, queued: int, remarking: bool) -> None:
+        """Ask for the next rows for the active term `term`, when due."""
         core = self.core
-        if self.pending is not None or not self.wants_records() or core.now < core.leadership.grace_until:
+        if self.pending is not None or not self.wants_records(queued, remarking) or core.now < self.grace_until:
             return
         if not (self._notified or core.now >= self.next_mark_at):
             return
         self._notified = False
         gaps = tuple((gap.lo, gap.hi) for gap in self.gaps[:MAX_GAP_RANGES])
-        self.pending = cmd.Mark(core.leadership.leader_id, self.limits.mark_query_records, after=self.high_water,
-                                gaps=gaps)
+        self.pending = cmd.Mark(term, self.limits.mark_query_records, after=self.high_water, gaps=gaps)
         core.command(self.pending)
 
-    def marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str] | None) -> list[Record] | None:
+    def marked(self, mark: cmd.Mark, records: list[Record], writers: frozenset[str] | None,
+               term: uuid.UUID | None) -> list[Record] | None:
         """A mark's answer: the rows it read (sorted by id) and the outbox's writers seen just before
         (None: not read, which the store does only for a mark without gaps: then no gap is watched or forgotten).
+        `term` is the active term's leader id (None: no term is active).
         Returns the rows the term takes, in id order; None if the mark belongs to a term that is over."""
         core = self.core
         if mark is self.pending:
             self.pending = None
-        if mark.leader_id != core.leadership.leader_id or not core.leadership.active:
+        if term is None or mark.leader_id != term:
             return None
         self._marks += 1
         limit = mark.limit
@@ -128,14 +133,14 @@ class Marking:
                                             else self.limits.mark_backoff)
         return found + new
 
-    def mark_failed(self, mark: cmd.Mark, error: str) -> bool:
-        """A Mark raised: True if its term must start again from the head (what it read is unknown)."""
-        core = self.core
+    def mark_failed(self, mark: cmd.Mark, error: str, term: uuid.UUID | None) -> bool:
+        """A Mark raised: True if its term (`term`, the active one) must start again from the head (what it read
+        is unknown)."""
         if mark is self.pending:
             self.pending = None
         log.warning("Mark query failed, re-marking after %.1fs: %s", self.limits.io_error_backoff, error)
-        self.next_mark_at = core.now + self.limits.io_error_backoff
-        return mark.leader_id == core.leadership.leader_id and core.leadership.active
+        self.next_mark_at = self.core.now + self.limits.io_error_backoff
+        return term is not None and mark.leader_id == term
 
     def _record_gaps(self, after: int, rows: list[Record]) -> None:
         """Ids between the last high water and the rows read that were not among them."""
