@@ -27,7 +27,8 @@ from outbox.harvest import events
 from outbox.harvest.commands import DeliveryError
 from outbox.harvest.config import Limits
 from outbox.harvest.contract import HeldRecord, Record, ReplicaState
-from outbox.harvest.lanes import Lanes
+from outbox.harvest.lanes import Entry, Judged, Lane, Lanes, Verdict
+from outbox.harvest.lanes import check_invariants as check_lanes
 from outbox.harvest.leadership import Leadership, Phase
 from outbox.harvest.marking import Marking
 from outbox.harvest.poison import PoisonBook
@@ -106,7 +107,7 @@ class Core:
     def check_invariants(self) -> None:
         """The core's own bookkeeping, asserted (as goharvest does in its loop); the simulator and the
         tests turn it on with `checking`, production does not pay for it."""
-        self.lanes.check_invariants()
+        check_lanes(self.lanes)
         if self.phase is Phase.ACTIVE:
             assert self.leading and self.leader_id is not None
 
@@ -205,6 +206,42 @@ class Core:
         self.lanes.abandon_queued()
         self.poison.abandon()
 
+    @property
+    def remarking(self) -> bool:
+        """The term is being re-marked (Leadership.remark): nothing more is sent meanwhile."""
+        return self.leadership.force_remark
+
+    def remark(self) -> None:
+        """Send nothing more; once nothing is in flight a new leader id re-marks what is left (Leadership.remark)."""
+        self.leadership.remark()
+
+    def hold_lane(self, lane: Lane, entry: Entry) -> None:
+        """The poison book holds a key on `entry` (Lanes.hold)."""
+        self.lanes.hold(lane, entry)
+
+    def retry_held(self, lane: Lane, record: Record) -> None:
+        """The poison book sends a held record again, as `record` (Lanes.retry_held)."""
+        self.lanes.retry_held(lane, record)
+
+    def unhold(self, lane: Lane, *, gone: bool) -> None:
+        """The poison book lets a key move on (Lanes.unhold); records of it left marked in the table are re-marked."""
+        if self.lanes.unhold(lane, gone=gone):
+            self.leadership.remark()
+
+    def _judge(self, verdict: Verdict | None) -> None:
+        """What a delivery report or a refusal says of a record, to the poison book."""
+        if verdict is None:
+            return
+        poison, record_id = self.poison, verdict.entry.record.id
+        if verdict.judged is Judged.PUBLISHED:
+            poison.published(verdict.lane, verdict.entry)
+        elif verdict.judged is Judged.SUSPECT:
+            poison.suspect(record_id, verdict.reason)
+        else:
+            if verdict.judged is Judged.FAILED_ALONE:
+                poison.unsuspect(record_id)
+            poison.hold(verdict.lane, verdict.entry, verdict.reason)
+
     # ============================================================================ inputs: time
 
     def tick(self, now: float) -> None:
@@ -288,8 +325,16 @@ class Core:
         taken = self.marking.marked(mark, records, writers, self._term())
         if taken is not None:
             self.lanes.settling.mark_saw_fence = True  # it ran on the fence session, which held the fence
+        lanes, poison = self.lanes, self.poison
         for record in taken or ():
-            self.lanes.take(record)
+            admitted = lanes.admit(record, poison.suspected(record.id))
+            if admitted is None:
+                continue
+            if poison.taken(*admitted):  # known poison: held again, unsent
+                lanes.hold(*admitted)
+                poison.held_again(admitted[0])
+            else:
+                lanes.enqueue(*admitted)
 
     def on_mark_failed(self, mark: cmd.Mark, error: str) -> None:
         """A Mark raised: its UPDATE may have committed all the same, so re-mark rather than retry."""
@@ -318,7 +363,7 @@ class Core:
 
     def on_held(self, record_id: int, version: int | None) -> None:
         """A Hold committed; `version` is the row's version after it (None: the row is not ours any more)."""
-        self.poison.on_held(record_id, version)
+        self.poison.on_held(record_id, version, self.lanes.held_entry(record_id))
 
     def on_held_checked(self, check: cmd.CheckHeld, rows: dict[int, Record]) -> None:
         """The held rows CheckHeld asked for, as they are now (an id missing: the row is gone)."""
@@ -329,7 +374,7 @@ class Core:
 
     def on_parked(self, record_id: int, parked: bool) -> None:
         """A Park committed (`parked` False: the row was not there any more)."""
-        self.poison.on_parked(record_id, parked)
+        self.poison.on_parked(record_id, parked, self.lanes.held_entry(record_id))
 
     def on_park_failed(self, record_id: int, error: str) -> None:
         self.poison.on_park_failed(record_id, error)
@@ -338,11 +383,11 @@ class Core:
 
     def on_delivered(self, record_id: int, error: DeliveryError | None = None) -> None:
         """A delivery report: acknowledged (error None) or failed."""
-        self.lanes.delivered(record_id, error)
+        self._judge(self.lanes.delivered(record_id, error))
 
     def on_refused(self, record_id: int, error: DeliveryError) -> None:
         """produce() refused the record before it left the process (too large for the producer...)."""
-        self.lanes.refused(record_id, error)
+        self._judge(self.lanes.refused(record_id, error))
 
     def on_backpressure(self, record_ids: Iterable[int]) -> None:
         """The producer's local queue was full: these records were not sent; send them a little later."""
@@ -377,7 +422,8 @@ class Core:
         phase = self.leadership.phase
         if phase is Phase.ACTIVE:
             self.poison.check()
-            lanes.dispatch()
+            for lane in lanes.dispatch(self.leadership.force_remark):
+                self.poison.held_again(lane)
             self.marking.mark(self.leadership.leader_id, lanes.queued, self.leadership.force_remark)
         lanes.flush_settling(fenced=phase in (Phase.ACTIVE, Phase.DRAINING),
                              active=phase is Phase.ACTIVE and not self.leadership.force_remark)

@@ -100,9 +100,75 @@ class Lane:
         """Its queued records are behind a held record (not counted as queued, never timed out)."""
         return self.held is not None
 
+    def hold(self, entry: Entry) -> None:
+        """The key waits behind `entry`, known poison: it stays marked, unsent."""
+        entry.state = EntryState.HELD
+        entry.solo = False
+        self.holds += 1
+        self.held = entry
+        self.retrying = False
+        self.version_known = True
+        self.ready = False
+
+    def retry(self, record: Record) -> None:
+        """The held record goes out again, alone and first, as `record` (its row as it is now)."""
+        entry = self.held
+        entry.record = record
+        entry.state = EntryState.QUEUED
+        entry.solo = True
+        self.retrying = True
+        self.queued.appendleft(entry)
+
+    def abandon(self) -> list[int]:
+        """Drop what is not sent (it stays marked); returns the ids dropped."""
+        dropped = [entry.record.id for entry in self.queued]
+        self.queued.clear()
+        if self.held is not None:
+            if self.held.state is EntryState.HELD:
+                dropped.append(self.held.record.id)
+            self.held = None
+        self.retrying = self.overflowed = self.ready = False
+        return dropped
+
+    def acked_prefix(self) -> list[Entry]:
+        """The acknowledged records from the first not yet queued for purging up to the first unsettled one, now
+        queued for purging: a key's records are purged in its order."""
+        start = index = self.purge_queued
+        while index < len(self.unsettled) and self.unsettled[index].state is EntryState.ACKED:
+            self.unsettled[index].purging = True
+            index += 1
+        self.purge_queued = index
+        return self.unsettled[start:index]
+
+    def forget(self, entry: Entry) -> None:
+        """An unsettled record leaves the lane (settled, or never sent after all)."""
+        if self.unsettled[0] is entry:
+            del self.unsettled[0]
+        else:
+            self.unsettled.remove(entry)
+
+
+class Judged(enum.Enum):
+    PUBLISHED = "published"  # sent alone (a suspect, or a held record retried) and acknowledged: not poison
+    SUSPECT = "suspect"  # failed with a permanent error among others: to be sent alone
+    FAILED_ALONE = "failed alone"  # failed on its own with a permanent error: poison, no longer a suspect
+    REFUSED = "refused"  # refused by the producer with a permanent error (it never left): poison
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What a delivery report or a refusal says of a record for the poison book (Core hands it over)."""
+
+    judged: Judged
+    lane: Lane
+    entry: Entry
+    reason: str = ""
+
 
 class Lanes:
-    """Every record the core tracks, by key; what is sent, and what is settled."""
+    """Every record the core tracks, by key; what is sent, and what is settled. Which keys are held, and why, is the
+    poison book's to decide (poison.py): Lanes reports what deliveries say (Verdict), and holds, retries and
+    releases a key's held record when Core tells it to."""
 
     #: The purge and reset batches' class (a mutation in the simulator swaps it).
     settling_class: type[Settling] = Settling
@@ -160,26 +226,6 @@ class Lanes:
             deadline = min(deadline, self._sent[0].sent_at + self.limits.delivery_timeout)
         return deadline
 
-    def check_invariants(self) -> None:
-        limit = self.limits.max_in_flight_per_key
-        unsettled = queued = 0
-        for key, lane in self.lanes.items():
-            assert len(lane.unsettled) <= limit, f"key {key!r}: {len(lane.unsettled)} in flight, limit {limit}"
-            assert (key in self.busy) == bool(lane.unsettled), f"key {key!r}: busy list out of step"
-            assert 0 <= lane.purge_queued <= len(lane.unsettled)
-            ids = [entry.record.id for entry in lane.queued]
-            assert ids == sorted(ids), f"key {key!r}: queued out of id order {ids[:5]}"
-            unsettled += len(lane.unsettled)
-            if not lane.waiting:
-                queued += len(lane.queued)
-        assert unsettled == self.in_flight, f"{unsettled} unsettled, in_flight says {self.in_flight}"
-        tracked = {entry.record.id for lane in self.lanes.values()
-                   for entry in (*lane.queued, *lane.unsettled, *([lane.held] if lane.held is not None else []))}
-        stray = sorted(set(self.entries) ^ tracked)
-        assert not stray, f"entries out of step with the lanes: {stray[:5]}"
-        assert queued == self.queued, f"{queued} queued, queued says {self.queued}"
-        assert len(self.busy) <= len(self.lanes)
-
     # -- the producer -----------------------------------------------------------------------------
 
     def abort(self, reason: str) -> None:
@@ -200,14 +246,13 @@ class Lanes:
             self.restarting = True
             self.core.command(cmd.RestartProducer())
 
-    def delivered(self, record_id: int, error: DeliveryError | None) -> None:
-        entry = self.entries.get(record_id)
-        if entry is None or entry.state is not EntryState.SENT:
-            return
+    def delivered(self, record_id: int, error: DeliveryError | None) -> Verdict | None:
+        entry = self._sent_entry(record_id)
+        if entry is None:
+            return None
         self._paused_until = self.core.now
         if error is not None:
-            self._failed(entry, error)
-            return
+            return self._failed(entry, error)
         entry.state = EntryState.ACKED
         lane = self.lanes[entry.record.key]
         topic = entry.record.topic
@@ -217,28 +262,33 @@ class Lanes:
             if lane.queued:  # its next records may go together now: no need to wait for the purge
                 self._blocked.discard(lane.key)
                 self.make_ready(lane)
+        self._purge_prefix(lane)
         if entry is self.solo:
             self.solo = None
-            self.core.poison.published(lane, entry)
-        self._purge_prefix(lane)
+            return Verdict(Judged.PUBLISHED, lane, entry)
+        return None
 
-    def refused(self, record_id: int, error: DeliveryError) -> None:
+    def _sent_entry(self, record_id: int) -> Entry | None:
+        """The record's entry if it is in flight (a report of anything else is stale)."""
         entry = self.entries.get(record_id)
-        if entry is None or entry.state is not EntryState.SENT:
-            return
+        return entry if entry is not None and entry.state is EntryState.SENT else None
+
+    def refused(self, record_id: int, error: DeliveryError) -> Verdict | None:
+        entry = self._sent_entry(record_id)
+        if entry is None:
+            return None
         if not error.permanent:
-            self._failed(entry, error)
-            return
+            return self._failed(entry, error)
         # It never left: it is guilty on its own, and nothing needs resetting.
         self.unsend(entry)
         if entry is self.solo:
             self.solo = None
-        self.core.poison.hold(entry, str(error))
+        return Verdict(Judged.REFUSED, self.lanes[entry.record.key], entry, str(error))
 
     def backpressure(self, record_ids: Iterable[int]) -> None:
         for record_id in reversed(list(record_ids)):
-            entry = self.entries.get(record_id)
-            if entry is None or entry.state is not EntryState.SENT:
+            entry = self._sent_entry(record_id)
+            if entry is None:
                 continue
             self.unsend(entry)
             lane = self.lanes[entry.record.key]
@@ -250,21 +300,24 @@ class Lanes:
 
     # -- taking marked records in ---------------------------------------------------------------
 
-    def take(self, record: Record) -> None:
-        """A marked record joins its key's lane."""
+    def admit(self, record: Record, suspected: bool) -> tuple[Lane, Entry] | None:
+        """A marked record is tracked in its key's lane (`suspected`: it goes alone); None if it was already (then
+        it is sent as it is now, if it was not sent yet). Core then holds it again (known poison) or enqueues it."""
         known = self.entries.get(record.id)
         if known is not None:
             if known.state is EntryState.QUEUED:
                 known.record = record  # marked again before it was sent (requeued): send it as it is now
-            return
-        poison = self.core.poison
-        entry = Entry(record, self.core.now, solo=poison.suspected(record.id))
+            return None
+        entry = Entry(record, self.core.now, solo=suspected)
         self.entries[record.id] = entry
         lane = self.lanes.get(record.key)
         if lane is None:
             lane = self.lanes[record.key] = Lane(record.key)
-        if poison.taken(lane, entry):
-            return
+        return lane, entry
+
+    def enqueue(self, lane: Lane, entry: Entry) -> None:
+        """An admitted record waits in its key's lane."""
+        record = entry.record
         if lane.waiting:
             if len(lane.queued) >= HELD_BACKLOG:
                 del self.entries[record.id]
@@ -280,14 +333,8 @@ class Lanes:
         """Forget records not sent: they stay marked, and the next term re-marks them (and re-holds
         the poison among them: what is known of poison outlives the term)."""
         for lane in list(self.lanes.values()):
-            for entry in lane.queued:
-                self.entries.pop(entry.record.id, None)
-            lane.queued.clear()
-            if lane.held is not None:
-                if lane.held.state is EntryState.HELD:
-                    self.entries.pop(lane.held.record.id, None)
-                lane.held = None
-            lane.retrying = lane.overflowed = lane.ready = False
+            for record_id in lane.abandon():
+                self.entries.pop(record_id, None)
             if not lane.unsettled:
                 del self.lanes[lane.key]
         self.ready.clear()
@@ -313,17 +360,19 @@ class Lanes:
         limit = 1 if alone else self.limits.max_in_flight_per_key
         return limit - len(lane.unsettled)
 
-    def dispatch(self) -> None:
-        """Send ready records while the throttle and each key's slots allow."""
+    def dispatch(self, remarking: bool) -> list[Lane]:
+        """Send ready records while the throttle and each key's slots allow (nothing while the term is being
+        re-marked). Returns the lanes held again on a known poison record that came first (for the poison book)."""
         self.settle_wanted = True  # until this dispatch finds nothing waiting on a settle
         if self._blocked:  # keys freed meanwhile (settled, held, abandoned) no longer wait
             self._blocked = {key for key in self._blocked if (lane := self.lanes.get(key)) is not None
                              and lane.queued and self.slots(lane) <= 0}
-        if self.core.leadership.force_remark or self.aborted or self.core.now < self._paused_until:
-            return
+        held: list[Lane] = []
+        if remarking or self.aborted or self.core.now < self._paused_until:
+            return held
         if self.solo is not None:
             self._send_solo()
-            return
+            return held
         limit = self.limits.max_in_flight_records
         ready = self.ready
         batch: list[Record] = []
@@ -340,7 +389,8 @@ class Lanes:
                 lane.queued.popleft()
                 self.queued -= 1
                 entry.rehold = False
-                self.core.poison.hold_again(lane, entry)
+                self.hold(lane, entry)
+                held.append(lane)
                 continue
             if entry.solo:
                 self.solo = entry  # it goes alone, once everything in flight has settled
@@ -359,6 +409,7 @@ class Lanes:
             self._send_solo()
         # Lanes left ready: the throttle is full; a solo record waits for everything in flight to settle.
         self.settle_wanted = bool(self._blocked) or bool(ready) or self.solo is not None
+        return held
 
     def _send_solo(self) -> None:
         entry = self.solo
@@ -394,20 +445,49 @@ class Lanes:
         self.in_flight -= 1
         entry.state = EntryState.QUEUED
 
+    # -- held keys (the poison book decides which; Core tells) -----------------------------------------
+
+    def hold(self, lane: Lane, entry: Entry) -> None:
+        """The key waits behind `entry`, held (it stays marked); its later records wait behind it, uncounted."""
+        if not lane.waiting:
+            self.queued -= len(lane.queued)
+        self.entries[entry.record.id] = entry
+        lane.hold(entry)
+
+    def retry_held(self, lane: Lane, record: Record) -> None:
+        """The held record goes out again, alone and first, as `record` (Lane.retry)."""
+        lane.retry(record)
+        self.make_ready(lane, first=True)
+
+    def unhold(self, lane: Lane, *, gone: bool) -> bool:
+        """The key moves again (`gone`: its held record was deleted or parked, and is forgotten). True when records
+        behind it were left marked in the table (HELD_BACKLOG): a new leader id must pick them up."""
+        entry = lane.held
+        if gone and self.entries.get(entry.record.id) is entry:
+            del self.entries[entry.record.id]
+        lane.held = None
+        lane.retrying = False
+        self.queued += len(lane.queued)
+        if lane.overflowed:
+            lane.overflowed = False
+            return True
+        self._tidy(lane)
+        return False
+
+    def held_entry(self, record_id: int) -> tuple[Lane, Entry] | None:
+        """The lane held by record `record_id`, and its entry; None if no key is held by it."""
+        entry = self.entries.get(record_id)
+        lane = self.lanes.get(entry.record.key) if entry is not None else None
+        return (lane, entry) if lane is not None and lane.held is entry else None
+
     # -- settling -------------------------------------------------------------------------------
 
     def _purge_prefix(self, lane: Lane) -> None:
         """Queue a key's acknowledged records for purging in its order, up to its first unsettled one."""
-        unsettled = lane.unsettled
-        index = lane.purge_queued
-        while index < len(unsettled) and unsettled[index].state is EntryState.ACKED:
-            entry = unsettled[index]
-            entry.purging = True
+        for entry in lane.acked_prefix():
             self.settling.queue_purge(entry, self.core.now)
-            index += 1
-        lane.purge_queued = index
 
-    def _failed(self, entry: Entry, error: DeliveryError) -> None:
+    def _failed(self, entry: Entry, error: DeliveryError) -> Verdict | None:
         entry.state = EntryState.FAILED
         entry.error = error
         lane = self.lanes[entry.record.key]
@@ -415,27 +495,22 @@ class Lanes:
         alone = entry is self.solo or (entry.sent_alone and self.in_flight == 1)
         if entry is self.solo:
             self.solo = None
-        poison = self.core.poison
-        if alone:
-            if error.permanent:
-                # It failed alone, so it is guilty: hold it (it stays marked; nothing to reset).
-                poison.unsuspect(entry.record.id)
-                self.forget_unsettled(lane, entry)
-                self.in_flight -= 1
-                poison.hold(entry, str(error))
-                self._purge_prefix(lane)
-                return
-        elif error.permanent:
-            poison.suspect(entry.record.id, str(error))
+        if alone and error.permanent:
+            # It failed alone, so it is guilty: hold it (it stays marked; nothing to reset).
+            self.forget_unsettled(lane, entry)
+            self.in_flight -= 1
+            self._purge_prefix(lane)
+            return Verdict(Judged.FAILED_ALONE, lane, entry, str(error))
         self.settling.queue_reset(entry)
-        leadership = self.core.leadership
-        if not leadership.force_remark:
+        core = self.core
+        if not core.remarking:
             log.warning("Delivery of record %d (topic %s, key %r) failed: %s; re-marking", entry.record.id,
                         entry.record.topic, entry.record.key, error)
-            leadership.remark()
+            core.remark()
         if error.fatal:
             self.restart_producer()
             self.abort(f"the producer failed: {error}")
+        return Verdict(Judged.SUSPECT, lane, entry, str(error)) if error.permanent and not alone else None
 
     def settle(self, entry: Entry) -> None:
         """A purge or reset committed: the record leaves its lane, and its key's slot is free."""
@@ -452,18 +527,18 @@ class Lanes:
         if unsettled:
             self._purge_prefix(lane)
         self._blocked.discard(lane.key)
+        self._tidy(lane)
+
+    def _tidy(self, lane: Lane) -> None:
+        """A lane with records queued is ready to send; one with nothing left is forgotten."""
         if lane.queued:
             self.make_ready(lane)
         elif not lane.unsettled and lane.held is None:
             del self.lanes[lane.key]
 
     def forget_unsettled(self, lane: Lane, entry: Entry) -> None:
-        unsettled = lane.unsettled
-        if unsettled[0] is entry:
-            del unsettled[0]
-        else:
-            unsettled.remove(entry)
-        if not unsettled:
+        lane.forget(entry)
+        if not lane.unsettled:
             self.busy.pop(lane.key, None)
 
     def flush_settling(self, fenced: bool, active: bool = False) -> None:
@@ -473,20 +548,41 @@ class Lanes:
 
     def purged(self) -> int:
         """The last Purge committed; returns how many records it settled."""
-        purged = self.settling.purge.done()
-        for entry in purged:
-            self.settle(entry)
-        return len(purged)
+        return self._settle_all(self.settling.purge.done())
 
     def purge_failed(self, error: str) -> None:
         self.settling.purge_failed(self.core.now, error)
 
     def reset_done(self) -> int:
         """The last Reset committed; returns how many records it settled."""
-        reset = self.settling.reset.done()
-        for entry in reset:
+        return self._settle_all(self.settling.reset.done())
+
+    def _settle_all(self, entries: list[Entry]) -> int:
+        for entry in entries:
             self.settle(entry)
-        return len(reset)
+        return len(entries)
 
     def reset_failed(self, error: str) -> None:
         self.settling.reset.failed(self.core.now, self.limits.io_error_backoff, error)
+
+
+def check_invariants(lanes: Lanes) -> None:
+    """Lanes' bookkeeping, asserted (Core.check_invariants: the simulator and the tests turn it on)."""
+    limit = lanes.limits.max_in_flight_per_key
+    unsettled = queued = 0
+    for key, lane in lanes.lanes.items():
+        assert len(lane.unsettled) <= limit, f"key {key!r}: {len(lane.unsettled)} in flight, limit {limit}"
+        assert (key in lanes.busy) == bool(lane.unsettled), f"key {key!r}: busy list out of step"
+        assert 0 <= lane.purge_queued <= len(lane.unsettled)
+        ids = [entry.record.id for entry in lane.queued]
+        assert ids == sorted(ids), f"key {key!r}: queued out of id order {ids[:5]}"
+        unsettled += len(lane.unsettled)
+        if not lane.waiting:
+            queued += len(lane.queued)
+    assert unsettled == lanes.in_flight, f"{unsettled} unsettled, in_flight says {lanes.in_flight}"
+    tracked = {entry.record.id for lane in lanes.lanes.values()
+               for entry in (*lane.queued, *lane.unsettled, *([lane.held] if lane.held is not None else []))}
+    stray = sorted(set(lanes.entries) ^ tracked)
+    assert not stray, f"entries out of step with the lanes: {stray[:5]}"
+    assert queued == lanes.queued, f"{queued} queued, queued says {lanes.queued}"
+    assert len(lanes.busy) <= len(lanes.lanes)

@@ -61,7 +61,7 @@ class PoisonBook:
         #: Held records to park once their Hold has answered (Park moves the version the Hold left).
         self._to_park: dict[int, tuple[str, int]] = {}
 
-    # -- what the lanes ask -----------------------------------------------------------------------
+    # -- what the lanes report (Core hands it over) ----------------------------------------------------
 
     def suspected(self, record_id: int) -> bool:
         return record_id in self._suspects
@@ -73,7 +73,8 @@ class PoisonBook:
         self._suspects.pop(record_id, None)
 
     def taken(self, lane: Lane, entry: Entry) -> bool:
-        """A record was marked: True if it is known poison, held again at once without sending it."""
+        """A record was marked: True if it is known poison, to hold again at once without sending it (Core holds its
+        lane, then tells held_again)."""
         record = entry.record
         poison = self._poison.get(record.id)
         if poison is None or lane.held is not None:
@@ -86,7 +87,6 @@ class PoisonBook:
         if lane.queued:
             entry.rehold = True
             return False
-        self.hold_again(lane, entry)
         return True
 
     def published(self, lane: Lane, entry: Entry) -> None:
@@ -132,10 +132,9 @@ class PoisonBook:
 
     # -- holding --------------------------------------------------------------------------------
 
-    def hold(self, entry: Entry, reason: str) -> None:
+    def hold(self, lane: Lane, entry: Entry, reason: str) -> None:
         """The record failed on its own: hold it (its key waits), or park it after `park_after` tries."""
         core, record = self.core, entry.record
-        lane = core.lanes.lanes[record.key]
         poison = self._poison.get(record.id)
         attempts = poison.attempts + 1 if poison is not None else 1
         backoff = self.limits.held_retry_after * min(MAX_RETRY_FACTOR, 2 ** (attempts - 1))
@@ -167,67 +166,33 @@ class PoisonBook:
         else:
             log.warning("Held record %d (key %r) failed again (attempt %d): %s", record.id, record.key, attempts,
                         reason)
-        self.hold_again(lane, entry)
+        core.hold_lane(lane, entry)
+        self.held_again(lane)
         lane.version_known = False
         core.command(cmd.Hold(record.id, reason))
         if self.park_after is not None and attempts >= self.park_after:
             self._parking.add(record.id)
             self._to_park[record.id] = (reason, attempts)
 
-    def hold_again(self, lane: Lane, entry: Entry) -> None:
-        lanes = self.core.lanes
+    def held_again(self, lane: Lane) -> None:
+        """The lane is held (Lanes.hold): its held row is checked every held_check_interval."""
         if not self.held:
             self._check_at = self.core.now + self.limits.held_check_interval
-        if not lane.waiting:
-            lanes.queued -= len(lane.queued)  # the key's later records wait behind it, uncounted
-        entry.state = EntryState.HELD
-        entry.solo = False
-        lanes.entries[entry.record.id] = entry
-        lane.holds += 1
-        lane.held = entry
-        lane.retrying = False
-        lane.version_known = True
-        lane.ready = False
         self.held[lane.key] = lane
 
     def _retry(self, lane: Lane, current: Record, why: str) -> None:
-        entry = lane.held
-        log.info("Retrying held record %d (key %r): %s", entry.record.id, lane.key, why)
-        entry.record = current
-        entry.state = EntryState.QUEUED
-        entry.solo = True
-        lane.retrying = True
-        lane.queued.appendleft(entry)
-        self.core.lanes.make_ready(lane, first=True)
+        log.info("Retrying held record %d (key %r): %s", lane.held.record.id, lane.key, why)
+        self.core.retry_held(lane, current)
 
-    def _release(self, lane: Lane, how: str) -> None:
-        """The held record is gone (deleted or parked): forget it; its key moves on."""
-        entry = lane.held
-        entries = self.core.lanes.entries
-        if entries.get(entry.record.id) is entry:
-            del entries[entry.record.id]
-        self._unhold(lane, how)
-
-    def _unhold(self, lane: Lane, how: str) -> None:
-        core, lanes = self.core, self.core.lanes
-        entry = lane.held
-        record_id = entry.record.id
-        lane.held = None
-        lane.retrying = False
+    def _unhold(self, lane: Lane, how: str, *, gone: bool = False) -> None:
+        """The key moves on (`gone`: its held record was deleted or parked, and is forgotten)."""
+        record_id = lane.held.record.id
         del self.held[lane.key]
         self._poison.pop(record_id, None)
         self._suspects.pop(record_id, None)
         log.info("Key %r moves again: held record %d %s", lane.key, record_id, how)
-        core.announce(events.RecordReleased(record_id, lane.key, how))
-        lanes.queued += len(lane.queued)
-        if lane.overflowed:
-            # Records behind it were left marked in the table: a new leader id picks them up.
-            lane.overflowed = False
-            core.leadership.remark()
-        elif lane.queued:
-            lanes.make_ready(lane)
-        elif not lane.unsettled:
-            del lanes.lanes[lane.key]
+        self.core.announce(events.RecordReleased(record_id, lane.key, how))
+        self.core.unhold(lane, gone=gone)
 
     # -- checking held rows -------------------------------------------------------------------------
 
@@ -248,11 +213,11 @@ class PoisonBook:
         else:
             self._check_at = core.now + self.limits.held_check_interval
 
-    def on_held(self, record_id: int, version: int | None) -> None:
-        entry = self.core.lanes.entries.get(record_id)
-        lane = self.core.lanes.lanes.get(entry.record.key) if entry is not None else None
+    def on_held(self, record_id: int, version: int | None, held: tuple[Lane, Entry] | None) -> None:
+        """A Hold committed; `held`: the lane it holds, and its entry (None: it holds none now)."""
         pending = self._to_park.pop(record_id, None)
-        if lane is not None and lane.held is entry:
+        if held is not None:
+            lane, entry = held
             if version is not None:
                 entry.record.version = version
             lane.version_known = True
@@ -275,7 +240,7 @@ class PoisonBook:
             poison = self._poison.get(record.id)
             current = rows.get(record.id)
             if current is None:
-                self._release(lane, "its row was deleted or parked")
+                self._unhold(lane, "its row was deleted or parked", gone=True)
             elif lane.version_known and current.version != record.version:
                 self._retry(lane, current, "its row changed")
             elif poison is not None and now >= poison.retry_at:
@@ -287,20 +252,19 @@ class PoisonBook:
         self._check_at = self.core.now + self.limits.io_error_backoff
         log.warning("Could not re-read held records: %s", error)
 
-    def on_parked(self, record_id: int, parked: bool) -> None:
-        """Parked; or not (the row is gone, or changed since its Hold): the next check of held rows decides."""
+    def on_parked(self, record_id: int, parked: bool, held: tuple[Lane, Entry] | None) -> None:
+        """Parked; or not (the row is gone, or changed since its Hold): the next check of held rows decides.
+        `held`: the lane the record holds, and its entry (None: it holds none now)."""
         self._parking.discard(record_id)
-        lanes = self.core.lanes
-        entry = lanes.entries.get(record_id)
-        lane = lanes.lanes.get(entry.record.key) if entry is not None else None
-        if lane is None or lane.held is not entry:
+        if held is None:
             return
+        lane, entry = held
         if not parked:
             self._check_at = self.core.now
             return
         reason = self._poison[record_id].reason if record_id in self._poison else ""
         self.core.announce(events.RecordParked(record_id, entry.record.key, reason))
-        self._release(lane, "parked")
+        self._unhold(lane, "parked", gone=True)
 
     def on_park_failed(self, record_id: int, error: str) -> None:
         self._parking.discard(record_id)

@@ -183,3 +183,31 @@ def test_no_class_in_the_package_is_over_400_lines():
 
 def test_a_long_class_is_found():
     assert long_classes("class Short:\n    pass\n" + "class Long:\n" + "    x = 1\n" * 400) == [("Long", 401)]
+
+
+#: The core's parts (core.py): each is told by Core and answers it, and none reaches another through it.
+CORE_PARTS = ("lanes", "poison", "marking", "leadership", "settling")
+
+
+def sideways_calls(source: str) -> list[str]:
+    """`core.<part>` and `self.core.<part>` in `source`: a part of the core reaching another part through Core."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in CORE_PARTS:
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "core") or \
+                    (isinstance(owner, ast.Attribute) and owner.attr == "core"):
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"line {line}: {text}" for line, text in sorted(found)]
+
+
+@pytest.mark.parametrize("part", CORE_PARTS)
+def test_no_part_of_the_core_reaches_another_through_core(part):
+    """Core is the mediator (docs/architecture.md): a part gets what it needs as arguments or from Core's own
+    methods, and returns what the others must hear (a Verdict, the lanes it held) for Core to route."""
+    assert sideways_calls((PACKAGE / "harvest" / f"{part}.py").read_text()) == []
+
+
+def test_a_planted_sideways_call_is_found():
+    assert sideways_calls("def f(self):\n    self.core.poison.hold(x)\n    core.lanes.queued\n") == \
+        ["line 2: self.core.poison", "line 3: core.lanes"]
