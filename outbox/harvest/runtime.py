@@ -31,10 +31,11 @@ from outbox.harvest.driver import FENCE_SESSION, PURGE_SESSION, Driver, delivery
 from outbox.harvest.kafka import ProducerLike, record_producer_config
 from outbox.harvest.neli import Election, ElectionPoll
 from outbox.harvest.pipes import WakePipe, readable
+from outbox.harvest.producers import RecordProducers
 from outbox.harvest.store import close_quietly, connect
 from outbox.harvest.topics import TopicLimits, TopicLimitsThread
 from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE
-from outbox.kafka.sizes import batch_size_for, limit_fitted_by
+from outbox.kafka.sizes import limit_fitted_by
 from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger("outbox.harvest.harvester")
@@ -77,44 +78,26 @@ class Worker(threading.Thread):
 
 
 class DeliveryPoller(threading.Thread):
-    """Serves the record producers' delivery reports (they run as callbacks inside poll())."""
+    """Serves the record producers' delivery reports (they run as callbacks inside poll()): the one in use, and
+    those it replaced until they have reported everything (RecordProducers.serve_retiring)."""
 
-    def __init__(self, producer: ProducerLike, on_retired: Callable[[], None],
-                 on_fatal: Callable[[KafkaError], None]) -> None:
+    def __init__(self, producers: RecordProducers, on_fatal: Callable[[KafkaError], None]) -> None:
         super().__init__(name="outbox-delivery", daemon=True)
-        self.producer = producer
-        self._retiring: list[ProducerLike] = []
-        self._on_retired = on_retired
+        self.producers = producers
         self._on_fatal = on_fatal
         self._fatal_reported: set[int] = set()
-        self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self.failure: BaseException | None = None
-
-    def replace(self, producer: ProducerLike) -> None:
-        """Poll `producer` from now on; keep polling the old one until all its reports are out."""
-        with self._lock:
-            self._retiring.append(self.producer)
-            self.producer = producer
-
-    def swap(self, producer: ProducerLike) -> None:
-        """Poll `producer` from now on, in place of one that has nothing left to report."""
-        with self._lock:
-            self.producer = producer
-
-    @property
-    def retiring(self) -> bool:
-        return bool(self._retiring)
 
     def stop(self) -> None:
         self._stop_event.set()
 
     def run(self) -> None:
+        producers = self.producers
         try:
             while not self._stop_event.is_set():
-                self._poll(self.producer, 0.05)
-                if self._retiring:
-                    self._serve_retiring()
+                self._poll(producers.current, 0.05)
+                producers.serve_retiring(self._poll)
         except BaseException as error:  # the harvester notices and stops as a whole
             self.failure = error
             log.exception("Delivery thread failed")
@@ -133,17 +116,6 @@ class DeliveryPoller(threading.Thread):
                 self._on_fatal(found)
             elif timeout:
                 self._stop_event.wait(timeout)
-
-    def _serve_retiring(self) -> None:
-        with self._lock:
-            retiring = list(self._retiring)
-        for old in retiring:
-            self._poll(old, 0)
-            if len(old) == 0:
-                old.flush(0)
-                with self._lock:
-                    self._retiring.remove(old)
-                self._on_retired()
 
 
 class ElectionThread(threading.Thread):
@@ -244,7 +216,7 @@ class ThreadedIO:
         self._on_event = on_event
         self.driver: Driver | None = None
         self.store: Store | None = None
-        self.producer: ProducerLike | None = None
+        self._producers: RecordProducers | None = None
         self._dead_letter_producer: ProducerLike | None = None
         self._listener: ListenerLike | None = None
         #: The table's NOTIFY channel, until the engine first leads and asks for its listener (a standby holds
@@ -262,7 +234,7 @@ class ThreadedIO:
         self._topics: TopicLimitsThread | None = None
         self.topic_limits: TopicLimits | None = None
         #: The record producer's batches fit a topic whose max.message.bytes is at least this (topics.py).
-        self.batch_limit = limit_fitted_by(_batch_size(record_producer_config(config)))
+        self._batch_limit = limit_fitted_by(_batch_size(record_producer_config(config)))
 
     # -- life -----------------------------------------------------------------------------------
 
@@ -276,9 +248,9 @@ class ThreadedIO:
         self._wake = WakePipe()
         self.topic_limits = connector.topic_limits()
         self._topics = TopicLimitsThread(self.topic_limits)
-        self.producer = connector.record_producer()
-        self._poller = DeliveryPoller(
-            self.producer, lambda: driver.post(methodcaller("on_producer_restarted")), self._producer_failed)
+        self._producers = RecordProducers(self._record_producer, self._batch_limit,
+                                          lambda: driver.post(methodcaller("on_producer_restarted")))
+        self._poller = DeliveryPoller(self._producers, self._producer_failed)
         self._election = ElectionThread(connector.leader_election(), driver, self.config.limits.min_poll_interval)
         self._has_trigger = self.store.has_notify_trigger()
         self._channel = contract.notify_channel(self.store.table_oid) if self.config.listen else None
@@ -336,34 +308,27 @@ class ThreadedIO:
     def submit(self, session: str, job: Callable[[Store], None]) -> None:
         self._workers[session].submit(job)
 
+    @property
+    def producer(self) -> ProducerLike | None:
+        """The record producer in use (None before open() built one)."""
+        return self._producers.current if self._producers is not None else None
+
+    @property
+    def batch_limit(self) -> int:
+        return self._producers.batch_limit if self._producers is not None else self._batch_limit
+
+    def _record_producer(self, batch_limit: int | None) -> ProducerLike:
+        self._connector.batch_limit = batch_limit
+        return self._connector.record_producer()
+
     def restart_producer(self) -> None:
-        old = self.producer
-        try:
-            old.purge(in_queue=True, in_flight=True, blocking=False)
-        except (KafkaException, NotImplementedError):
-            pass
-        self.producer = self._connector.record_producer()
-        self._poller.replace(self.producer)
+        self._producers.restart()
 
     def topic_limit(self, topic: str) -> int | None:
         return self.topic_limits.limit(topic)
 
     def fit_batches(self, limit: int) -> bool:
-        """Rebuild the record producer so its batches fit `limit`, once it has nothing left to report
-        (so no record of a key can overtake one in the old producer); False until then."""
-        if limit >= self.batch_limit:
-            return True
-        poller = self._poller
-        if len(self.producer) or poller.retiring:
-            return False
-        old = self.producer
-        self._connector.batch_limit = self.batch_limit = limit
-        self.producer = self._connector.record_producer()
-        poller.swap(self.producer)
-        old.flush(0)
-        log.info("Record producer rebuilt with batches of at most %s bytes: the smallest max.message.bytes of "
-                 "the topics it sends to is %s bytes", f"{batch_size_for(limit):,}", f"{limit:,}")
-        return True
+        return self._producers.fit(limit)
 
     def refused_for_size(self, topic: str | None) -> None:
         """Kafka refused a batch for its size: the topic's limit must be read again (it was lowered)."""

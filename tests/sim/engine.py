@@ -27,6 +27,7 @@ from outbox.harvest.driver import Driver
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.neli import Election, ElectionPoll
+from outbox.harvest.producers import RecordProducers
 from outbox.kafka.memory.broker import MemoryBroker, MemoryProducer
 from outbox.kafka.memory.world import Violation
 from outbox.kafka.sizes import UNLIMITED, batch_size_for
@@ -61,9 +62,7 @@ class SimIO:
         self.driver: Driver | None = None
         self.election_thread: SimElectionThread | None = None
         self.topic_limits = None  # the Harvester's view of them (topics.TopicLimits) is the real I/O's only
-        self.batch_limit = UNLIMITED
-        self.producer: MemoryProducer = self._new_producer()
-        self._retiring: list[MemoryProducer] = []
+        self.producers = RecordProducers(self._new_producer, UNLIMITED, self._retired)
         #: Topics' max.message.bytes as this replica last read them (the broker's `max_message_bytes`),
         #: read a moment after first asked for, again every topic_limits_interval and after a refusal.
         self._limits: dict[str, int] = {}
@@ -108,10 +107,18 @@ class SimIO:
 
     # -- EngineIO -------------------------------------------------------------------------------
 
-    def _new_producer(self) -> MemoryProducer:
+    @property
+    def producer(self) -> MemoryProducer:
+        return self.producers.current
+
+    @property
+    def batch_limit(self) -> int:
+        return self.producers.batch_limit
+
+    def _new_producer(self, batch_limit: int | None) -> MemoryProducer:
         producer = self._host.new_producer()
-        if self.batch_limit < UNLIMITED:
-            producer.batch_bytes = batch_size_for(self.batch_limit)
+        if batch_limit is not None and batch_limit < UNLIMITED:
+            producer.batch_bytes = batch_size_for(batch_limit)
         return producer
 
     def topic_limit(self, topic: str) -> int | None:
@@ -135,13 +142,7 @@ class SimIO:
         host.world.after(host.world.latency(0.001, 0.02), answered)
 
     def fit_batches(self, limit: int) -> bool:
-        if limit >= self.batch_limit:
-            return True
-        if len(self.producer) or self._retiring:
-            return False
-        self.batch_limit = limit
-        self.producer = self._new_producer()
-        return True
+        return self.producers.fit(limit)
 
     def refused_for_size(self, topic: str | None) -> None:
         for name in [topic] if topic is not None else list(self._limits):
@@ -152,23 +153,22 @@ class SimIO:
         host.on_session(session, lambda: job(host.store))
 
     def restart_producer(self) -> None:
-        old = self.producer
-        old.purge()
-        self._retiring.append(old)
-        self.producer = self._new_producer()
+        self.producers.restart()
         self._host.world.after(0.001, self._serve_retiring)
 
     def _serve_retiring(self) -> None:
-        """The delivery thread, polling the old producer until it has reported everything."""
+        """The delivery thread's turn for the producers replaced (RecordProducers.serve_retiring), every 5 ms
+        while one has reports to deliver (the memory broker delivers them on the world's clock: poll() is empty)."""
         if self._host.crashed:
             return
-        for old in list(self._retiring):
-            if len(old) == 0:
-                self._retiring.remove(old)
-                assert self.driver is not None
-                self.driver.post(methodcaller("on_producer_restarted"))
-        if self._retiring:
+        producers = self.producers
+        producers.serve_retiring(lambda producer, timeout: producer.poll(timeout))
+        if producers.retiring:
             self._host.world.after(0.005, self._serve_retiring)
+
+    def _retired(self) -> None:
+        assert self.driver is not None
+        self.driver.post(methodcaller("on_producer_restarted"))
 
     def publish_dead_letter(self, record: Record, reason: str) -> str | None:
         return None
