@@ -12,6 +12,9 @@ parts, one concern each (goharvest's mark/purge/reset, "MP/R", with the differen
 - marking.py: when and from where to mark, and the watermark;
 - lanes.py: per-key lanes, sending within the throttle, what settling frees (settling.py: purge, reset);
 - poison.py: records that fail on their own, and the keys they hold.
+Core is their mediator: a part gets what it needs of another as arguments (the active term, the count of queued
+records) or from Core's own methods below ("for the parts"), and returns what another must hear (a delivery's
+Verdict, the lanes a dispatch held) for Core to route; no part reaches another through Core.
 """
 
 from __future__ import annotations
@@ -192,7 +195,7 @@ class Core:
         """Nothing sent is waiting for its outcome, and no purge or reset is pending."""
         return not self.lanes.in_flight
 
-    # -- for the parts ----------------------------------------------------------------------------
+    # -- for the parts: what they may ask of the core, which routes it ---------------------------------
 
     def command(self, command: cmd.Command) -> None:
         self._commands.append(command)
