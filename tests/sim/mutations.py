@@ -335,6 +335,13 @@ def moved_shard_kept(shard: int, owned: set[int], election: Any) -> bool:
     return election is not None and election.gone and shard in owned
 
 
+def revoke_ignored(shard: int, owned: set[int], election: Any) -> bool:
+    """Retires an engine only when its shard is no longer the replica's: one whose shard was revoked and assigned
+    straight back keeps running, its term ended by the revoke, and nobody leads the shard (a fresh engine should
+    take the new assignment)."""
+    return shard not in owned
+
+
 class RestartedAtOnce(Supervisor[Any, Any]):
     """Starts a failed engine again at the next reconcile, without the backoff."""
 
@@ -406,6 +413,8 @@ SHARD_MUTATIONS: dict[str, ShardOptions] = {
         patches={"outbox.harvest.replicas._by_replica": credited_to_one}),
     "an engine whose shard moved keeps running": ShardOptions(
         patches={"outbox.harvest.shards.retires": moved_shard_kept}),
+    "an engine kept through a revoke of its shard that came straight back": ShardOptions(
+        patches={"outbox.harvest.shards.retires": revoke_ignored}),
     "a failed engine started again at once, without a backoff": ShardOptions(supervisor_class=RestartedAtOnce),
     "a stopping replica leaves its group before its engines settled": ShardOptions(
         supervisor_class=EndsBeforeSettled),
@@ -443,9 +452,10 @@ CAUGHT_BY: dict[str, list[int]] = {
     # Shards (SHARD_MUTATIONS, tests/sim/shard_scenario.py).
     "a shard's fence let go at once when its term ends": [13, 155, 166],
     "an engine whose shard moved keeps running": [1, 2, 3],
+    "an engine kept through a revoke of its shard that came straight back": [5, 8, 12],
     "a failed engine started again at once, without a backoff": [3, 8, 10],
-    "a failed engine never started again": [3, 8, 10],
-    "a stopping replica leaves its group before its engines settled": [3, 4, 5],
+    "a failed engine never started again": [3, 10, 11],
+    "a stopping replica leaves its group before its engines settled": [3, 4, 6],
     "a status report that credits one replica with another's shards": [1, 2, 3],
     "a shard's mark reads every shard's rows": [1, 2, 3],
     "a shard taken from a leader that did not settle, at once": [212, 467, 1092],

@@ -294,6 +294,23 @@ def _run(seed: int, options: ShardOptions, world: SimWorld) -> Result:
         for _ in range(failures.randint(1, 4)):
             world.at(failures.uniform(0.5, FAULTS_END - 1), engine_fails)
 
+    # The coordinator now and then revokes a shard from its replica and assigns it straight back (a cooperative
+    # rebalance whose intended taker left first): the engine whose term the revoke ended must give way to a fresh
+    # one. Drawn from a stream of its own, so the other faults draw as before.
+    bounces = random.Random(seed * 1_000_037 + 31)
+
+    def bounce() -> None:
+        group = kafka.consumer_groups.get("g1")
+        owned = sorted(group.owners) if group is not None else []
+        if owned:
+            tp = bounces.choice(owned)
+            world.note(f"fault: shard {tp[1]} revoked from {group.owners[tp].name} and assigned back")
+            group.bounce(tp)
+
+    if bounces.random() < 0.3:
+        for _ in range(bounces.randint(1, 3)):
+            world.at(bounces.uniform(0.5, FAULTS_END - 1), bounce)
+
     world.at(FAULTS_END, calm)
 
     operator = operate_on_poison(world, rng, table, poison_ids, poison_count, FAULTS_END)

@@ -237,3 +237,23 @@ def test_a_partition_with_no_committed_offset_starts_where_auto_offset_reset_say
     world.run_until(1.0)
     assert latest.consume(10, 0) == [], "librdkafka's default: the end"
     assert [m.value() for m in earliest.consume(10, 0)] == [b"0", b"1", b"2"]
+
+
+def test_a_partition_bounced_is_revoked_and_assigned_back_to_its_owner_in_the_same_poll(world, broker):
+    """The coordinator's freedom the shard simulator uses (`bounce()`): a revoke and the assignment that gives the
+    partition straight back come in one poll, so the member's own view never lacks it."""
+    calls = []
+    first = MemoryConsumer(broker, GROUP, name="a")
+    first.subscribe(["t"], on_assign=lambda consumer, tps: calls.append(("assign", sorted(tp.partition for tp in tps))),
+                    on_revoke=lambda consumer, tps: calls.append(("revoke", sorted(tp.partition for tp in tps))))
+    world.run_until(1.0)
+    first.poll(0)
+    assert calls == [("assign", [0, 1])]
+    broker.consumer_groups["g"].bounce(("t", 1))
+    world.run_until(2.0)
+    first.poll(0)
+    assert calls[1:] == [("revoke", [1]), ("assign", [1])]
+    assert sorted(tp.partition for tp in first.assignment()) == [0, 1]
+    world.run_until(3.0)
+    first.poll(0)
+    assert len(calls) == 3, "nothing more"

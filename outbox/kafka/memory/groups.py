@@ -9,7 +9,8 @@ replicas' leader topic, and the one-partition leader election of a single outbox
   revoke callback returned (`revoked()`), the cooperative protocol's two rounds; a free partition is assigned
   at once;
 - the coordinator's freedom, as faults: it may move a partition a member holds to another (`move()`; and, with
-  `move_chance`, to a member that just joined), and a member's session may expire at once (`expire()`);
+  `move_chance`, to a member that just joined), revoke one and assign it back to the same member (`bounce()`),
+  and a member's session may expire at once (`expire()`);
 - every change of membership is a new generation. A member learns it, with its assignment,
   when its rejoin round trip completes (a little after the change; at its next poll after that);
   meanwhile, and always after it was dropped or left, the offsets it commits are refused
@@ -85,6 +86,9 @@ class ConsumerGroup:
         self.revoking: dict[TP, GroupMember] = {}
         #: Partitions the coordinator moves away from their owners (`move()`), and to whom (None: any other).
         self.moving: dict[TP, GroupMember | None] = {}
+        #: Partitions to revoke from their owner and assign straight back (`bounce()`), and those being revoked so.
+        self._bouncing: set[TP] = set()
+        self._returning: dict[TP, GroupMember] = {}
         self.committed: dict[TP, int] = {}
         self.generation = 0
         self._changed = False  # membership changed since the last rebalance: a new generation
@@ -122,6 +126,10 @@ class ConsumerGroup:
                 del self.revoking[tp]
             if self.owners.get(tp) is member:
                 del self.owners[tp]
+            if self._returning.pop(tp, None) is member and member.standing is Standing.MEMBER:
+                self.owners[tp] = member  # bounce(): straight back
+                self.moving.pop(tp, None)
+                member.events.append(("assign", [tp]))
         self._rebalance_soon()
 
     def rejoined(self, member: GroupMember) -> bool:
@@ -141,6 +149,16 @@ class ConsumerGroup:
         first, and `to` is assigned once the owner's callback returned."""
         if tp in self.owners or tp in self.revoking or to is not None:
             self.moving[tp] = to
+            self._rebalance_soon()
+
+    def bounce(self, tp: TP) -> None:
+        """The coordinator revokes `tp` from its owner and assigns it back to that same owner as soon as its
+        callback returned, served in the same poll (librdkafka serves a cooperative rebalance's revoke and the
+        next assignment in one poll when they come together: the member's own view never lacks the partition)."""
+        owner = self.owners.get(tp)
+        if owner is not None and tp not in self.revoking and tp not in self.moving:
+            self.moving[tp] = owner
+            self._bouncing.add(tp)
             self._rebalance_soon()
 
     def expire(self, member: GroupMember) -> None:
@@ -209,6 +227,7 @@ class ConsumerGroup:
         for tp, to in list(self.moving.items()):
             if tp not in partitions or (to is not None and to not in live):
                 del self.moving[tp]  # the member it was moving to is gone: a rebalance as any other
+                self._bouncing.discard(tp)
         base, extra = divmod(len(partitions), len(live))
         # The members a partition is moved to, then those holding the most, have their share rounded up.
         held = Counter(id(owner) for tp, owner in self.owners.items() if tp not in self.moving)
@@ -245,6 +264,11 @@ class ConsumerGroup:
                     self.owners[tp] = member
                     self.moving.pop(tp, None)
                     assigned.setdefault(id(member), []).append(tp)
+            elif owner is member and tp in self._bouncing and tp not in self.revoking:
+                self._bouncing.discard(tp)  # revoked, and assigned back when its callback returns (revoked())
+                self._returning[tp] = owner
+                self.revoking[tp] = owner
+                revoked.setdefault(id(owner), []).append(tp)
             elif owner is member:
                 self.moving.pop(tp, None)  # nobody else can take it
             elif tp not in self.revoking:
