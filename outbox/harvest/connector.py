@@ -68,8 +68,8 @@ class ListenerLike(Protocol):
 class Connector(Protocol):
     """Builds the harvester's outside systems; every method may raise StoreError or KafkaUnavailable."""
 
-    #: The record producer's batches fit this many bytes (None: librdkafka's batch.size); the runtime
-    #: lowers it to the smallest max.message.bytes it meets before building a new record producer.
+    #: The record producer's batches fit this many bytes (None: librdkafka's batch.size); the runtime sets it
+    #: before building each record producer (producers.py): None until a topic's max.message.bytes lowers it.
     batch_limit: int | None
 
     def open_store(self) -> Store: ...

@@ -166,9 +166,9 @@ class Verdict:
 
 
 class Lanes:
-    """Every record the core tracks, by key; what is sent, and what is settled. Which keys are held, and why, is the
-    poison book's to decide (poison.py): Lanes reports what deliveries say (Verdict), and holds, retries and
-    releases a key's held record when Core tells it to."""
+    """Every record the core tracks, by key; what is sent and settled. The poison book (poison.py) decides which keys
+    are held and places their records in the lane it is handed; Lanes reports what deliveries say (Verdict) and
+    keeps its books (counts, entries, the ready queue) as Core tells it to hold, retry or release a held record."""
 
     #: The purge and reset batches' class (a mutation in the simulator swaps it).
     settling_class: type[Settling] = Settling

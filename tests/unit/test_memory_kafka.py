@@ -257,3 +257,30 @@ def test_a_partition_bounced_is_revoked_and_assigned_back_to_its_owner_in_the_sa
     world.run_until(3.0)
     first.poll(0)
     assert len(calls) == 3, "nothing more"
+
+
+def test_a_bounce_its_owner_never_answered_is_forgotten_when_the_owner_is_dropped(world, broker):
+    """A member dropped before its revoke callback ran, that rejoins: a later move of the partition is a move (not
+    a revoke followed by the partition handed straight back to it)."""
+    calls = []
+    first = MemoryConsumer(broker, GROUP, name="a")
+    first.subscribe(["t"], on_assign=lambda consumer, tps: calls.append(("a assign", sorted(t.partition for t in tps))),
+                    on_revoke=lambda consumer, tps: calls.append(("a revoke", sorted(t.partition for t in tps))))
+    world.run_until(1.0)
+    first.poll(0)
+    group = broker.consumer_groups["g"]
+    group.bounce(("t", 1))
+    world.run_until(1.5)
+    group.expire(group.members[0])  # before it polled the revoke
+    for now in (2.0, 2.5, 3.0, 3.5):  # it notices it was dropped, and rejoins
+        world.run_until(now)
+        first.poll(0)
+    assert sorted(tp.partition for tp in first.assignment()) == [0, 1]
+    calls.clear()
+    second = MemoryConsumer(broker, GROUP, name="b")
+    second.subscribe(["t"])
+    for now in (4.0, 4.5, 5.0, 5.5):
+        world.run_until(now)
+        first.poll(0)
+        second.poll(0)
+    assert calls == [("a revoke", [1])] and [tp.partition for tp in second.assignment()] == [1]

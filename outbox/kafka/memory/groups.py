@@ -193,6 +193,11 @@ class ConsumerGroup:
             del self.owners[tp]
         for tp in [tp for tp, owner in self.revoking.items() if owner is member]:
             del self.revoking[tp]
+        for tp in [tp for tp, owner in self._returning.items() if owner is member]:
+            del self._returning[tp]  # a bounce it never answered: nothing goes straight back to it
+        for tp in [tp for tp in self._bouncing if self.moving.get(tp) is member]:
+            self._bouncing.discard(tp)
+            del self.moving[tp]
         self._changed = True
         self._rebalance_soon()
 
@@ -259,6 +264,9 @@ class ConsumerGroup:
         revoked: dict[int, list[TP]] = {}
         for tp, member in target.items():
             owner = self.owners.get(tp)
+            if tp in self._bouncing and member is not owner:
+                self._bouncing.discard(tp)  # its owner has no room for it now: a move as any other
+                self.moving.pop(tp, None)
             if owner is None:
                 if tp not in self.revoking:
                     self.owners[tp] = member
