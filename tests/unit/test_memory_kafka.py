@@ -6,6 +6,8 @@ the simulator cannot pass by modelling a friendlier broker.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError, KafkaException, TopicPartition
 
@@ -242,17 +244,15 @@ def test_a_partition_with_no_committed_offset_starts_where_auto_offset_reset_say
 def test_a_partition_bounced_is_revoked_and_assigned_back_to_its_owner_in_the_same_poll(world, broker):
     """The coordinator's freedom the shard simulator uses (`bounce()`): a revoke and the assignment that gives the
     partition straight back come in one poll, so the member's own view never lacks it."""
-    calls = []
-    first = MemoryConsumer(broker, GROUP, name="a")
-    first.subscribe(["t"], on_assign=lambda consumer, tps: calls.append(("assign", sorted(tp.partition for tp in tps))),
-                    on_revoke=lambda consumer, tps: calls.append(("revoke", sorted(tp.partition for tp in tps))))
+    calls: list[tuple[str, list[int]]] = []
+    first = recording(broker, "a", calls)
     world.run_until(1.0)
     first.poll(0)
-    assert calls == [("assign", [0, 1])]
+    assert calls == [("a assign", [0, 1])]
     broker.consumer_groups["g"].bounce(("t", 1))
     world.run_until(2.0)
     first.poll(0)
-    assert calls[1:] == [("revoke", [1]), ("assign", [1])]
+    assert calls[1:] == [("a revoke", [1]), ("a assign", [1])]
     assert sorted(tp.partition for tp in first.assignment()) == [0, 1]
     world.run_until(3.0)
     first.poll(0)
@@ -262,10 +262,8 @@ def test_a_partition_bounced_is_revoked_and_assigned_back_to_its_owner_in_the_sa
 def test_a_bounce_its_owner_never_answered_is_forgotten_when_the_owner_is_dropped(world, broker):
     """A member dropped before its revoke callback ran, that rejoins: a later move of the partition is a move (not
     a revoke followed by the partition handed straight back to it)."""
-    calls = []
-    first = MemoryConsumer(broker, GROUP, name="a")
-    first.subscribe(["t"], on_assign=lambda consumer, tps: calls.append(("a assign", sorted(t.partition for t in tps))),
-                    on_revoke=lambda consumer, tps: calls.append(("a revoke", sorted(t.partition for t in tps))))
+    calls: list[tuple[str, list[int]]] = []
+    first = recording(broker, "a", calls)
     world.run_until(1.0)
     first.poll(0)
     group = broker.consumer_groups["g"]
@@ -284,3 +282,13 @@ def test_a_bounce_its_owner_never_answered_is_forgotten_when_the_owner_is_droppe
         first.poll(0)
         second.poll(0)
     assert calls == [("a revoke", [1])] and [tp.partition for tp in second.assignment()] == [1]
+
+
+def recording(broker, name, calls):
+    """A consumer of topic t that records its rebalance callbacks in `calls` as ("<name> assign", partitions)."""
+    def record(kind: str) -> Any:
+        return lambda _, tps: calls.append((f"{name} {kind}", sorted(tp.partition for tp in tps)))
+
+    consumer = MemoryConsumer(broker, GROUP, name=name)
+    consumer.subscribe(["t"], on_assign=record("assign"), on_revoke=record("revoke"))
+    return consumer
