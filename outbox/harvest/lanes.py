@@ -567,22 +567,28 @@ class Lanes:
 
 
 def check_invariants(lanes: Lanes) -> None:
-    """Lanes' bookkeeping, asserted (Core.check_invariants: the simulator and the tests turn it on)."""
+    """Lanes' bookkeeping, asserted (Core.check_invariants: the simulator and the tests turn it on). One pass over the
+    lanes, as it runs after every turn of the simulator."""
     limit = lanes.limits.max_in_flight_per_key
+    busy = lanes.busy
     unsettled = queued = 0
+    tracked: set[int] = set()  # a held record may also be in flight: a set, not a count
     for key, lane in lanes.lanes.items():
-        assert len(lane.unsettled) <= limit, f"key {key!r}: {len(lane.unsettled)} in flight, limit {limit}"
-        assert (key in lanes.busy) == bool(lane.unsettled), f"key {key!r}: busy list out of step"
-        assert 0 <= lane.purge_queued <= len(lane.unsettled)
+        in_flight = len(lane.unsettled)
+        assert in_flight <= limit, f"key {key!r}: {in_flight} in flight, limit {limit}"
+        assert (key in busy) == bool(in_flight), f"key {key!r}: busy list out of step"
+        assert 0 <= lane.purge_queued <= in_flight
         ids = [entry.record.id for entry in lane.queued]
         assert ids == sorted(ids), f"key {key!r}: queued out of id order {ids[:5]}"
-        unsettled += len(lane.unsettled)
+        tracked.update(ids)
+        tracked.update([entry.record.id for entry in lane.unsettled])
+        if lane.held is not None:
+            tracked.add(lane.held.record.id)
+        unsettled += in_flight
         if not lane.waiting:
-            queued += len(lane.queued)
+            queued += len(ids)
     assert unsettled == lanes.in_flight, f"{unsettled} unsettled, in_flight says {lanes.in_flight}"
-    tracked = {entry.record.id for lane in lanes.lanes.values()
-               for entry in (*lane.queued, *lane.unsettled, *([lane.held] if lane.held is not None else []))}
-    stray = sorted(set(lanes.entries) ^ tracked)
-    assert not stray, f"entries out of step with the lanes: {stray[:5]}"
+    assert lanes.entries.keys() == tracked, \
+        f"entries out of step with the lanes: {sorted(set(lanes.entries) ^ tracked)[:5]}"
     assert queued == lanes.queued, f"{queued} queued, queued says {lanes.queued}"
-    assert len(lanes.busy) <= len(lanes.lanes)
+    assert len(busy) <= len(lanes.lanes)

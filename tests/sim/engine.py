@@ -24,7 +24,7 @@ from outbox.harvest.connector import Store
 from outbox.harvest.contract import Record
 from outbox.harvest.core import Core
 from outbox.harvest.driver import Driver
-from outbox.harvest.harvester import Harvester
+from outbox.harvest.harvester import Harvester, HarvestError
 from outbox.harvest.memory_table import MemoryStore, MemoryTable
 from outbox.harvest.neli import Election, ElectionPoll
 from outbox.harvest.producers import RecordProducers
@@ -362,3 +362,11 @@ class EngineHost:
         RUNNING[0] = ""
         if deadline is not None:
             self.wake(deadline - self.world.now)
+            return
+        try:
+            self.harvester.wait(0)
+        except HarvestError as ended:
+            if isinstance(ended.__cause__, AssertionError):
+                # The core's own invariant checks (Core.checking), or a model's Violation raised inside the step. The
+                # Harvester ends its engine on any failure, as it must in production; here that is a broken invariant.
+                raise Violation(f"{self.name}: {ended.__cause__}") from ended.__cause__

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from outbox.harvest.core import Core
 from tests.sim import mutations, replay, scenario
 from tests.support.simulation import assert_every_seed_passes
 
@@ -23,6 +24,28 @@ def test_every_seed_keeps_the_invariants(sim_seeds):
 def test_one_seed_replays_the_same_run():
     first, second = scenario.run(424242, trace=True), scenario.run(424242, trace=True)
     assert first.trace == second.trace and first.summary == second.summary
+
+
+class FailsItsOwnCheckOnce(Core):
+    """A core whose own bookkeeping check (Core.check_invariants) fails once, on its 200th turn, and never again."""
+
+    turns = 0
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        FailsItsOwnCheckOnce.turns += 1
+        assert FailsItsOwnCheckOnce.turns != 200, "planted: the core's books out of step once"
+
+
+def test_a_core_that_fails_its_own_check_is_a_broken_invariant_not_an_engine_failure():
+    """The Harvester ends its engine on any failure, an AssertionError from the core's own checks included, and the
+    replica starts again: a run would recover and pass. The simulator takes such a failure inside the step for what it
+    is, a broken invariant, and fails the seed with it."""
+    replay.quiet()
+    FailsItsOwnCheckOnce.turns = 0
+    result = scenario.run(1, scenario.Options(core_factory=FailsItsOwnCheckOnce))
+    assert not result.ok and "planted: the core's books out of step once" in (result.violation or "")
+    assert FailsItsOwnCheckOnce.turns == 200, "it stopped at the failed check"
 
 
 @pytest.mark.parametrize("name", list(mutations.MUTATIONS))

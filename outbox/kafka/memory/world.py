@@ -27,7 +27,10 @@ _Event = tuple[float, int, Callable[[], None]]
 
 
 class World:
-    """The clock and the event queue; subclasses say how time passes and how long things take."""
+    """The clock and the event queue; subclasses say how time passes (`now`) and how long things take."""
+
+    #: The clock: an attribute the simulated world moves (read millions of times a run), the wall clock's property.
+    now: float
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
@@ -36,13 +39,10 @@ class World:
         self.trace: list[str] = []
         self.keep_trace = False
 
-    @property
-    def now(self) -> float:
-        raise NotImplementedError
-
     def at(self, when: float, action: Callable[[], None]) -> None:
         self._seq += 1
-        heapq.heappush(self._queue, (max(when, self.now), self._seq, action))
+        now = self.now
+        heapq.heappush(self._queue, (when if when > now else now, self._seq, action))
 
     def after(self, delay: float, action: Callable[[], None]) -> None:
         self.at(self.now + delay, action)
@@ -67,20 +67,16 @@ class SimWorld(World):
     def __init__(self, seed: int) -> None:
         super().__init__(random.Random(seed))
         self.seed = seed
-        self._now = 0.0
-
-    @property
-    def now(self) -> float:
-        return self._now
+        self.now = 0.0
 
     def run_until(self, end: float, done: Callable[[], bool] | None = None) -> None:
-        queue = self._queue
+        queue, pop = self._queue, heapq.heappop
         while queue and queue[0][0] <= end:
-            self._now, _, action = heapq.heappop(queue)
+            self.now, _, action = pop(queue)
             action()
             if done is not None and done():
                 return
-        self._now = max(self._now, end) if not queue or queue[0][0] > end else self._now
+        self.now = max(self.now, end) if not queue or queue[0][0] > end else self.now
 
 
 class LiveWorld(World):
@@ -90,7 +86,7 @@ class LiveWorld(World):
         super().__init__(random.Random())
         self.lock = threading.RLock()
 
-    @property
+    @property  # type: ignore[override]
     def now(self) -> float:
         return time.monotonic()
 
