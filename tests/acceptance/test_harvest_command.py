@@ -79,6 +79,15 @@ def test_print_config_of_an_invalid_configuration_prints_it_then_fails_even_with
         in line and "leader_topic: must be a Kafka topic name" in line
 
 
+def test_a_bad_flag_is_one_problem_on_that_flag_not_on_the_limits_derived_from_it():
+    """--heartbeat-timeout -1 alone: max_poll_interval, drain_interval and delivery_timeout derive from it and were
+    never set, so they are not reported as well."""
+    result = manage("harvest", "--heartbeat-timeout", "-1")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "CommandError: invalid configuration: heartbeat_timeout: must be at least 0.001, got -1.0"]
+
+
 @pytest.mark.parametrize("command", ["harvest", "outbox_redeliver", "outbox_consume"])
 def test_a_name_with_a_control_character_is_refused_in_one_line(command):
     extra = ["--queue", "q", "--handler", "tests.support.queue_handlers.record"] if command == "outbox_consume" else []

@@ -59,6 +59,8 @@ class Command(BaseCommand):
             return
         if problems := settings_problems.settings_problems():
             raise refused("invalid OUTBOX setting", problems)
+        if problems := settings_problems.problems(**overrides):  # a flag's, once, on the flag the user gave
+            raise refused("invalid configuration", problems)
         logs.configure_logging(options["verbosity"])
         registry, instruments = self._metrics_registry(options)
         harvester = create_harvester(instruments=instruments, **overrides)
