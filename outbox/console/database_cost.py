@@ -142,13 +142,12 @@ def read(begin: float, finish: float, bucket: float, replicas: Mapping[str, Sequ
     server_rates, server_sums = _server(server, longest)
     trip_rates: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     trips: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    published = 0
+    published = sum(point.grew for points in replicas.values() for point in points)
     for points in replicas.values():
         for before, after in pairwise(points):
             elapsed = after.at - before.at
             if elapsed <= 0 or elapsed > longest:
                 continue
-            published += max(0, after.published - before.published)
             old, new = before.round_trips or {}, after.round_trips or {}
             if after.round_trips is None or any(new.get(k, [0, 0.0])[1] < v[1] for k, v in old.items()):
                 continue  # restarted, or no figures

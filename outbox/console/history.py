@@ -45,14 +45,19 @@ MARKS_APART = 60
 # One query for the whole span: per replica and bucket its figures, and when it took the lead (a leader's
 # `since`; the first and the last, should it have taken the lead twice within one bucket).
 BUCKETS = """
+WITH sampled AS (
+  SELECT *, published - lag(published) OVER (PARTITION BY name, harvested_table ORDER BY at) AS grew
+  FROM {table} WHERE at >= %(start)s
+)
 SELECT name, harvested_table, floor(extract(epoch FROM at) / %(bucket)s) AS bucket,
        max(extract(epoch FROM at)), max(published), max(failed), max(in_flight), max(backlog), max(oldest_age),
        extract(epoch FROM min(since) FILTER (WHERE state = 'leader')),
        extract(epoch FROM max(since) FILTER (WHERE state = 'leader')),
        (array_agg(db_round_trips ORDER BY at DESC) FILTER (WHERE db_round_trips IS NOT NULL))[1],
        (array_agg(jsonb_build_array(extract(epoch FROM at), db_statements) ORDER BY at DESC)
-          FILTER (WHERE db_statements IS NOT NULL))[1]
-FROM {table} WHERE at >= %(start)s
+          FILTER (WHERE db_statements IS NOT NULL))[1],
+       coalesce(sum(CASE WHEN grew < 0 THEN published ELSE grew END), 0)
+FROM sampled
 GROUP BY name, harvested_table, bucket ORDER BY name, bucket
 """
 
@@ -67,6 +72,11 @@ class Point:
     oldest_age: float | None
     #: The replica's database round trips so far, by kind (dbtime.Totals as JSON), if the sample has them.
     round_trips: dict | None = None
+    #: Records it published since its sample before this bucket's first, summed over the bucket's samples (a sample
+    #: whose total went down follows a restart: its whole total counts). The bucket's `published` is its largest
+    #: total, so the span's records are these, not the differences between buckets: a replica whose samples all
+    #: fall in one bucket published records too.
+    grew: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,10 +117,10 @@ def read(span: str = DEFAULT_SPAN, using: str = "default", now: datetime | None 
         cursor.execute(BUCKETS.format(table=table), {"bucket": bucket, "start": start})
         rows = cursor.fetchall()
         for (name, harvested, number, at, published, failed, in_flight, backlog, oldest, first, last, round_trips,
-             server) in rows:
+             server, grew) in rows:
             took_lead |= {(float(since), name) for since in (first, last) if since is not None and since >= begin}
             point = Point(float(at), int(published), int(failed), int(in_flight),
-                          None if backlog is None else int(backlog), oldest, _json(round_trips))
+                          None if backlog is None else int(backlog), oldest, _json(round_trips), int(grew))
             replicas[name].append(point)
             slot = float(number) * bucket
             seen = tables[harvested].get(slot)

@@ -3,8 +3,9 @@ History samples are written as a replica's status reporter writes them (tests/su
 
 from __future__ import annotations
 
+import math
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.contrib.auth.models import User
@@ -71,6 +72,17 @@ def test_a_replica_gone_for_a_while_leaves_a_gap_and_a_restart_is_no_negative_ra
     chart = figure(client.get(DASHBOARD).content.decode(), "Records published per second")
     assert chart.count("<polyline") == 2, "two stretches, no line across the gap"
     assert "-" not in "".join(re.findall(r": ([^<]*)/s at", chart)), "no negative rate"
+
+
+def test_records_of_replicas_whose_samples_all_fall_in_one_bucket_are_counted(client):
+    """Two replicas, each sampled twice in one 20-second bucket of the hour (0 then 1 record published): the summary
+    counts both records, though neither replica has a bucket before its only one."""
+    bucket = 20.0  # an hour in history.MAX_POINTS buckets
+    aligned = math.floor(timezone.now().timestamp() / bucket) * bucket
+    for name, ends in (("replica-a", aligned - 13), ("replica-b", aligned - bucket - 13)):
+        samples(name, minutes=10 / 60, every=5, rate=0.2, leading_from=1,
+                now=datetime.fromtimestamp(ends, tz=UTC))
+    assert "the harvesters published 2 records" in client.get(DASHBOARD).content.decode()
 
 
 def test_a_longer_span_is_read_into_a_bounded_number_of_points(client):
