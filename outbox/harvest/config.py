@@ -188,7 +188,7 @@ class HarvestConfig:
                             rule(is_topic_name, TOPIC_NAME), code="E007",
                             shown="`outbox-leader.<database>.<table>.<hash>`")
     leader_group: str = key("outbox-harvest", "leader-election consumer group", name_problem, code="E008",
-                            shown="as `leader_topic`")
+                            shown="`leader_topic`'s default, also where `leader_topic` is set")
     name: str = key(None, "replica name in logs, heartbeats and status rows", name_problem, code="E008",
                     shown="`host_pid_starttime`")
     limits: Limits = field(default_factory=Limits)

@@ -62,7 +62,8 @@ class Entry:
                                   "of each schema", shown=_BASE)
     leader_topic: str | None = key(None, "its leader topic (not with `tenant_schemas`: each schema's outbox derives "
                                          "its own)", shown="derived from its database and table")
-    leader_group: str | None = key(None, "its leader group", shown="as `leader_topic`")
+    leader_group: str | None = key(None, "its leader group", shown="`leader_topic`'s default, also where "
+                                                                   "`leader_topic` is set")
     shards: int | None = key(None, "its number of shards", shards_problem, code="E018", shown=_BASE)
     listen: bool | None = key(None, "LISTEN for its table's NOTIFY", shown=_BASE)
     dead_letter_topic: str | None = key(None, "also publish its parked records to this topic", shown=_BASE)

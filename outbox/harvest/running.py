@@ -42,7 +42,8 @@ def add_setting_flags(parser: ArgumentParser) -> None:
     parser.add_argument("--table", help="outbox table, optionally schema.table (default: the settings', else outbox)")
     parser.add_argument("--leader-topic", help="Kafka topic for leader election, created if missing (default: "
                                                "derived from the database and table)")
-    parser.add_argument("--leader-group", help="Kafka consumer group for leader election (default: as the topic)")
+    parser.add_argument("--leader-group", help="Kafka consumer group for leader election (default: the topic's "
+                                               "derived name, also where --leader-topic is given)")
     parser.add_argument("--name", help="this replica's name in logs, heartbeats and status rows (default: "
                                        "host_pid_time)")
     parser.add_argument("--shards", type=int, metavar="N", help="harvest the table in N shards, each led by one "

@@ -258,7 +258,7 @@ def test_the_tutorial_runs_as_written(services, bootstrap_servers, tmp_path):
     env = {**user_env(), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("KAFKA_BOOTSTRAP_SERVERS", None)  # the tutorial's own file sets it
     reader = Reader(tmp_path, env, {"PG_SERVER": server, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
-                                    "OUTBOX_SRC": str(ROOT), "BUILD_PYTHON": sys.executable,
+                                    "OUTBOX_SRC": str(ROOT),
                                     "PYTHON": sys.executable, "WEB_PORT": str(free_port())})
     steps = blocks(PAGE)
     assert sum(step.kind == "sh" for step in steps) > 10 and any(step.kind == "directive" for step in steps)
