@@ -255,8 +255,9 @@ class ThreadedIO:
         self._has_trigger = self.store.has_notify_trigger()
         self._channel = contract.notify_channel(self.store.table_oid) if self.config.listen else None
         if self._channel is not None and not self._has_trigger:
-            log.info("Table %s has no NOTIFY trigger (manage.py migrate installs it; docs/tuning.md shows the "
-                     "SQL for other tables): polling it every %gs", self.config.table, self.config.limits.mark_backoff)
+            log.info("Table %s has no NOTIFY trigger (manage.py migrate, or outbox-harvest schema --apply, installs "
+                     "it; docs/tuning.md shows the SQL for other tables): polling it every %gs", self.config.table,
+                     self.config.limits.mark_backoff)
         self._workers = {FENCE_SESSION: Worker("outbox-fence", self.store),
                          PURGE_SESSION: Worker("outbox-purge", self.store)}
         if self.store.partitioned:

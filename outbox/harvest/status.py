@@ -240,7 +240,8 @@ class HistorySampler:
         if self._history_on is None:
             self._history_on = status_table_exists(conn, self._history_table)
             if not self._history_on:
-                log.info("History off: table %s does not exist (manage.py migrate creates it)", self._history_table)
+                log.info("History off: table %s does not exist (manage.py migrate, or "
+                         "outbox-harvest schema --apply, creates it)", self._history_table)
                 return
             self._history_costs = conn.execute(HAS_COST_COLUMNS,
                                                {"table": table_name(self._history_table)}).fetchone()[0]

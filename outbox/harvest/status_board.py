@@ -383,8 +383,8 @@ class StatusBoards:
                     board.start()
                 self._boards[key] = board
             else:
-                log.info("Status rows off: table %s does not exist (manage.py migrate creates it)",
-                         config.status_table)
+                log.info("Status rows off: table %s does not exist (manage.py migrate, or outbox-harvest "
+                         "schema --apply, creates it)", config.status_table)
                 board._close_session()
                 self._boards[key] = None
         return self._boards[key]
