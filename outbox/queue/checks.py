@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.core import checks
@@ -11,7 +12,7 @@ from outbox.kafka.problems import Problem
 from outbox.kafka.redaction import scrub
 from outbox.queue import app_settings
 
-HINT = "See docs/queues.md for OUTBOX['queues']."
+HINT = "Every OUTBOX['queues'] setting, its limit and each check code: the documentation's settings reference."
 
 
 @checks.register("outbox_queue")
@@ -21,5 +22,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 
 
 def _text(problem: Problem) -> str:
-    text = str(problem) if problem.field.startswith("OUTBOX") else f"OUTBOX['queues'] {problem}"
-    return scrub(text, outbox_conf.secret_values())
+    """One line naming the setting as the user wrote it, as the outbox's checks do:
+    OUTBOX['queues']['per_queue']['alpha']['backend'] must be one of ..."""
+    if problem.field.startswith("OUTBOX"):
+        return scrub(f"{problem.field} {problem.message}", outbox_conf.secret_values())
+    if not problem.field.isprintable():  # a key from the user's mapping: one with a newline must not make two lines
+        return scrub(f"OUTBOX['queues'][{problem.field!r}] {problem.message}", outbox_conf.secret_values())
+    path = "".join(part if part.startswith("[") else f"[{part!r}]"
+                   for part in re.findall(r"\[[^\]]*\]|[^.\[\]]+", problem.field))
+    return scrub(f"OUTBOX['queues']{path} {problem.message}", outbox_conf.secret_values())

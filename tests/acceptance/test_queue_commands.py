@@ -67,7 +67,7 @@ def test_check_fails_with_a_queue_error_code_on_a_bad_setting(tmp_path):
     assert result.returncode != 0
     assert "outbox_queue.E002" in result.stderr and "did you mean 'max_deliveries'" in result.stderr
     assert "outbox_queue.E004" not in result.stderr, "one kind of problem at a time: unknown keys first"
-    assert "OUTBOX['queues'] max_delivries: is not a known setting" in result.stderr
+    assert "OUTBOX['queues']['max_delivries'] is not a known setting" in result.stderr
     result = manage("outbox_consume", "--queue", "q", "--handler", "x.y",
                     env={"DJANGO_SETTINGS_MODULE": "bad_settings", "PYTHONPATH": f"{tmp_path}:{ROOT}"})
     assert result.returncode == 1 and "outbox_queue.E002" in result.stderr, "commands run the system checks first"

@@ -297,8 +297,8 @@ def test_a_bad_backend_setting_is_refused_with_the_field_named(settings):
     settings.OUTBOX = {**settings.OUTBOX, "queues": queue_settings(new_prefix(),
                                                                    per_queue={"alpha": {"backend": "kip932"}})}
     errors = check_settings()
-    assert [(e.id, e.msg.split(":")[0]) for e in errors] == [
-        ("outbox_queue.E007", "OUTBOX['queues'] per_queue['alpha'].backend")]
+    assert [(e.id, e.msg.split(" must ")[0]) for e in errors] == [
+        ("outbox_queue.E007", "OUTBOX['queues']['per_queue']['alpha']['backend']")]
     assert "'markers', 'share'" in errors[0].msg and "'kip932'" in errors[0].msg
     with pytest.raises(CommandError, match=r"per_queue\['alpha'\]\.backend"):
         call_command("outbox_consume", "--queue", "alpha", "--handler", "tests.support.queue_handlers.record")
