@@ -240,8 +240,11 @@ class RedeliveryTracker:
         for record in records:
             error = record.error()
             if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    continue  # the end: the consumer's position moves to it (past a control record)
+                if error.code() == KafkaError._PARTITION_EOF:  # read to its end, past any control record
+                    tracker = self._trackers.get(record.partition())
+                    if tracker is not None:
+                        tracker.reached_end(record.offset())
+                    continue
                 elif error.fatal():
                     raise KafkaException(error)
                 else:

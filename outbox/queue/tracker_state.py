@@ -95,6 +95,7 @@ class PartitionTracker:
     _caught_up: bool = False
     _rebuild_to: int | None = None
     _rebuilt: bool = False
+    _end_reached: int = -1  # the offset of the last end-of-partition event (-1: none yet)
     _clock_floor: float = -math.inf
 
     def apply(self, queue: str, marker: Marker, offset: int, timestamp: float, now: float) -> None:
@@ -131,9 +132,17 @@ class PartitionTracker:
         self._seen_at = now
         self._caught_up = False
 
+    def reached_end(self, offset: int) -> None:
+        """The consumer said it reached the partition's end at `offset` (an end-of-partition event). librdkafka's
+        position() stays unknown until the consumer has handed out a record of the partition, so a partition with
+        nothing left to read where it was assigned (empty, or committed at its end) would never count as read."""
+        self._end_reached = max(self._end_reached, offset)
+
     def read_to(self, position: int | None, high_watermark: int | None) -> None:
         """Every round, after the markers read: the consumer's position (the offset it returns next)
         and the partition's high watermark as last fetched; None when not known (not caught up)."""
+        if self._end_reached >= 0:
+            position = self._end_reached if position is None else max(position, self._end_reached)
         if position is None or high_watermark is None or high_watermark < 0:
             self._caught_up = False
             return

@@ -84,6 +84,24 @@ def test_messages_are_delivered_to_their_queue_only_and_acked_ones_are_never_red
     assert other not in received
 
 
+def test_a_tracker_restarted_at_its_committed_end_or_on_an_empty_partition_is_not_replaying(config):
+    """librdkafka's position() stays unknown until a record of a partition is consumed: the tracker counts a
+    markers partition read to its end by the end-of-partition event, so neither an empty partition nor one whose
+    committed offset is its end shows as replaying (the console said so for ever)."""
+    with running_tracker(config) as tracker:  # both markers partitions empty
+        wait_until(lambda: tracker.snapshot.partitions == [0, 1] and tracker.snapshot.replaying == [], 30,
+                   "both empty markers partitions read to their end")
+    with api.consumer("alpha") as consumer:
+        api.send("alpha", {"n": 1})
+        wait_until(lambda: consumer.receive(timeout=0.5), 30, "the message").ack()
+    with running_tracker(config) as tracker:
+        wait_until(lambda: ended(tracker, "alpha", 1), 30, "the End marker")
+    with running_tracker(config) as tracker:  # committed at the end of the partition that has the markers
+        wait_until(lambda: tracker.snapshot.partitions == [0, 1] and tracker.snapshot.replaying == [], 30,
+                   "both markers partitions read to their end after a restart")
+        assert tracker.snapshot.starts == {} and tracker.snapshot.ends == {}, "nothing read again"
+
+
 def test_a_stashed_message_is_published_by_the_harvester_with_its_id(config, database_url, bootstrap_servers):
     with transaction.atomic():
         order = Order.objects.create(item="lamp")

@@ -159,6 +159,24 @@ def test_the_clock_does_not_run_on_local_time_while_replaying():
     assert [d.start.ref for d in log.tracker.due(now=1000.5)] == [(0, 1)]
 
 
+def test_a_partition_with_nothing_to_read_is_rebuilt_at_its_end_event():
+    """librdkafka's position() stays unknown until a record of the partition is handed out: an empty markers
+    partition, or one assigned at its committed end, is read to its end when the end-of-partition event says so
+    (it used to show as replaying for ever)."""
+    empty = PartitionTracker(0)
+    empty.read_to(None, 0)
+    assert not empty.rebuilt and not empty.caught_up
+    empty.reached_end(0)
+    empty.read_to(None, 0)
+    assert empty.rebuilt and empty.caught_up
+    at_committed_end = PartitionTracker(0)
+    at_committed_end.reached_end(7)
+    at_committed_end.read_to(None, 9)  # a marker more since: not there yet
+    assert not at_committed_end.rebuilt
+    at_committed_end.read_to(9, 9)
+    assert at_committed_end.rebuilt
+
+
 def test_nothing_is_handed_out_before_the_partition_is_rebuilt():
     """A deadline passed by the markers read so far proves nothing about an End marker further on: the
     previous owner's, which redelivered the message already (the simulator's seed 1117 did this twice)."""

@@ -55,7 +55,7 @@ class MemoryConsumer:
         self.paused: set[TP] = set()
         self._eof_at: dict[TP, int] = {}  # the end is reported once per offset it is reached at
         self._at_end_since: dict[TP, float] = {}
-        self._returned: dict[TP, int] = {}  # position(): after the last record (or end event) returned
+        self._returned: dict[TP, int] = {}  # position(): after the last record returned (or an end event after one)
         self._callbacks: dict[str, Callback | None] = {}
         self._noticed_at: float | None = None  # dropped: when it will notice (a round trip after it can talk)
         self._turn = 0
@@ -220,7 +220,9 @@ class MemoryConsumer:
             since = self._at_end_since.setdefault(tp, self.world.now)
             if self.partition_eof and self._eof_at.get(tp) != position and len(found) < limit \
                     and self.world.now - since >= self.fetch_wait:
-                self._eof_at[tp] = self._returned[tp] = position
+                self._eof_at[tp] = position
+                if tp in self._returned:  # as librdkafka: before any record of it, position() stays unknown
+                    self._returned[tp] = position
                 found.append(StoredMessage(topic, partition, position, None, None, None, error=KafkaError(
                     KafkaError._PARTITION_EOF, f"Fetch from broker reached end of partition at offset {position}")))
         return found
@@ -248,7 +250,8 @@ class MemoryConsumer:
                 for tp in partitions]
 
     def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
-        """The offset after the last record (or end event) returned; OFFSET_INVALID (-1001) before any."""
+        """The offset after the last record returned, or the end event after one; OFFSET_INVALID (-1001) before any
+        record (librdkafka's, measured: an end-of-partition event alone leaves it unknown)."""
         return [TopicPartition(tp.topic, tp.partition, self._returned.get((tp.topic, tp.partition), -1001))
                 for tp in partitions]
 
