@@ -297,7 +297,7 @@ def print_outboxes(settings: Settings) -> None:
         found = settings.discover()()
     except Exception as error:
         raise running.RunFailure(f"cannot find the outboxes: {first_line(error)}") from None
-    printed, problems = running.outboxes_printed(found)
+    printed, problems = running.outboxes_printed(found, settings.given_limits)
     print(printed)
     if problems:
         raise running.RunFailure("invalid configuration: " + "; ".join(problems))

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 from argparse import ArgumentParser
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from outbox.gc_tuning import tune_gc
@@ -83,11 +83,12 @@ def outbox_flags_problem(options: Mapping[str, Any], where: str, *, several: boo
     return None
 
 
-def outboxes_printed(found: Mapping[str, HarvestConfig]) -> tuple[str, list[str]]:
+def outboxes_printed(found: Mapping[str, HarvestConfig], given_limits: Collection[str]) -> tuple[str, list[str]]:
     """--print-config with several outboxes: each one's configuration (secrets redacted) as JSON by label, and what
-    is wrong with each, naming its label."""
+    is wrong with each, naming its label (a limit derived from one the user gave is not reported again)."""
     printed = json.dumps({label: config.redacted() for label, config in sorted(found.items())}, indent=2, default=str)
-    return printed, [f"{label}: {problem}" for label, config in sorted(found.items()) for problem in config.validate()]
+    return printed, [f"{label}: {problem}" for label, config in sorted(found.items())
+                     for problem in config.validate(given_limits=given_limits)]
 
 
 def add_limit_flags(parser: ArgumentParser) -> None:

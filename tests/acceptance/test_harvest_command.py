@@ -88,6 +88,22 @@ def test_a_bad_flag_is_one_problem_on_that_flag_not_on_the_limits_derived_from_i
         "CommandError: invalid configuration: heartbeat_timeout: must be at least 0.001, got -1.0"]
 
 
+def test_a_bad_flag_with_several_outboxes_is_refused_at_once(tmp_path):
+    """With OUTBOX["outboxes"], --heartbeat-timeout -1 used to start the process and fail every engine's start
+    for ever (with a backoff); it is refused as for one outbox, and --print-config names each outbox's problem once."""
+    (tmp_path / "many_settings.py").write_text(
+        "from project.settings import *  # noqa\n"
+        "OUTBOX = {**OUTBOX, 'outboxes': {'shop': {'database': 'default', 'table': 'outbox'}}}\n")
+    env = {"DJANGO_SETTINGS_MODULE": "many_settings", "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    result = manage("harvest", "--heartbeat-timeout", "-1", env=env, timeout=30)
+    assert (result.returncode, result.stderr.strip().splitlines()) == (
+        1, ["CommandError: invalid configuration: heartbeat_timeout: must be at least 0.001, got -1.0"])
+    printed = manage("harvest", "--heartbeat-timeout", "-1", "--print-config", env=env, timeout=30)
+    assert printed.returncode == 1 and json.loads(printed.stdout)["shop"]["limits"]["heartbeat_timeout"] == -1
+    assert printed.stderr.strip().splitlines() == [
+        "CommandError: invalid configuration: shop: heartbeat_timeout: must be at least 0.001, got -1.0"]
+
+
 @pytest.mark.parametrize("command", ["harvest", "outbox_redeliver", "outbox_consume"])
 def test_a_name_with_a_control_character_is_refused_in_one_line(command):
     extra = ["--queue", "q", "--handler", "tests.support.queue_handlers.record"] if command == "outbox_consume" else []

@@ -44,6 +44,11 @@ class Command(BaseCommand):
         several = bool(options["outbox"] or options["tenant_schemas"] or many.configured())
         if problem := running.outbox_flags_problem(options, many.OUTBOXES, several=several):
             raise CommandError(problem)
+        if not options["print_config"]:  # which prints first, then the problems
+            if problems := settings_problems.settings_problems():
+                raise refused("invalid OUTBOX setting", problems)
+            if problems := settings_problems.problems(**overrides):  # a flag's once, on the flag the user gave
+                raise refused("invalid configuration", problems)
         if several:
             self._harvest_many(options, overrides)
             return
@@ -57,10 +62,6 @@ class Command(BaseCommand):
             if problems := settings_problems.problems(**overrides):
                 raise refused("invalid configuration", problems)
             return
-        if problems := settings_problems.settings_problems():
-            raise refused("invalid OUTBOX setting", problems)
-        if problems := settings_problems.problems(**overrides):  # a flag's, once, on the flag the user gave
-            raise refused("invalid configuration", problems)
         logs.configure_logging(options["verbosity"])
         registry, instruments = self._metrics_registry(options)
         harvester = create_harvester(instruments=instruments, **overrides)
@@ -68,8 +69,6 @@ class Command(BaseCommand):
 
     def _harvest_many(self, options: dict[str, Any], overrides: dict[str, Any]) -> None:
         """Several outboxes in this process (outbox/many.py, outbox/harvest/outboxes.py)."""
-        if problems := settings_problems.settings_problems():
-            raise refused("invalid OUTBOX setting", problems)
         registry, instruments = self._metrics_registry(options)
         try:
             harvester = create_many_harvester(options["outbox"], tenant_schemas=options["tenant_schemas"],
@@ -82,7 +81,7 @@ class Command(BaseCommand):
                 found = harvester.discover()
             except Exception as error:
                 raise refused("cannot find the outboxes", [error]) from None
-            printed, problems = running.outboxes_printed(found)
+            printed, problems = running.outboxes_printed(found, conf.build(**overrides)[1])
             self.stdout.write(printed)
             if problems:
                 raise refused("invalid configuration", problems)
