@@ -16,10 +16,17 @@ client_log = logging.getLogger("outbox.harvest.librdkafka")
 
 
 class _KnownWarnings(logging.Filter):
-    """librdkafka warns at every start that enable.gapless.guarantee is experimental: it is on purpose."""
+    """librdkafka warns at every start that enable.gapless.guarantee is experimental: it is on purpose. And on a
+    cluster's first use of transactions or idempotence, that the coordinator is still loading its log and it retries
+    getting a producer id: that passes by itself in a moment, so it is said at INFO."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not ("CONFWARN" in record.getMessage() and "enable.gapless.guarantee" in record.getMessage())
+        message = record.getMessage()
+        if "CONFWARN" in message and "enable.gapless.guarantee" in message:
+            return False
+        if record.levelno == logging.WARNING and "GETPID" in message and "load in progress" in message:
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
 
 
 client_log.addFilter(_KnownWarnings())
