@@ -26,6 +26,7 @@ class _KnownWarnings(logging.Filter):
             return False
         if record.levelno == logging.WARNING and "GETPID" in message and "load in progress" in message:
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            return client_log.isEnabledFor(logging.INFO)  # the logger let it through as a warning
         return True
 
 

@@ -26,8 +26,11 @@ def _text(problem: Problem) -> str:
     OUTBOX['queues']['per_queue']['alpha']['backend'] must be one of ..."""
     if problem.field.startswith("OUTBOX"):
         return scrub(f"{problem.field} {problem.message}", outbox_conf.secret_values())
-    if not problem.field.isprintable():  # a key from the user's mapping: one with a newline must not make two lines
-        return scrub(f"OUTBOX['queues'][{problem.field!r}] {problem.message}", outbox_conf.secret_values())
-    path = "".join(part if part.startswith("[") else f"[{part!r}]"
-                   for part in re.findall(r"\[[^\]]*\]|[^.\[\]]+", problem.field))
+    # A queue's own key is named per_queue['<queue, as repr() writes it>'].<key>; any other field is one key of the
+    # user's mapping, written as repr() writes it (a newline in it must not make two lines).
+    queue = re.fullmatch(r"per_queue(\[.*\])(?:\.(\w+))?", problem.field, re.S)
+    if queue is None:
+        path = f"[{problem.field!r}]"
+    else:
+        path = f"['per_queue']{queue.group(1)}" + (f"[{queue.group(2)!r}]" if queue.group(2) else "")
     return scrub(f"OUTBOX['queues']{path} {problem.message}", outbox_conf.secret_values())

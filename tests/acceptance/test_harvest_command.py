@@ -102,6 +102,11 @@ def test_a_bad_flag_with_several_outboxes_is_refused_at_once(tmp_path):
     assert printed.returncode == 1 and json.loads(printed.stdout)["shop"]["limits"]["heartbeat_timeout"] == -1
     assert printed.stderr.strip().splitlines() == [
         "CommandError: invalid configuration: shop: heartbeat_timeout: must be at least 0.001, got -1.0"]
+    (tmp_path / "typo_settings.py").write_text("from many_settings import *  # noqa\n"
+                                               "OUTBOX = {**OUTBOX, 'heartbeat_timout': 3}\n")
+    typo = manage("harvest", "--print-config", "--skip-checks", timeout=30,
+                  env={**env, "DJANGO_SETTINGS_MODULE": "typo_settings"})
+    assert typo.returncode == 1 and "heartbeat_timout: is not a known setting" in typo.stderr, "printed, then refused"
 
 
 @pytest.mark.parametrize("command", ["harvest", "outbox_redeliver", "outbox_consume"])

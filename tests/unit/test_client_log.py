@@ -25,6 +25,24 @@ def test_a_coordinator_still_loading_is_said_at_info_and_other_warnings_stay_war
     assert lines(caplog, logging.WARNING, "GETPID", refused)[0][0] == "WARNING"
 
 
+def test_a_warning_said_at_info_is_not_heard_where_info_is_off():
+    """`harvest -v 0` and a LOGGING config set the outbox loggers to WARNING, their handlers' levels often unset: the
+    logger let the line through as a warning before it became an INFO line, which must then not be heard."""
+    heard: list[logging.LogRecord] = []
+    handler = logging.Handler()  # level NOTSET: it hears whatever the logger passes on
+    handler.emit = heard.append  # type: ignore[method-assign]
+    level = client_log.level
+    client_log.addHandler(handler)
+    client_log.setLevel(logging.WARNING)
+    try:
+        client_log.warning("%s [%s] %s", "rdkafka#producer-1", "GETPID", GETPID)
+        client_log.warning("%s [%s] %s", "rdkafka#producer-1", "FAIL", "[thrd:main]: broker down")
+    finally:
+        client_log.removeHandler(handler)
+        client_log.setLevel(level)
+    assert [(record.levelname, record.getMessage()[-11:]) for record in heard] == [("WARNING", "broker down")]
+
+
 def test_the_gapless_guarantee_warning_is_dropped(caplog):
     text = "[thrd:app]: Configuration property enable.gapless.guarantee is experimental"
     assert lines(caplog, logging.WARNING, "CONFWARN", text) == []

@@ -83,7 +83,7 @@ class Command(BaseCommand):
                 raise refused("cannot find the outboxes", [error]) from None
             printed, problems = running.outboxes_printed(found, conf.build(**overrides)[1])
             self.stdout.write(printed)
-            if problems:
+            if problems := [*settings_problems.settings_problems(), *problems]:
                 raise refused("invalid configuration", problems)
             return
         logs.configure_logging(options["verbosity"])
