@@ -46,7 +46,8 @@ MARKS_APART = 60
 # `since`; the first and the last, should it have taken the lead twice within one bucket).
 BUCKETS = """
 WITH sampled AS (
-  SELECT *, published - lag(published) OVER (PARTITION BY name, harvested_table ORDER BY at) AS grew
+  SELECT name, harvested_table, at, published, failed, in_flight, backlog, oldest_age, since, state, db_round_trips,
+         db_statements, published - lag(published) OVER (PARTITION BY name, harvested_table ORDER BY at) AS grew
   FROM {table} WHERE at >= %(start)s
 )
 SELECT name, harvested_table, floor(extract(epoch FROM at) / %(bucket)s) AS bucket,
