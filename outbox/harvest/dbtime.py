@@ -139,9 +139,13 @@ SELECT /* {TAG} */ queryid, calls, total_exec_time, rows FROM pg_stat_statements
 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) AND queryid = ANY(%(ids)s)
 """
 CATALOGUE_PATTERNS = ("%pg_locks%", "%advisory%", "%pg_terminate_backend%", "%pg_stat_user_tables%", f"%{TAG}%")
-#: Seconds between reads of the texts (statements the harvester had not run at the last one, a first
+#: Seconds between reads of the texts, at most (statements the harvester had not run at the last one, a first
 #: park or reset, are counted from the next).
 LEARN_INTERVAL = 600.0
+#: The second read of the texts comes this long after the first, and each later one twice as long after the one
+#: before, up to LEARN_INTERVAL: what a new leader first runs soon after it starts (its first gap's lookup and the
+#: outbox's writers read with it, a first reset) is counted within seconds, not ten minutes later.
+FIRST_RELEARN = 10.0
 
 
 def server_patterns(tables: Iterable[str]) -> list[str]:
@@ -163,6 +167,7 @@ class ServerTime:
         self._learn_interval = learn_interval
         self._clock = clock
         self._learn_at: float | None = None
+        self._relearn_after = min(FIRST_RELEARN, learn_interval)
 
     def read(self, conn: psycopg.Connection) -> Totals:
         rows: list[tuple[int, int, float, int]]
@@ -170,7 +175,8 @@ class ServerTime:
             found = conn.execute(LEARN, {"patterns": self._patterns}).fetchall()
             rows = [(query_id, calls, ms, count) for query_id, text, calls, ms, count in found
                     if self.kinds.kind(query_id, text) is not None]
-            self._learn_at = self._clock() + self._learn_interval
+            self._learn_at = self._clock() + self._relearn_after
+            self._relearn_after = min(2 * self._relearn_after, self._learn_interval)
         else:
             rows = conn.execute(READ, {"ids": self.kinds.ours()}).fetchall()
         totals: dict[str, list[float]] = {}

@@ -10,7 +10,7 @@ dashboard's charts, HistorySampler) and deletes samples older than `history_rete
 waits on it, and it costs Postgres two index lookups and an insert. A sample carries what harvesting has cost the
 database (dbtime.py): this replica's round trips, and, from the leader where the database has pg_stat_statements,
 the server's time for each kind of statement (read by the harvester's query ids; their texts, which cost more to
-read, every ten minutes).
+read, 10 s after the first read, then twice as long each time, up to every ten minutes).
 """
 
 from __future__ import annotations

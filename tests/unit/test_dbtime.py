@@ -76,3 +76,44 @@ def test_round_trips_add_up_across_threads():
     assert totals["purge"][0] == 4000 and totals["purge"][2] == 8000 and abs(totals["purge"][1] - 4.0) < 1e-6
     assert totals["mark"] == (1, 0.5, 10)
     assert dbtime.as_json(totals)["mark"] == [1, 0.5, 10]
+
+
+class Views:
+    """pg_stat_statements as ServerTime reads it: the texts (LEARN) or the rows of known query ids (READ)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[str, int]] = {}  # query id -> (text, calls)
+        self.learns = 0
+
+    def execute(self, query: str, params: dict) -> Views:
+        if query == dbtime.LEARN:
+            self.learns += 1
+            self.answer = [(qid, text, calls, 1.0, 1) for qid, (text, calls) in self.rows.items()]
+        else:
+            self.answer = [(qid, calls, 1.0, 1) for qid, (_, calls) in self.rows.items() if qid in params["ids"]]
+        return self
+
+    def fetchall(self) -> list:
+        return self.answer
+
+
+def test_a_statement_first_run_after_the_leader_started_is_counted_within_seconds_then_texts_are_read_seldom():
+    kinds = dbtime.StatementKinds(dbtime.engine_statements("outbox"))
+    now = [0.0]
+    server = dbtime.ServerTime(kinds, dbtime.server_patterns(["outbox"]), clock=lambda: now[0])
+    views = Views()
+    views.rows[1] = (contract.TAKE_FENCE, 1)
+    assert set(server.read(views)) == {"fence"}
+    views.rows[2] = (contract.WRITERS, 3)  # the first gap's lookup, after the first read
+    learnt_at = None
+    while learnt_at is None:
+        now[0] += 1.0
+        if "writers" in server.read(views):
+            learnt_at = now[0]
+    assert learnt_at == dbtime.FIRST_RELEARN, "read again 10 s after the first read, not ten minutes"
+    views.learns = 0
+    for _ in range(3600):  # an hour more, a read a second
+        now[0] += 1.0
+        assert server.read(views)["writers"][0] == 3
+    # 10 s, then 20, 40, 80, 160, 320, 640 -> capped at 600: about seven reads of the texts in the hour
+    assert views.learns <= 10, views.learns
