@@ -15,6 +15,7 @@ Every key is known here: a typo is a system-check error (outbox_queue.E002), not
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from django.conf import settings
 from outbox import conf as outbox_conf
 from outbox.kafka.keys import key, positive_seconds, positive_seconds_or_none, read, seconds, seconds_or_zero
 from outbox.kafka.problems import Problem, unknown_keys
+from outbox.kafka.redaction import scrub
 from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
 
 
@@ -119,6 +121,21 @@ def problems() -> list[Problem]:
     except (TypeError, ValueError) as error:  # a value too malformed to build the config from
         return [Problem("E003", "OUTBOX['queues']", str(error))]
     return config.validate()
+
+
+def describe(problem: Problem) -> str:
+    """One line naming the setting as the user wrote it, as the outbox's checks do (`check` and the queue commands
+    alike): OUTBOX['queues']['per_queue']['alpha']['backend'] must be one of ... (secret values masked)."""
+    if problem.field.startswith("OUTBOX"):
+        return scrub(f"{problem.field} {problem.message}", outbox_conf.secret_values())
+    # A queue's own key is named per_queue['<queue, as repr() writes it>'].<key>; any other field is one key of the
+    # user's mapping, written as repr() writes it (a newline in it must not make two lines).
+    queue = re.fullmatch(r"per_queue(\[.*\])(?:\.(\w+))?", problem.field, re.S)
+    if queue is None:
+        path = f"[{problem.field!r}]"
+    else:
+        path = f"['per_queue']{queue.group(1)}" + (f"[{queue.group(2)!r}]" if queue.group(2) else "")
+    return scrub(f"OUTBOX['queues']{path} {problem.message}", outbox_conf.secret_values())
 
 
 def warnings() -> list[Problem]:

@@ -300,6 +300,7 @@ def test_a_bad_backend_setting_is_refused_with_the_field_named(settings):
     assert [(e.id, e.msg.split(" must ")[0]) for e in errors] == [
         ("outbox_queue.E007", "OUTBOX['queues']['per_queue']['alpha']['backend']")]
     assert "'markers', 'share'" in errors[0].msg and "'kip932'" in errors[0].msg
-    with pytest.raises(CommandError, match=r"per_queue\['alpha'\]\.backend"):
+    with pytest.raises(CommandError, match=r"^invalid setting: OUTBOX\['queues'\]\['per_queue'\]\['alpha'\]"
+                                           r"\['backend'\] must be one of 'markers', 'share', got 'kip932'$"):
         call_command("outbox_consume", "--queue", "alpha", "--handler", "tests.support.queue_handlers.record")
     assert app_settings.problems()

@@ -58,7 +58,7 @@ class Command(BaseCommand):
         name = cli.replica_name(options["name"])
         problems = app_settings.problems()
         if problems:
-            raise CommandError(cli.masked("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems))))
+            raise CommandError("invalid setting: " + "; ".join(map(app_settings.describe, problems)))
         queue, workers = options["queue"], options["workers"]
         handler = self._handler(options["handler"])
         config = app_settings.queue_config()

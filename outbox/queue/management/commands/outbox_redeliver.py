@@ -39,7 +39,7 @@ class Command(BaseCommand):
                 printed = redact_mapping(app_settings.raw_settings())
             self.stdout.write(json.dumps(printed, indent=2, default=str))
         if problems:
-            raise CommandError(cli.masked("invalid OUTBOX['queues'] setting: " + "; ".join(map(str, problems))))
+            raise CommandError("invalid setting: " + "; ".join(map(app_settings.describe, problems)))
         if options["print_config"]:
             return
         config = app_settings.queue_config()
