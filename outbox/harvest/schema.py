@@ -14,14 +14,12 @@ from pathlib import Path
 
 import psycopg
 
-from outbox.harvest.store import StoreError, describe_dsn
+from outbox.harvest.store import STATUS_TABLE, StoreError, describe_dsn
 from outbox.kafka.redaction import dsn_problem
 from outbox.reasons import first_line
 
 SQL = Path(__file__).with_suffix(".sql")
 MARK = "-- migration: "
-#: The table whose presence says the schema was applied (the first migration's other table is the outbox).
-STATUS_TABLE = "outbox_harvester"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from psycopg.types.json import Jsonb
 from outbox.harvest import dbtime, retention
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
-from outbox.harvest.store import table_identifier, table_name
+from outbox.harvest.store import STATUS_TABLE, how_made, table_identifier, table_name
 from outbox.reasons import first_line
 
 if TYPE_CHECKING:
@@ -240,8 +240,8 @@ class HistorySampler:
         if self._history_on is None:
             self._history_on = status_table_exists(conn, self._history_table)
             if not self._history_on:
-                log.info("History off: table %s does not exist (manage.py migrate, or "
-                         "outbox-harvest schema --apply, creates it)", self._history_table)
+                log.info("History off: table %s does not exist (%s)", self._history_table,
+                         how_made(self._history_table, history_table(STATUS_TABLE)))
                 return
             self._history_costs = conn.execute(HAS_COST_COLUMNS,
                                                {"table": table_name(self._history_table)}).fetchone()[0]

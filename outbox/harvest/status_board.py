@@ -50,7 +50,7 @@ from outbox.harvest.status import (
     status_statements,
     status_table_exists,
 )
-from outbox.harvest.store import close_quietly, connect, table_identifier, table_name
+from outbox.harvest.store import STATUS_TABLE, close_quietly, connect, how_made, table_identifier, table_name
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
@@ -383,8 +383,8 @@ class StatusBoards:
                     board.start()
                 self._boards[key] = board
             else:
-                log.info("Status rows off: table %s does not exist (manage.py migrate, or outbox-harvest "
-                         "schema --apply, creates it)", config.status_table)
+                log.info("Status rows off: table %s does not exist (%s)", config.status_table,
+                         how_made(config.status_table, STATUS_TABLE))
                 board._close_session()
                 self._boards[key] = None
         return self._boards[key]

@@ -36,9 +36,20 @@ CONNECT_TIMEOUT = 5
 APPLICATION_PREFIX = "outbox-harvest"
 
 
+#: The replica status table as the migrations name it; its presence says the schema was applied (schema.py).
+STATUS_TABLE = "outbox_harvester"
 #: How the missing tables are made: by Django's migrations, or the stand-alone harvester's DDL (schema.py).
 MIGRATE_HINT = ("run manage.py migrate, or outbox-harvest schema --apply (with --since on a database that has part "
                 "of it)")
+
+
+def how_made(table: str, made: str) -> str:
+    """How a missing table the harvester uses gets made, for a log line: `made` is the name the migrations (and
+    `outbox-harvest schema --apply`) give it, `table` the name the settings do."""
+    if table.rpartition(".")[2] == made:
+        return "manage.py migrate, or outbox-harvest schema --apply, creates it"
+    return (f"manage.py migrate and outbox-harvest schema --apply create {made}, not {table}: leave status_table "
+            f"unset, or make {table} as they make {made} (outbox-harvest schema prints how)")
 
 
 class StoreError(Exception):

@@ -118,3 +118,39 @@ def test_the_history_can_be_turned_off(database_url, bootstrap_servers):
     finally:
         harvester.stop()
         harvester.wait(timeout=30)
+
+
+@pytest.mark.parametrize("status_table, advice", [
+    ("outbox_harvester_renamed", "manage.py migrate and outbox-harvest schema --apply create outbox_harvester, not "
+                                 "outbox_harvester_renamed: leave status_table unset, or make outbox_harvester_renamed "
+                                 "as they make outbox_harvester (outbox-harvest schema prints how)"),
+    ("public.outbox_harvester_missing", "create outbox_harvester, not public.outbox_harvester_missing"),
+])
+def test_a_missing_status_table_of_another_name_says_how_to_make_it(status_table, advice, database_url,
+                                                                     bootstrap_servers, caplog):
+    """The migrations make the default-named tables only: a log line telling a user with their own status_table to
+    migrate would send them in circles."""
+    caplog.set_level("INFO", logger="outbox.harvest")
+    leader = f"test-leader-{uuid.uuid4().hex[:8]}"
+    harvester = Harvester(HarvestConfig(dsn=database_url, base_kafka_config={"bootstrap.servers": bootstrap_servers},
+                                        leader_topic=leader, leader_group=leader, name="renamed-status",
+                                        status_table=status_table, limits=Limits(heartbeat_timeout=2.0,
+                                                                                 status_interval=0.2)))
+    harvester.start()
+    try:
+        line = wait_until(lambda: next((r.getMessage() for r in caplog.records
+                                        if r.getMessage().startswith("Status rows off")), None), 30,
+                          "the status rows' note")
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+    assert line.startswith(f"Status rows off: table {status_table} does not exist (") and advice in line, line
+    assert "creates it" not in line
+
+
+def test_a_missing_table_of_the_migrations_name_is_made_by_migrating():
+    from outbox.harvest.store import how_made
+
+    assert how_made("outbox_harvester", "outbox_harvester") == \
+        how_made("tenant_a.outbox_harvester", "outbox_harvester") == \
+        "manage.py migrate, or outbox-harvest schema --apply, creates it"
