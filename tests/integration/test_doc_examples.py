@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 #: Generated pages (their examples are the code's own docstrings) and the build's output are not read.
 PAGES = sorted(path for path in DOCS.rglob("*.md") if "_build" not in path.parts and path.parent.name != "reference"
-               and "```python" in path.read_text())
+               and "```python" in path.read_text()) + [ROOT / "README.md"]
 #: Pages whose examples stash, read or harvest: they run inside a transaction of the test database, rolled back.
-NEED_DATABASE = {"testing.md", "writing.md", "tracing.md", "deploy.md"}
+NEED_DATABASE = {"testing.md", "writing.md", "tracing.md", "deploy.md", "README.md"}
 
 SYBIL = Sybil(parsers=[PythonCodeBlockParser(doctest_optionflags=ELLIPSIS | NORMALIZE_WHITESPACE),
                        SkipParser(), ClearNamespaceParser()])
@@ -49,7 +49,7 @@ def test_pages_are_found() -> None:
     assert len(PAGES) >= 10, PAGES
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(DOCS)) for page in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(ROOT)) for page in PAGES])
 def test_examples_on(page: Path, request: pytest.FixtureRequest) -> None:
     document = SYBIL.parse(page)
     if page.name in NEED_DATABASE:
