@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.postgres_agnostic]
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 #: Generated pages (their examples are the code's own docstrings) and the build's output are not read.
-PAGES = sorted(path for path in DOCS.rglob("*.md") if "_build" not in path.parts and path.parent.name != "reference"
-               and "```python" in path.read_text()) + [ROOT / "README.md"]
+PAGES = [*sorted(path for path in DOCS.rglob("*.md") if "_build" not in path.parts and path.parent.name != "reference"
+                 and "```python" in path.read_text()), ROOT / "README.md"]
 #: Pages whose examples stash, read or harvest: they run inside a transaction of the test database, rolled back.
 NEED_DATABASE = {"testing.md", "writing.md", "tracing.md", "deploy.md", "README.md"}
 
