@@ -9,7 +9,6 @@ messages however many arrive meanwhile.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ if TYPE_CHECKING:  # the pre-flight checks run before (and without) pyspark
     from pyspark.sql import DataFrame, SparkSession
 
 from outbox.harvest.kafka import ConnectionProblems
+from outbox.kafka.clients import silent_logger
 from outbox.reasons import kafka_reason
 
 KAFKA_PREFIX = "kafka."
@@ -29,9 +29,7 @@ KAFKA_PREFIX = "kafka."
 FETCH_DEFAULTS = {"kafka.max.partition.fetch.bytes": str(16 << 20), "kafka.fetch.max.bytes": str(64 << 20),
                   "kafka.receive.buffer.bytes": str(4 << 20)}
 # librdkafka's own log lines (connection refused...) go nowhere: errors come back as one line.
-_quiet = logging.getLogger("outbox.pipeline.librdkafka")
-_quiet.addHandler(logging.NullHandler())
-_quiet.propagate = False
+_quiet = silent_logger("outbox.pipeline.librdkafka")
 
 
 class SourceError(Exception):

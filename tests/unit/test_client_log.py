@@ -47,3 +47,23 @@ def test_the_gapless_guarantee_warning_is_dropped(caplog):
     text = "[thrd:app]: Configuration property enable.gapless.guarantee is experimental"
     assert lines(caplog, logging.WARNING, "CONFWARN", text) == []
     assert lines(caplog, logging.WARNING, "CONFWARN", "[thrd:app]: something else")[0][0] == "WARNING"
+
+
+def test_the_clients_that_only_check_the_settings_say_nothing_even_after_logging_is_configured_again(caplog):
+    """`manage.py check` builds throwaway clients pointed at 127.0.0.1:1; their "Connect ... failed" is noise. A
+    LOGGING dictConfig run after the module was imported (a test, a worker framework) resets every existing child of
+    a logger it configures to propagate with no handlers: the silence must survive that."""
+    import logging.config
+
+    from outbox.kafka.clients import check_log
+
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False,
+                               "handlers": {"console": {"class": "logging.StreamHandler"}},
+                               "loggers": {"outbox": {"handlers": ["console"], "level": "INFO"}}})
+    try:
+        with caplog.at_level(logging.DEBUG):
+            check_log.error("%s [%s] %s", "rdkafka#producer-1", "FAIL", "Connect to ipv4#127.0.0.1:1 failed")
+        assert caplog.records == []
+    finally:
+        logging.getLogger("outbox").handlers = []
+        logging.getLogger("outbox").setLevel(logging.NOTSET)
