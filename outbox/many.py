@@ -52,6 +52,18 @@ def configured() -> bool:
     return isinstance(raw, dict) and bool(raw.get("outboxes"))
 
 
+def database_aliases() -> list[str]:
+    """The `DATABASES` aliases whose status tables hold this project's engines' rows: OUTBOX's, then each other one
+    an OUTBOX["outboxes"] entry names (an engine writes its status row in its own outbox's database)."""
+    aliases = [conf.database_alias()]
+    entries = conf.raw_settings().get("outboxes") if configured() else None
+    for entry in entries.values() if isinstance(entries, Mapping) else ():
+        alias = entry.get("database", aliases[0]) if isinstance(entry, Mapping) else aliases[0]
+        if isinstance(alias, str) and alias not in aliases:
+            aliases.append(alias)
+    return aliases
+
+
 def problems(raw: Any) -> list[Problem]:
     """What is wrong with OUTBOX["outboxes"] (None: not set), each naming the entry and its key (E018)."""
     def database(entry: Mapping[str, Any]) -> tuple[str, str] | None:

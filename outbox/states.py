@@ -26,12 +26,12 @@ from datetime import datetime, timedelta
 from functools import reduce
 from operator import or_
 
-from django.db import connections, models
+from django.db import DatabaseError, connections, models
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.timesince import timesince
 
-from outbox import conf
+from outbox import conf, many
 from outbox.harvest.replicas import Replicas
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
 
@@ -91,6 +91,19 @@ def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:
     now = now or timezone.now()
     rows = list(HarvesterStatus.objects.using(using or conf.database_alias()).order_by("name"))
     return Replicas.sort(rows, now, float(conf.setting("status_gone_after")), table=OutboxRecord._meta.db_table)
+
+
+def elsewhere(now: datetime) -> list[tuple[str, Replicas]]:
+    """The status rows in the other databases OUTBOX["outboxes"] names, by alias: an engine writes its row in its
+    own outbox's database. Raises DatabaseError, with the alias being read in `reading_alias` on it."""
+    found = []
+    for alias in many.database_aliases()[1:]:
+        try:
+            found.append((alias, replicas(alias, now)))
+        except DatabaseError as error:
+            error.reading_alias = alias  # type: ignore[attr-defined]
+            raise
+    return found
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from outbox import conf, horizon
 from outbox.harvest.replicas import Replicas, groups_without_leader, shards_without_leader
 from outbox.models import OutboxRecord
-from outbox.states import Count, Facts, Held, RecordState, Verdict, bounded_count, parked_count
+from outbox.reasons import first_line
+from outbox.states import Count, Facts, Held, RecordState, Verdict, bounded_count, elsewhere, parked_count
 
 #: Stuck records are looked for among this many of the oldest rows (an index range, not a scan).
 HEAD_ROWS = 10_000
@@ -119,14 +120,34 @@ def overview(using: str | None = None) -> Overview:
     using = using or conf.database_alias()
     facts = Facts.read(using)
     rows = backlog(facts.replicas, using)
-    alarms = warnings(facts.replicas)
+    unread: list[Alarm] = []
+    everyone = with_other_databases(facts, unread) if using == conf.database_alias() else facts.replicas
+    alarms = warnings(everyone) + unread
     held_back = horizon.read(using)
     if held_back.held_back:
         alarms.append(Alarm("horizon", held_back.message()))
     return Overview(facts=facts, warnings=alarms, backlog=rows,
                     held=sorted(facts.held.values(), key=lambda h: h.id), parked=parked_count(using),
                     stuck=stuck_records(facts, using), topics=topics(rows.rows, using),
-                    others=other_outboxes(facts.replicas))
+                    others=other_outboxes(everyone))
+
+
+def with_other_databases(facts: Facts, alarms: list[Alarm]) -> Replicas:
+    """The replicas of this database and of the others OUTBOX["outboxes"] names (their engines write their rows
+    there), each of those tables named with its database (`outbox (database 'billing')`): they are other outboxes,
+    even where their table has this one's name. A database that cannot be read is an alarm, not a broken page."""
+    try:
+        found = elsewhere(facts.now)
+    except DatabaseError as error:
+        alarms.append(Alarm("elsewhere", f"cannot read the status rows in database {error.reading_alias!r}: "
+                                         f"{first_line(error)}"))
+        return facts.replicas
+    rows = list(facts.replicas.rows)
+    for alias, replicas in found:
+        for row in replicas.rows:
+            row.harvested_table = f"{row.harvested_table} (database {alias!r})"
+            rows.append(row)
+    return Replicas.sort(rows, facts.now, float(conf.setting("status_gone_after")), table=facts.replicas.table)
 
 
 def topics(rows: Count, using: str) -> list[TopicBacklog]:

@@ -60,6 +60,11 @@ class Replicas:
     def live(self) -> list[Any]:
         return self.leaders + self.blocked + self.standbys
 
+    @property
+    def rows(self) -> list[Any]:
+        """Every status row, whatever its state."""
+        return self.live + self.gone + self.stopped
+
     def harvests_table(self, row: Any) -> bool:
         """Whether `row`'s engine harvests the console's table (an unqualified name is public's)."""
         return self.table is None or same_table(row.harvested_table, self.table)
@@ -148,7 +153,7 @@ def health(found: Replicas, now: datetime, *, name: str | None = None, host: str
         return False, (f"{r.name} (leader group {r.leader_group}) is blocked: {r.blocked_by or 'another replica'} "
                        f"holds the table's database fence, so it publishes nothing{tail}")
     if require_leader and not found.leaders:
-        return False, f"{len(live)} live replica(s) for {scope}, but none leads{tail}"
+        return False, f"{_processes(live)} live replica(s) for {scope}, but none leads{tail}"
     leaderless = shards_without_leader(found)
     if require_leader and leaderless:
         group, shards, missing = leaderless[0]
@@ -165,7 +170,14 @@ def health(found: Replicas, now: datetime, *, name: str | None = None, host: str
             for replica, led in _by_replica(engines))
     elif best in found.leaders:
         detail += f" ({rate_text(best.throughput)} records/s, {best.in_flight:,} in flight)"
-    return True, f"{detail}, seen {age:.1f}s ago; {len(live)} live replica(s) for {scope}{tail}"
+    return True, f"{detail}, seen {age:.1f}s ago; {_processes(live)} live replica(s) for {scope}{tail}"
+
+
+def _processes(rows: list[Any]) -> int:
+    """How many replicas (processes) the rows are of: a sharded replica writes a row per shard engine beside its
+    own, a process harvesting several outboxes a row per outbox's engine (`replica-a/shop`)."""
+    return len({(sharding.replica_of(r.name, r.shard) if r.shard is not None else r.name).partition("/")[0]
+                for r in rows})
 
 
 def _by_replica(engines: list[Any]) -> list[tuple[str, list[Any]]]:

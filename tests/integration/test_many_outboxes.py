@@ -30,6 +30,7 @@ from outbox.harvest.config import Limits
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import State
 from outbox.harvest.outboxes import ManyHarvester
+from tests.support.commands import manage
 from tests.support.harness import assert_complete_and_ordered, read_topic, wait_until
 from tests.support.tenants import PREFIX, TenantWriter, create_tenant
 
@@ -214,7 +215,7 @@ def second_database(database_url: str, tmp_path) -> Iterator[str]:
 
 
 def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, second_database, database_url,
-                                                                   bootstrap_servers, new_topic):
+                                                                   bootstrap_servers, new_topic, tmp_path):
     """OUTBOX["outboxes"]'s other kinds: two tables of one database (one sharded) and the outbox of another
     database, harvested by the same two processes: one LISTEN session per database and process, each
     database's status rows in its own status table, every record delivered in per-key order."""
@@ -289,6 +290,36 @@ def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, secon
         wait_until(lambda: sum(history_samples(database_url, names).get(f"{name}/plain", 0) for name in names) >= 300,
                    30, "a sample counting the plain outbox's records")
         assert set(history_samples(second_database, names)) == {f"{name}/other" for name in names}
+        # harvest_health reads the status rows of every database OUTBOX["outboxes"] names, as a user's settings
+        # name the second one ("other": {"database": "second"}): the other database's engines are seen there.
+        (tmp_path / "two_databases.py").write_text(
+            "from project.settings import *  # noqa\n"
+            f"DATABASES['second'] = {{**DATABASES['default'], 'NAME': {second_database.rsplit('/', 1)[1]!r}}}\n"
+            f"OUTBOX = {{**OUTBOX, 'outboxes': {{'plain': {{'table': '{plain}.outbox'}}, "
+            f"'sharded': {{'table': '{sharded}.outbox', 'shards': 3}}, 'other': {{'database': 'second'}}}}}}\n")
+        env = {"DJANGO_SETTINGS_MODULE": "two_databases", "PYTHONPATH": f"{tmp_path}:{ROOT}",
+               "DATABASE_URL": database_url}
+        other_leader = next(f"{h.name}/other" for h in harvesters if "other" in h.leading)
+        probe = manage("harvest_health", "--name", other_leader, "--require-leader", env=env)
+        assert probe.returncode == 0 and probe.stdout.startswith(f"ok: {other_leader} is leader ("), \
+            probe.stdout + probe.stderr
+        probe = manage("harvest_health", "--any", env=env)
+        assert probe.returncode == 0 and "; 2 live replica(s) for any replica;" in probe.stdout, \
+            "two processes, however many engines' rows: " + probe.stdout + probe.stderr
+        # The dashboard lists the other database's outbox among the other outboxes, named with its database.
+        shown = ("from outbox.console.dashboard import overview; found = overview(); "
+                 "print([(o.table, len(o.leaders)) for o in found.others]); print([a.kind for a in found.warnings])")
+        probe = manage("shell", "-c", shown, env=env)
+        assert "(\"outbox (database 'second')\", 1)" in probe.stdout and "elsewhere" not in probe.stdout, \
+            probe.stdout + probe.stderr
+        # A database it cannot read: one line naming it, and an alarm on the dashboard, not a traceback.
+        (tmp_path / "two_databases.py").write_text((tmp_path / "two_databases.py").read_text().replace(
+            second_database.rsplit("/", 1)[1], "outbox_no_such_database"))
+        probe = manage("harvest_health", "--any", env=env)
+        assert probe.returncode == 1 and probe.stdout.startswith(
+            "unhealthy: cannot read harvester status in database 'second': "), probe.stdout + probe.stderr
+        probe = manage("shell", "-c", shown, env=env)
+        assert probe.returncode == 0 and "'elsewhere'" in probe.stdout, probe.stdout + probe.stderr
     finally:
         for harvester in harvesters:
             harvester.stop()

@@ -16,7 +16,7 @@ from django.db import DatabaseError
 from outbox import conf, horizon
 from outbox.harvest import replicas
 from outbox.reasons import first_line
-from outbox.states import Facts, parked_count
+from outbox.states import Facts, elsewhere, parked_count
 
 
 class Command(BaseCommand):
@@ -49,11 +49,18 @@ class Command(BaseCommand):
 
     def check_health(self, name: str | None, host: str | None, any: bool, require_leader: bool,
                      **_: Any) -> tuple[bool, str]:
+        """The verdict on the status rows of every database the project's outboxes live in (OUTBOX's, and those
+        OUTBOX["outboxes"] names: each engine writes its row in its own outbox's database); held and parked
+        records are OUTBOX's database's."""
         try:
             facts = Facts.read(conf.database_alias())
             parked = parked_count(conf.database_alias())
+            rows = facts.replicas.rows + [row for _, found in elsewhere(facts.now) for row in found.rows]
         except DatabaseError as error:
-            return False, f"cannot read harvester status: {first_line(error)}"
-        return replicas.health(facts.replicas, facts.now, name=name, host=host, any=any, require_leader=require_leader,
-                               gone_after=conf.setting("status_gone_after"),
-                               counts=f"{len(facts.held)} held, {parked} parked")
+            alias = getattr(error, "reading_alias", None)
+            where = "" if alias is None else f" in database {alias!r}"
+            return False, f"cannot read harvester status{where}: {first_line(error)}"
+        gone_after = conf.setting("status_gone_after")
+        found = replicas.Replicas.sort(rows, facts.now, float(gone_after), table=facts.replicas.table)
+        return replicas.health(found, facts.now, name=name, host=host, any=any, require_leader=require_leader,
+                               gone_after=gone_after, counts=f"{len(facts.held)} held, {parked} parked")
