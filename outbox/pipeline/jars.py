@@ -1,8 +1,8 @@
 """Where the Kafka connector's jars come from, so that a run needs no network.
 
-PySpark ships Spark but not its Kafka source, nor Delta Lake (`--format delta`). `bin/services up`
-copies both and what they need beyond pyspark's own jars (services/spark/pom.xml) into
-`.services/spark/jars-<version>/`.
+PySpark ships Spark but not its Kafka source, nor Delta Lake (`--format delta`). The pom beside this module
+(`POM`, shipped in the package) names them and what they need beyond pyspark's own jars; Maven copies them into a
+folder (a checkout's `bin/services up` into `.services/spark/jars-<version>/`).
 The audit looks, in order, at: the `--jars` flag, `$OUTBOX_SPARK_JARS`, the `OUTBOX["spark_jars"]`
 setting (passed in by the management command), then that folder. Each may name a folder (every
 `*.jar` in it) or a comma-separated list of jars; a URL (hdfs://, s3a://, https://...) is passed
@@ -25,9 +25,13 @@ CONNECTOR_NAME = re.compile(r"spark-sql-kafka-0-10_(?P<scala>\d+\.\d+)-(?P<spark
 DELTA = "delta-spark_"
 # Delta Lake names its builds after the Spark minor version and the Scala version: delta-spark_4.2_2.13-4.4.0.jar
 DELTA_NAME = re.compile(r"delta-spark_(?P<spark>\d+\.\d+)_(?P<scala>\d+\.\d+)-(?P<delta>[^/]*)\.jar")
-HOW_TO_FETCH = (f"run `bin/services up` (copies them into {DEFAULT_DIR}) or `mvn -B -q -f services/spark/pom.xml "
-                f"dependency:copy-dependencies -DoutputDirectory=DIR -DincludeScope=runtime`, then pass --jars DIR "
-                f"or set {ENV_VAR}")
+#: The Maven project that names the jars (in the package: an installed project fetches them with it too).
+POM = Path(__file__).with_name("pom.xml")
+_MAVEN = (f"`mvn -B -q -f {POM} dependency:copy-dependencies -DoutputDirectory=DIR -DincludeScope=runtime`, then "
+          f"pass --jars DIR or set {ENV_VAR}")
+#: How to fetch them: in a checkout, `bin/services up` does it; an installed package says what to run.
+HOW_TO_FETCH = (f"run `bin/services up` (copies them into {DEFAULT_DIR}) or {_MAVEN}"
+                if (REPO_ROOT / "bin" / "services").exists() else f"fetch them with Maven (Java 17): {_MAVEN}")
 
 
 class JarsNotFound(Exception):
@@ -103,7 +107,7 @@ def check_delta(jars: Sequence[str], pyspark_version: str, scala_version: str | 
         if found["spark"] != _minor(pyspark_version):
             raise JarsNotFound(f"--format delta: {name} is Delta Lake for Spark {found['spark']} but pyspark is "
                                f"{pyspark_version}: use the delta-spark_{_minor(pyspark_version)} jars "
-                               f"(services/spark/pom.xml pins them)")
+                               f"({POM} pins them)")
         if scala_version and found["scala"] != scala_version:
             raise JarsNotFound(f"--format delta: {name} is built for Scala {found['scala']} but pyspark's Spark "
                                f"uses Scala {scala_version}")
@@ -124,7 +128,7 @@ def check_versions(jars: Sequence[str], pyspark_version: str, scala_version: str
         if found["spark"] != _minor(pyspark_version):
             raise JarsNotFound(f"the Kafka connector {name} is for Spark {found['spark']} but pyspark is "
                                f"{pyspark_version}: use the connector jars of Spark {_minor(pyspark_version)} "
-                               f"(services/spark/pom.xml pins them) or install pyspark {found['spark']}.*")
+                               f"({POM} pins them) or install pyspark {found['spark']}.*")
         if scala_version and found["scala"] != scala_version:
             raise JarsNotFound(f"the Kafka connector {name} is built for Scala {found['scala']} but pyspark's "
                                f"Spark uses Scala {scala_version}: use the _{scala_version} connector jars")

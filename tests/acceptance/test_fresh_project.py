@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import textwrap
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -180,3 +181,17 @@ def test_a_new_projects_own_tests_use_the_test_kit_without_kafka(wheel_venv, fre
     assert "2 passed" in output and "1 failed" in output, output
     assert "FAILED test_shop.py::test_refunding_stashes_the_refund" in output, output
     assert "OutsideTransaction: stash() must run inside transaction.atomic()" in output, output
+
+
+def test_an_installed_audit_without_its_jars_says_how_to_fetch_them_with_the_packaged_pom(wheel_venv, tmp_path):
+    """pip installs no bin/services: the audit's one line names the pom the wheel ships, and Maven's command."""
+    python, env = wheel_venv, {k: v for k, v in user_env().items() if k != "OUTBOX_SPARK_JARS"}
+    done = subprocess.run([python, "-m", "outbox.pipeline", "--bootstrap-servers", "127.0.0.1:1", "--topics", "t",
+                           "--out", str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    pom = run(python, "-c", "from outbox.pipeline import jars; print(jars.POM)", cwd=tmp_path, env=env).stdout.strip()
+    assert pom.startswith(str(python.parent.parent)) and pom.endswith("/outbox/pipeline/pom.xml"), pom
+    assert "<artifactId>spark-sql-kafka-0-10_2.13</artifactId>" in Path(pom).read_text(), "the wheel ships it"
+    assert done.returncode == 2 and "bin/services" not in done.stderr, done.stderr
+    assert f"fetch them with Maven (Java 17): `mvn -B -q -f {pom} dependency:copy-dependencies" in done.stderr, \
+        done.stderr
