@@ -344,9 +344,14 @@ class QueueConsumer:
     # -- settling (any thread) --------------------------------------------------------------------
 
     def _after_failure(self, message: Message) -> tuple[str, bool]:
-        """The tracker redelivers an abandoned message once its deadline passes (and counts it towards
-        max_deliveries there): the traceback goes with the one line, as a failure is that rare."""
-        return f"redelivered after the redelivery timeout ({self.limits.redelivery_timeout:g} s)", True
+        """The tracker redelivers an abandoned message once its deadline passes, or, its last delivery
+        (max_deliveries), moves it to the dead letters then: the traceback goes with the one line, as a failure is
+        that rare."""
+        limit, timeout = self.limits.max_deliveries, self.limits.redelivery_timeout
+        if limit is not None and message.deliveries >= limit:
+            return (f"a dead letter after the redelivery timeout ({timeout:g} s): delivery {message.deliveries} of "
+                    f"{limit}"), True
+        return f"redelivered after the redelivery timeout ({timeout:g} s)", True
 
     def _settle(self, message: Message, kind: Kind | None, delay: float = 0.0) -> None:
         delivery = message._delivery

@@ -31,8 +31,18 @@ def test_without_a_limit_nothing_is_dead_lettered() -> None:
 
 def test_the_markers_backend_says_when_its_tracker_redelivers() -> None:
     consumer = SimpleNamespace(limits=QueueLimits(redelivery_timeout=30))
-    assert QueueConsumer._after_failure(consumer, SimpleNamespace(deliveries=1)) == \
+    assert QueueConsumer._after_failure(consumer, SimpleNamespace(deliveries=4)) == \
         ("redelivered after the redelivery timeout (30 s)", True)
+
+
+def test_the_markers_backend_says_the_last_delivery_becomes_a_dead_letter() -> None:
+    """The tracker moves a message whose last delivery (max_deliveries) was abandoned to the dead letters once its
+    deadline passes (tracker_state.due): the consumer's line must not promise a redelivery."""
+    consumer = SimpleNamespace(limits=QueueLimits(redelivery_timeout=5, max_deliveries=3))
+    assert QueueConsumer._after_failure(consumer, SimpleNamespace(deliveries=3)) == \
+        ("a dead letter after the redelivery timeout (5 s): delivery 3 of 3", True)
+    unlimited = SimpleNamespace(limits=QueueLimits(redelivery_timeout=5, max_deliveries=None))
+    assert QueueConsumer._after_failure(unlimited, SimpleNamespace(deliveries=99))[0].startswith("redelivered")
 
 
 def test_the_warning_is_one_line_when_the_backend_says_so(caplog: pytest.LogCaptureFixture) -> None:
