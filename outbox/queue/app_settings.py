@@ -120,7 +120,8 @@ def problems() -> list[Problem]:
         config = queue_config()
     except (TypeError, ValueError) as error:  # a value too malformed to build the config from
         return [Problem("E003", "OUTBOX['queues']", str(error))]
-    return config.validate()
+    shared = {name for name in LIMIT_NAMES if name in raw}
+    return config.validate({queue: shared - set(limits) for queue, limits in per_queue.items()})
 
 
 def describe(problem: Problem) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,8 @@ class QueueLimits:
     redelivery_timeout: float = key(30.0, "seconds without a marker before a message is redelivered (0.1 to 43,200)")
     keep_alive_interval: float | None = key(None, "keep-alive markers are sent this often while a message is in hand; "
                                                   "must be below the timeout; above half of it is warning "
-                                                  "`outbox_queue.W001`", shown="`redelivery_timeout / 3`")
+                                                  "`outbox_queue.W001` (the markers backend: the share backend sends "
+                                                  "none)", shown="`redelivery_timeout / 3`")
     max_in_progress: int = key(10, "messages a consumer holds at once (back-pressure; also its Start transaction's "
                                    "largest batch)")
     max_deliveries: int | None = key(5, "deliveries before a message becomes a dead letter; `None`: no limit")
@@ -61,12 +62,14 @@ class QueueLimits:
         elif not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT:
             found.append(Problem("E004", f"{prefix}redelivery_timeout",
                                  f"must be between 0.1 and {MAX_REDELIVERY_TIMEOUT:g} seconds, got {timeout!r}"))
-        if not is_number(interval):
+        if self.backend == "share":
+            pass  # no keep-alives: the broker's lock is the redelivery timeout (share_consumer.py)
+        elif not is_number(interval):
             found.append(Problem("E003", f"{prefix}keep_alive_interval",
                                  f"must be a number of seconds, got {interval!r}"))
         elif interval <= 0 or (is_number(timeout) and interval >= timeout):
             found.append(Problem("E004", f"{prefix}keep_alive_interval",
-                                 f"must be above 0 and below redelivery_timeout ({timeout!r}s), got {interval!r}: "
+                                 f"must be above 0 and below redelivery_timeout ({timeout:g}s), got {interval!r}: "
                                  f"a keep-alive must arrive before the deadline it extends"))
         if not is_int(self.max_in_progress) or self.max_in_progress < 1:
             found.append(Problem("E004", f"{prefix}max_in_progress",
@@ -98,7 +101,7 @@ class QueueLimits:
 
     def warnings(self, prefix: str = "") -> list[Problem]:
         timeout, interval = self.redelivery_timeout, self.keep_alive_interval
-        if is_number(timeout) and is_number(interval) and timeout / 2 < interval < timeout:
+        if self.backend != "share" and is_number(timeout) and is_number(interval) and timeout / 2 < interval < timeout:
             return [Problem("W001", f"{prefix}keep_alive_interval",
                             f"{interval:g}s leaves less than half the redelivery timeout ({timeout:g}s) for a "
                             f"keep-alive to reach the tracker; one slow marker means a needless redelivery")]
@@ -169,8 +172,10 @@ class QueueConfig:
         """Where send() and stash() put a message of `queue`."""
         return self.share_topic(queue) if self.backend(queue) == "share" else self.topic
 
-    def validate(self) -> list[Problem]:
-        """Every problem at once; an empty list means the config is usable."""
+    def validate(self, inherited: Mapping[str, Collection[str]] | None = None) -> list[Problem]:
+        """Every problem at once; an empty list means the config is usable. `inherited`: per queue of per_queue,
+        the limits it takes from those set for every queue (OUTBOX["queues"]'s own keys): a problem one of them
+        makes in that queue is said on the key the user wrote, naming the queue."""
         found = rule_problems(self)
         if self.topic == self.markers_topic:
             found.append(Problem("E005", "markers_topic", "must differ from topic"))
@@ -178,7 +183,16 @@ class QueueConfig:
         for queue, limits in self.per_queue.items():
             if not isinstance(queue, str) or not QUEUE_NAME_PATTERN.fullmatch(queue):
                 found.append(Problem("E006", f"per_queue[{queue!r}]", queue_name_problem(queue)))
-            found.extend(limits.problems(prefix=f"per_queue[{queue!r}]."))
+            taken = (inherited or {}).get(queue, ())
+            for problem in limits.problems(prefix=f"per_queue[{queue!r}]."):
+                key = problem.field.rsplit(".", 1)[1]
+                if key in taken:
+                    if Problem(problem.code, key, problem.message) in found:
+                        continue  # the same problem as for every queue: said once
+                    problem = Problem(problem.code, key, f"{problem.message} (in queue {queue!r}, which takes it "
+                                                         f"from here)")
+                if problem not in found:
+                    found.append(problem)
             if isinstance(queue, str) and limits.backend == "share" and isinstance(self.topic, str) \
                     and len(self.share_topic(queue)) > MAX_TOPIC_LENGTH:
                 found.append(Problem("E007", f"per_queue[{queue!r}].backend",

@@ -200,3 +200,28 @@ def test_the_share_backend_imports_no_django():
             "print(sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_shared_limit_that_breaks_one_queue_is_said_on_the_key_the_user_wrote_naming_the_queue():
+    """A queue of per_queue takes the limits set for every queue unless it sets its own: a problem one of those makes
+    in that queue is the shared key's (the user never wrote the per-queue one), said once, naming the queue."""
+    found = queue_checks({"keep_alive_interval": 20, "per_queue": {"quick": {"redelivery_timeout": 5}}})
+    assert found == [("outbox_queue.E004", "OUTBOX['queues']['keep_alive_interval'] must be above 0 and below "
+                                           "redelivery_timeout (5s), got 20: a keep-alive must arrive before the "
+                                           "deadline it extends (in queue 'quick', which takes it from here)")]
+    # Breaking every queue alike: said once, without a queue.
+    found = queue_checks({"keep_alive_interval": 40, "per_queue": {"a": {"max_in_progress": 2}}})
+    assert [msg for _, msg in found] == ["OUTBOX['queues']['keep_alive_interval'] must be above 0 and below "
+                                         "redelivery_timeout (30s), got 40: a keep-alive must arrive before the "
+                                         "deadline it extends"]
+    # A queue's own key stays its own.
+    found = queue_checks({"per_queue": {"a": {"redelivery_timeout": 5, "keep_alive_interval": 6}}})
+    assert [msg.split(" must ")[0] for _, msg in found] == ["OUTBOX['queues']['per_queue']['a']['keep_alive_interval']"]
+
+
+def test_the_share_backend_takes_no_keep_alive_so_an_inherited_one_is_no_problem():
+    """Share queues have no keep-alives (the broker's lock is the redelivery timeout): a shared keep_alive_interval
+    that a markers queue needs is not an error, nor a warning, in a share queue with a shorter timeout."""
+    assert queue_checks({"keep_alive_interval": 12, "per_queue": {"mail": {"backend": "share",
+                                                                           "redelivery_timeout": 5}}}) == []
+    assert queue_checks({"redelivery_timeout": 10, "keep_alive_interval": 8, "backend": "share"}) == []
