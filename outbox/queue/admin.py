@@ -41,6 +41,7 @@ class QueueAdmin(pages.ConsolePage, admin.ModelAdmin):
         summaries = overview.queues(found)
         context.update({"queues": summaries, "processes": found,
                         "markers_queues": not summaries or any(q.backend != "share" for q in summaries),
+                        "share_queues": any(q.backend == "share" for q in summaries),
                         "charts": history.read(context["span"]).overview_charts(), **(extra_context or {})})
         return TemplateResponse(request, "admin/outbox_queue/queues.html", context)
 

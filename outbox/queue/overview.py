@@ -81,7 +81,11 @@ def queues(found: Processes | None = None) -> list[QueueSummary]:
     config = app_settings.queue_config()
     for name in config.per_queue:
         summary(name)
-    for item in summaries.values():
+    for counter in QueueCounter.objects.all():
+        summary(counter.queue).redelivered = counter.redelivered
+    for row in DeadLetter.objects.values("queue").annotate(n=Count("id")):
+        summary(row["queue"]).dead_letters = row["n"]
+    for item in summaries.values():  # every queue found, those known by their counters or dead letters alone too
         item.backend = config.backend(item.name)
         if item.backend == "share":  # no trackers: what the share group's consumers hold
             item.in_progress = sum(consumer.in_progress for consumer in item.consumers)
@@ -89,10 +93,6 @@ def queues(found: Processes | None = None) -> list[QueueSummary]:
                     if c.stats.get("oldest_in_progress_seconds") is not None]
             if ages:
                 item.oldest_started = min(c.last_seen for c in item.consumers) - timedelta(seconds=max(ages))
-    for counter in QueueCounter.objects.all():
-        summary(counter.queue).redelivered = counter.redelivered
-    for row in DeadLetter.objects.values("queue").annotate(n=Count("id")):
-        summary(row["queue"]).dead_letters = row["n"]
     return [summaries[name] for name in sorted(summaries)]
 
 

@@ -232,3 +232,19 @@ def test_a_share_queues_consumers_sample_what_the_broker_redelivered_and_the_cha
     rates = chart(page, "Redeliveries and dead letters per minute")
     for series in ("redelivered", "dead-lettered"):  # samples 50 ms apart: thousands a minute, "1.3k/min"
         assert any(float(v) > 0 for v in re.findall(rf"{series}: ([\d.]+)k?/min at", rates)), rates
+
+
+def test_the_overview_says_where_in_progress_comes_from_for_each_kind_of_queue(superuser_client, example, settings):
+    """Trackers for markers queues, consumers for share queues (which have no trackers); a queue known by its dead
+    letters alone (reports) is of its configured backend too."""
+    def said() -> str:
+        page = superuser_client.get(QUEUES).content.decode()
+        return page.split('id="in-progress-source">')[1].split(" A process")[0]
+
+    assert said() == "In progress and the oldest message come from the live trackers, which rebuild them from the " \
+                     "markers log."
+    settings.OUTBOX = {**settings.OUTBOX, "queues": {**queue_settings(new_prefix()),
+                                                     "per_queue": {"reports": {"backend": "share"}}}}
+    assert said().endswith("from the markers log; a share queue's from its live consumers.")
+    settings.OUTBOX = {**settings.OUTBOX, "queues": {**queue_settings(new_prefix()), "backend": "share"}}
+    assert said() == "In progress and the oldest message come from the live consumers (share queues have no trackers)."
