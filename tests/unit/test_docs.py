@@ -113,3 +113,15 @@ def test_no_page_cites_an_issue_number() -> None:
              for number, line in enumerate(page.read_text().splitlines(), 1)
              if re.search(r"\bissues? \d+\b|\(#\d+\)", line, re.IGNORECASE)]
     assert cited == []
+
+
+def test_every_code_fence_is_a_line_of_its_own() -> None:
+    """A fence with prose after it (```` ``` The ... ````) opens a block instead of closing one, and every later block
+    of the page pairs up the wrong way; Sphinx builds it without a warning."""
+    fence = re.compile(r"\s*(`{3,}|~{3,})(.*)")
+    bad = [f"{page.relative_to(ROOT)}:{number}: {line.strip()[:80]}"
+           for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").rglob("*.md")]
+           if "_build" not in page.parts
+           for number, line in enumerate(page.read_text().splitlines(), 1)
+           if (found := fence.fullmatch(line)) and " " in found.group(2).strip() and "{" not in found.group(2)]
+    assert bad == []
