@@ -120,8 +120,7 @@ def problems() -> list[Problem]:
         config = queue_config()
     except (TypeError, ValueError) as error:  # a value too malformed to build the config from
         return [Problem("E003", "OUTBOX['queues']", str(error))]
-    shared = {name for name in LIMIT_NAMES if name in raw}
-    return config.validate({queue: shared - set(limits) for queue, limits in per_queue.items()})
+    return config.validate(_inherited(raw))
 
 
 def describe(problem: Problem) -> str:
@@ -142,7 +141,13 @@ def describe(problem: Problem) -> str:
 def warnings() -> list[Problem]:
     if problems():
         return []
-    return queue_config().warnings()
+    return queue_config().warnings(_inherited(raw_settings()))
+
+
+def _inherited(raw: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Per queue of per_queue, the limits it takes from those OUTBOX["queues"] sets for every queue."""
+    shared = {name for name in LIMIT_NAMES if name in raw}
+    return {queue: shared - set(limits) for queue, limits in raw.get("per_queue", {}).items()}
 
 
 def queue_config(**overrides: Any) -> QueueConfig:

@@ -62,14 +62,16 @@ class QueueLimits:
         elif not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT:
             found.append(Problem("E004", f"{prefix}redelivery_timeout",
                                  f"must be between 0.1 and {MAX_REDELIVERY_TIMEOUT:g} seconds, got {timeout!r}"))
-        if self.backend == "share":
+        if not is_number(interval):
+            if interval is not None:  # None: derived from a redelivery_timeout that is not a number, said above
+                found.append(Problem("E003", f"{prefix}keep_alive_interval",
+                                     f"must be a number of seconds, got {interval!r}"))
+        elif self.backend == "share":
             pass  # no keep-alives: the broker's lock is the redelivery timeout (share_consumer.py)
-        elif not is_number(interval):
-            found.append(Problem("E003", f"{prefix}keep_alive_interval",
-                                 f"must be a number of seconds, got {interval!r}"))
         elif interval <= 0 or (is_number(timeout) and interval >= timeout):
+            below = f"{timeout:g}s" if is_number(timeout) else repr(timeout)
             found.append(Problem("E004", f"{prefix}keep_alive_interval",
-                                 f"must be above 0 and below redelivery_timeout ({timeout:g}s), got {interval!r}: "
+                                 f"must be above 0 and below redelivery_timeout ({below}), got {interval!r}: "
                                  f"a keep-alive must arrive before the deadline it extends"))
         if not is_int(self.max_in_progress) or self.max_in_progress < 1:
             found.append(Problem("E004", f"{prefix}max_in_progress",
@@ -183,16 +185,8 @@ class QueueConfig:
         for queue, limits in self.per_queue.items():
             if not isinstance(queue, str) or not QUEUE_NAME_PATTERN.fullmatch(queue):
                 found.append(Problem("E006", f"per_queue[{queue!r}]", queue_name_problem(queue)))
-            taken = (inherited or {}).get(queue, ())
-            for problem in limits.problems(prefix=f"per_queue[{queue!r}]."):
-                key = problem.field.rsplit(".", 1)[1]
-                if key in taken:
-                    if Problem(problem.code, key, problem.message) in found:
-                        continue  # the same problem as for every queue: said once
-                    problem = Problem(problem.code, key, f"{problem.message} (in queue {queue!r}, which takes it "
-                                                         f"from here)")
-                if problem not in found:
-                    found.append(problem)
+            _said_where_written(found, limits.problems(prefix=f"per_queue[{queue!r}]."), queue,
+                                (inherited or {}).get(queue, ()))
             if isinstance(queue, str) and limits.backend == "share" and isinstance(self.topic, str) \
                     and len(self.share_topic(queue)) > MAX_TOPIC_LENGTH:
                 found.append(Problem("E007", f"per_queue[{queue!r}].backend",
@@ -200,10 +194,12 @@ class QueueConfig:
                                      f"{MAX_TOPIC_LENGTH} characters: shorten the queue name or topic"))
         return found
 
-    def warnings(self) -> list[Problem]:
+    def warnings(self, inherited: Mapping[str, Collection[str]] | None = None) -> list[Problem]:
+        """Settings that work but risk needless redeliveries (`inherited` as for validate())."""
         found = self.limits.warnings()
         for queue, limits in self.per_queue.items():
-            found.extend(limits.warnings(prefix=f"per_queue[{queue!r}]."))
+            _said_where_written(found, limits.warnings(prefix=f"per_queue[{queue!r}]."), queue,
+                                (inherited or {}).get(queue, ()))
         return found
 
     def redacted(self) -> dict[str, Any]:
@@ -223,6 +219,20 @@ class QueueConfig:
 
     def __repr__(self) -> str:  # never let a SASL password reach a log line through repr()
         return f"QueueConfig({self.redacted()!r})"
+
+
+def _said_where_written(found: list[Problem], problems: list[Problem], queue: str, taken: Collection[str]) -> None:
+    """Add a queue's `problems` to `found`, each on the key the user wrote: one of the limits the queue `taken` from
+    those set for every queue is said on that shared key, naming the queue (and once only, when it is the same
+    problem as for every queue)."""
+    for problem in problems:
+        key = problem.field.rsplit(".", 1)[1]
+        if key in taken:
+            if Problem(problem.code, key, problem.message) in found:
+                continue
+            problem = Problem(problem.code, key, f"{problem.message} (in queue {queue!r}, which takes it from here)")
+        if problem not in found:
+            found.append(problem)
 
 
 def queue_name_problem(queue: object) -> str:

@@ -225,3 +225,19 @@ def test_the_share_backend_takes_no_keep_alive_so_an_inherited_one_is_no_problem
     assert queue_checks({"keep_alive_interval": 12, "per_queue": {"mail": {"backend": "share",
                                                                            "redelivery_timeout": 5}}}) == []
     assert queue_checks({"redelivery_timeout": 10, "keep_alive_interval": 8, "backend": "share"}) == []
+
+
+def test_a_warning_a_shared_limit_makes_in_one_queue_is_said_on_the_shared_key():
+    found = queue_checks({"keep_alive_interval": 4, "per_queue": {"quick": {"redelivery_timeout": 6}}})
+    assert found == [("outbox_queue.W001", "OUTBOX['queues']['keep_alive_interval'] 4s leaves less than half the "
+                                           "redelivery timeout (6s) for a keep-alive to reach the tracker; one slow "
+                                           "marker means a needless redelivery (in queue 'quick', which takes it "
+                                           "from here)")]
+
+
+@pytest.mark.parametrize("queues", [{"redelivery_timeout": "30", "keep_alive_interval": 0},
+                                    {"redelivery_timeout": "30"},
+                                    {"backend": "share", "keep_alive_interval": "abc"}])
+def test_a_malformed_limit_is_an_error_line_never_a_traceback(queues):
+    found = queue_checks(queues)
+    assert found and all(code.startswith("outbox_queue.E") for code, _ in found), found
