@@ -205,6 +205,12 @@ def dsn_for(alias: str) -> str:
     return make_conninfo(**{k: v for k, v in params.items() if v is not None})
 
 
+def database_place(alias: str) -> tuple[str, str, str]:
+    """Where an alias's database is (host, port, name): two aliases of one database read the same rows."""
+    conf = settings.DATABASES.get(alias, {})
+    return str(conf.get("HOST") or ""), str(conf.get("PORT") or ""), str(conf.get("NAME") or "")
+
+
 def default_leader_name(alias: str, table: str) -> str:
     """The leader topic and group when OUTBOX does not name them: one per database and table, so two
     outboxes sharing a Kafka cluster never share a group (which would leave one unharvested)."""

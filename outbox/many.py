@@ -56,11 +56,15 @@ def database_aliases() -> list[str]:
     """The `DATABASES` aliases whose status tables hold this project's engines' rows: OUTBOX's, then each other one
     an OUTBOX["outboxes"] entry names (an engine writes its status row in its own outbox's database)."""
     aliases = [conf.database_alias()]
+    places = {conf.database_place(aliases[0])}
     entries = conf.raw_settings().get("outboxes") if configured() else None
     for entry in entries.values() if isinstance(entries, Mapping) else ():
         alias = entry.get("database", aliases[0]) if isinstance(entry, Mapping) else aliases[0]
-        if isinstance(alias, str) and alias not in aliases:
+        # Only a PostgreSQL entry of DATABASES (check says what is wrong with another), and each database once,
+        # however many aliases name it.
+        if alias not in aliases and conf.alias_problem(alias) is None and conf.database_place(alias) not in places:
             aliases.append(alias)
+            places.add(conf.database_place(alias))
     return aliases
 
 

@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 from functools import reduce
 from operator import or_
 
+import psycopg
 from django.db import DatabaseError, connections, models
 from django.db.models import Q
 from django.utils import timezone
@@ -34,6 +35,7 @@ from django.utils.timesince import timesince
 from outbox import conf, many
 from outbox.harvest.replicas import Replicas
 from outbox.models import DeadLetter, HarvesterStatus, OutboxRecord
+from outbox.reasons import first_line
 
 #: Counts of a table are exact up to this many rows, then Postgres's live-row estimate.
 COUNT_LIMIT = 10_000
@@ -93,17 +95,18 @@ def replicas(using: str | None = None, now: datetime | None = None) -> Replicas:
     return Replicas.sort(rows, now, float(conf.setting("status_gone_after")), table=OutboxRecord._meta.db_table)
 
 
-def elsewhere(now: datetime) -> list[tuple[str, Replicas]]:
-    """The status rows in the other databases OUTBOX["outboxes"] names, by alias: an engine writes its row in its
-    own outbox's database. Raises DatabaseError, with the alias being read in `reading_alias` on it."""
-    found = []
+def elsewhere(now: datetime) -> tuple[list[tuple[str, Replicas]], list[str]]:
+    """The status rows in the other databases OUTBOX["outboxes"] names, by alias (an engine writes its row in its
+    own outbox's database), and a line for each that could not be read. A database without the status table (status
+    rows off there) has none."""
+    found, unread = [], []
     for alias in many.database_aliases()[1:]:
         try:
             found.append((alias, replicas(alias, now)))
         except DatabaseError as error:
-            error.reading_alias = alias  # type: ignore[attr-defined]
-            raise
-    return found
+            if not isinstance(error.__cause__, psycopg.errors.UndefinedTable):
+                unread.append(f"cannot read the status rows in database {alias!r}: {first_line(error)}")
+    return found, unread
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import DatabaseError, connections
+from django.db import connections
 
 from outbox import conf, horizon
 from outbox.harvest.replicas import Replicas, groups_without_leader, shards_without_leader
 from outbox.models import OutboxRecord
-from outbox.reasons import first_line
 from outbox.states import Count, Facts, Held, RecordState, Verdict, bounded_count, elsewhere, parked_count
 
 #: Stuck records are looked for among this many of the oldest rows (an index range, not a scan).
@@ -120,9 +119,12 @@ def overview(using: str | None = None) -> Overview:
     using = using or conf.database_alias()
     facts = Facts.read(using)
     rows = backlog(facts.replicas, using)
-    unread: list[Alarm] = []
-    everyone = with_other_databases(facts, unread) if using == conf.database_alias() else facts.replicas
-    alarms = warnings(everyone) + unread
+    everyone, unread = with_other_databases(facts) if using == conf.database_alias() else (facts.replicas, [])
+    # Whether anything harvests here is this database's to say; the other alarms (the fence, an outbox without a
+    # leader, two leaders, a shard without one) are every outbox's.
+    alarms = warnings(facts.replicas)
+    alarms += [alarm for alarm in warnings(everyone) if alarm.kind not in {"no-harvester", "no-leader"}
+               and alarm not in alarms] + [Alarm("elsewhere", line) for line in unread]
     held_back = horizon.read(using)
     if held_back.held_back:
         alarms.append(Alarm("horizon", held_back.message()))
@@ -132,22 +134,18 @@ def overview(using: str | None = None) -> Overview:
                     others=other_outboxes(everyone))
 
 
-def with_other_databases(facts: Facts, alarms: list[Alarm]) -> Replicas:
+def with_other_databases(facts: Facts) -> tuple[Replicas, list[str]]:
     """The replicas of this database and of the others OUTBOX["outboxes"] names (their engines write their rows
     there), each of those tables named with its database (`outbox (database 'billing')`): they are other outboxes,
-    even where their table has this one's name. A database that cannot be read is an alarm, not a broken page."""
-    try:
-        found = elsewhere(facts.now)
-    except DatabaseError as error:
-        alarms.append(Alarm("elsewhere", f"cannot read the status rows in database {error.reading_alias!r}: "
-                                         f"{first_line(error)}"))
-        return facts.replicas
+    even where their table has this one's name. And a line for each database that cannot be read (an alarm, not a
+    broken page)."""
+    found, unread = elsewhere(facts.now)
     rows = list(facts.replicas.rows)
     for alias, replicas in found:
         for row in replicas.rows:
             row.harvested_table = f"{row.harvested_table} (database {alias!r})"
             rows.append(row)
-    return Replicas.sort(rows, facts.now, float(conf.setting("status_gone_after")), table=facts.replicas.table)
+    return Replicas.sort(rows, facts.now, float(conf.setting("status_gone_after")), table=facts.replicas.table), unread
 
 
 def topics(rows: Count, using: str) -> list[TopicBacklog]:

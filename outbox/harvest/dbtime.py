@@ -169,6 +169,11 @@ class ServerTime:
         self._learn_at: float | None = None
         self._relearn_after = min(FIRST_RELEARN, learn_interval)
 
+    def again(self) -> None:
+        """Start the schedule again (a replica that stopped leading): the next read learns the texts, then 10 s on."""
+        self._learn_at = None
+        self._relearn_after = min(FIRST_RELEARN, self._learn_interval)
+
     def read(self, conn: psycopg.Connection) -> Totals:
         rows: list[tuple[int, int, float, int]]
         if self._learn_at is None or self._clock() >= self._learn_at:

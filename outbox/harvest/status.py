@@ -247,7 +247,11 @@ class HistorySampler:
                                                {"table": table_name(self._history_table)}).fetchone()[0]
         self._next_sample = time.monotonic() + self._history_interval
         params = row_values(self._identity, snapshot)
-        statements = self._read_statements(conn) if snapshot.state is ReplicaState.LEADER else None
+        if snapshot.state is ReplicaState.LEADER:
+            statements = self._read_statements(conn)
+        else:
+            statements = None
+            self._server_time.again()  # a new term may run statements the last did not: learn them soon again
         self.statements = statements
         costs = {"db_round_trips": Jsonb(dbtime.as_json(snapshot.round_trips)),
                  "db_statements": None if statements is None else Jsonb(dbtime.as_json(statements))}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,8 +28,8 @@ DELTA = "delta-spark_"
 DELTA_NAME = re.compile(r"delta-spark_(?P<spark>\d+\.\d+)_(?P<scala>\d+\.\d+)-(?P<delta>[^/]*)\.jar")
 #: The Maven project that names the jars (in the package: an installed project fetches them with it too).
 POM = Path(__file__).with_name("pom.xml")
-_MAVEN = (f"`mvn -B -q -f {POM} dependency:copy-dependencies -DoutputDirectory=DIR -DincludeScope=runtime`, then "
-          f"pass --jars DIR or set {ENV_VAR}")
+_MAVEN = (f"`mvn -B -q -f {shlex.quote(str(POM))} dependency:copy-dependencies -DoutputDirectory=DIR "
+          f"-DincludeScope=runtime`, then pass --jars DIR or set {ENV_VAR}")
 #: How to fetch them: in a checkout, `bin/services up` does it; an installed package says what to run.
 HOW_TO_FETCH = (f"run `bin/services up` (copies them into {DEFAULT_DIR}) or {_MAVEN}"
                 if (REPO_ROOT / "bin" / "services").exists() else f"fetch them with Maven (Java 17): {_MAVEN}")

@@ -137,6 +137,15 @@ class Message:
         return f"<Message {self.queue}/{self.id} delivery {self.deliveries} at {self.ref[0]}:{self.ref[1]}>"
 
 
+def after_failure(limits: QueueLimits, deliveries: int) -> str:
+    """The tracker redelivers an abandoned message once its deadline passes, or, its last delivery
+    (max_deliveries), moves it to the dead letters then (tracker_state.due)."""
+    limit, timeout = limits.max_deliveries, limits.redelivery_timeout
+    if limit is not None and deliveries >= limit:
+        return f"a dead letter after the redelivery timeout ({timeout:g} s): delivery {deliveries} of {limit}"
+    return f"redelivered after the redelivery timeout ({timeout:g} s)"
+
+
 class QueueConsumer:
     """Receives the messages of one logical queue; thread-safe receive(), ack() from any thread."""
 
@@ -344,14 +353,9 @@ class QueueConsumer:
     # -- settling (any thread) --------------------------------------------------------------------
 
     def _after_failure(self, message: Message) -> tuple[str, bool]:
-        """The tracker redelivers an abandoned message once its deadline passes, or, its last delivery
-        (max_deliveries), moves it to the dead letters then: the traceback goes with the one line, as a failure is
-        that rare."""
-        limit, timeout = self.limits.max_deliveries, self.limits.redelivery_timeout
-        if limit is not None and message.deliveries >= limit:
-            return (f"a dead letter after the redelivery timeout ({timeout:g} s): delivery {message.deliveries} of "
-                    f"{limit}"), True
-        return f"redelivered after the redelivery timeout ({timeout:g} s)", True
+        """What the tracker does with an abandoned delivery (after_failure); the traceback goes with the one line,
+        as a failure is that rare."""
+        return after_failure(self.limits, message.deliveries), True
 
     def _settle(self, message: Message, kind: Kind | None, delay: float = 0.0) -> None:
         delivery = message._delivery

@@ -57,6 +57,10 @@ def test_the_clients_that_only_check_the_settings_say_nothing_even_after_logging
 
     from outbox.kafka.clients import check_log
 
+    # dictConfig resets every existing child of `outbox`: put them back as they were for the tests after this one.
+    children = {name: (logger.handlers[:], logger.propagate, logger.level, logger.disabled)
+                for name, logger in logging.root.manager.loggerDict.items()
+                if isinstance(logger, logging.Logger) and (name == "outbox" or name.startswith("outbox."))}
     logging.config.dictConfig({"version": 1, "disable_existing_loggers": False,
                                "handlers": {"console": {"class": "logging.StreamHandler"}},
                                "loggers": {"outbox": {"handlers": ["console"], "level": "INFO"}}})
@@ -65,5 +69,7 @@ def test_the_clients_that_only_check_the_settings_say_nothing_even_after_logging
             check_log.error("%s [%s] %s", "rdkafka#producer-1", "FAIL", "Connect to ipv4#127.0.0.1:1 failed")
         assert caplog.records == []
     finally:
-        logging.getLogger("outbox").handlers = []
-        logging.getLogger("outbox").setLevel(logging.NOTSET)
+        for name, (handlers, propagate, level, disabled) in children.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate, logger.disabled = handlers, propagate, disabled
+            logger.setLevel(level)

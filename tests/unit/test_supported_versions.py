@@ -23,8 +23,12 @@ def _table() -> dict[str, list[str]]:
     return rows
 
 
+#: The poms that pin what the project runs: the broker's (bin/services), the audit's jars (shipped in the package).
+POMS = {"kafka": ROOT / "services" / "kafka" / "pom.xml", "spark": ROOT / "outbox" / "pipeline" / "pom.xml"}
+
+
 def _pinned(pom: str, name: str) -> str:
-    text = (ROOT / "services" / pom / "pom.xml").read_text()
+    text = POMS[pom].read_text()
     return re.search(rf"<{name}>([^<]+)</{name}>", text).group(1)
 
 

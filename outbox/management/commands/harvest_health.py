@@ -55,12 +55,14 @@ class Command(BaseCommand):
         try:
             facts = Facts.read(conf.database_alias())
             parked = parked_count(conf.database_alias())
-            rows = facts.replicas.rows + [row for _, found in elsewhere(facts.now) for row in found.rows]
         except DatabaseError as error:
-            alias = getattr(error, "reading_alias", None)
-            where = "" if alias is None else f" in database {alias!r}"
-            return False, f"cannot read harvester status{where}: {first_line(error)}"
+            return False, f"cannot read harvester status: {first_line(error)}"
+        # Another database that cannot be read is said, and judges nothing: a replica whose outboxes are all here
+        # stays healthy (a liveness probe must not restart every harvester because one database is away).
+        others, unread = elsewhere(facts.now)
+        rows = facts.replicas.rows + [row for _, found in others for row in found.rows]
         gone_after = conf.setting("status_gone_after")
         found = replicas.Replicas.sort(rows, facts.now, float(gone_after), table=facts.replicas.table)
         return replicas.health(found, facts.now, name=name, host=host, any=any, require_leader=require_leader,
-                               gone_after=gone_after, counts=f"{len(facts.held)} held, {parked} parked")
+                               gone_after=gone_after, counts="; ".join([f"{len(facts.held)} held, {parked} parked",
+                                                                        *unread]))
