@@ -109,6 +109,19 @@ def elsewhere(now: datetime) -> tuple[list[tuple[str, Replicas]], list[str]]:
     return found, unread
 
 
+def everywhere(facts: Facts) -> tuple[Replicas, list[str]]:
+    """The replicas of `facts`' database and of the others OUTBOX["outboxes"] names (elsewhere()), each of those
+    tables named with its database (`outbox (database 'billing')`): they are other outboxes, even where their table
+    has this one's name. And a line for each database that could not be read."""
+    found, unread = elsewhere(facts.now)
+    rows = list(facts.replicas.rows)
+    for alias, others in found:
+        for row in others.rows:
+            row.harvested_table = f"{row.harvested_table} (database {alias!r})"
+            rows.append(row)
+    return Replicas.sort(rows, facts.now, float(conf.setting("status_gone_after")), table=facts.replicas.table), unread
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One record's state, and one line saying why."""

@@ -17,7 +17,7 @@ from django.db import connections
 from outbox import conf, horizon
 from outbox.harvest.replicas import Replicas, groups_without_leader, shards_without_leader
 from outbox.models import OutboxRecord
-from outbox.states import Count, Facts, Held, RecordState, Verdict, bounded_count, elsewhere, parked_count
+from outbox.states import Count, Facts, Held, RecordState, Verdict, bounded_count, everywhere, parked_count
 
 #: Stuck records are looked for among this many of the oldest rows (an index range, not a scan).
 HEAD_ROWS = 10_000
@@ -119,7 +119,7 @@ def overview(using: str | None = None) -> Overview:
     using = using or conf.database_alias()
     facts = Facts.read(using)
     rows = backlog(facts.replicas, using)
-    everyone, unread = with_other_databases(facts) if using == conf.database_alias() else (facts.replicas, [])
+    everyone, unread = everywhere(facts) if using == conf.database_alias() else (facts.replicas, [])
     # Whether anything harvests here is this database's to say; the other alarms (the fence, an outbox without a
     # leader, two leaders, a shard without one) are every outbox's.
     alarms = warnings(facts.replicas)
@@ -132,20 +132,6 @@ def overview(using: str | None = None) -> Overview:
                     held=sorted(facts.held.values(), key=lambda h: h.id), parked=parked_count(using),
                     stuck=stuck_records(facts, using), topics=topics(rows.rows, using),
                     others=other_outboxes(everyone))
-
-
-def with_other_databases(facts: Facts) -> tuple[Replicas, list[str]]:
-    """The replicas of this database and of the others OUTBOX["outboxes"] names (their engines write their rows
-    there), each of those tables named with its database (`outbox (database 'billing')`): they are other outboxes,
-    even where their table has this one's name. And a line for each database that cannot be read (an alarm, not a
-    broken page)."""
-    found, unread = elsewhere(facts.now)
-    rows = list(facts.replicas.rows)
-    for alias, replicas in found:
-        for row in replicas.rows:
-            row.harvested_table = f"{row.harvested_table} (database {alias!r})"
-            rows.append(row)
-    return Replicas.sort(rows, facts.now, float(conf.setting("status_gone_after")), table=facts.replicas.table), unread
 
 
 def topics(rows: Count, using: str) -> list[TopicBacklog]:

@@ -16,7 +16,7 @@ from django.db import DatabaseError
 from outbox import conf, horizon
 from outbox.harvest import replicas
 from outbox.reasons import first_line
-from outbox.states import Facts, elsewhere, parked_count
+from outbox.states import Facts, everywhere, parked_count
 
 
 class Command(BaseCommand):
@@ -59,10 +59,7 @@ class Command(BaseCommand):
             return False, f"cannot read harvester status: {first_line(error)}"
         # Another database that cannot be read is said, and judges nothing: a replica whose outboxes are all here
         # stays healthy (a liveness probe must not restart every harvester because one database is away).
-        others, unread = elsewhere(facts.now)
-        rows = facts.replicas.rows + [row for _, found in others for row in found.rows]
-        gone_after = conf.setting("status_gone_after")
-        found = replicas.Replicas.sort(rows, facts.now, float(gone_after), table=facts.replicas.table)
+        found, unread = everywhere(facts)
+        counts = "; ".join([f"{len(facts.held)} held, {parked} parked", *unread])
         return replicas.health(found, facts.now, name=name, host=host, any=any, require_leader=require_leader,
-                               gone_after=gone_after, counts="; ".join([f"{len(facts.held)} held, {parked} parked",
-                                                                        *unread]))
+                               gone_after=conf.setting("status_gone_after"), counts=counts)
