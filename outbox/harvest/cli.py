@@ -126,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
     probe = commands.add_parser("health", help="check replicas through their status rows: exit 0 if healthy, 1 with "
                                                "the reason if not (a liveness or readiness probe)")
     probe.add_argument("--config", metavar="FILE.toml", type=Path,
-                       help="a TOML file whose dsn (and status_table) name the database")
+                       help="a TOML file whose dsn (and status_table) name the database; its [outboxes]' "
+                            "dsn name other databases whose status rows are read too")
     probe.add_argument("--name", help="check the replica with this --name")
     probe.add_argument("--host", help="check replicas on this host (default: this host, unless --name or --any)")
     probe.add_argument("--any", action="store_true", help="check all replicas, wherever they run")
@@ -341,13 +342,55 @@ def health_command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
             rows, now = replicas.read(conn, status_table)
             parked = parked_count(conn, HarvestConfig.dead_letter_table)
     except psycopg.Error as error:
-        print(f"unhealthy: cannot read harvester status: {first_line(error)}")
+        print(scrub(f"unhealthy: cannot read harvester status: {first_line(error)}"))
         return 1
-    healthy, why = replicas.health(replicas.Replicas.sort(rows, now, args.gone_after), now, name=args.name,
-                                   host=args.host, any=args.any, require_leader=args.require_leader,
-                                   gone_after=args.gone_after, counts="" if parked is None else f"{parked} parked")
-    print(f"{'ok' if healthy else 'unhealthy'}: {why}")
+    # Another database that cannot be read is said, and judges nothing (as manage.py harvest_health): a liveness
+    # probe must not restart a replica whose outboxes are all in a database it can read.
+    others, unread = other_status_rows(values.get("outboxes"), dsn, status_table)
+    counts = "; ".join([*([] if parked is None else [f"{parked} parked"]), *unread])
+    healthy, why = replicas.health(replicas.Replicas.sort([*rows, *others], now, args.gone_after), now,
+                                   name=args.name, host=args.host, any=args.any, require_leader=args.require_leader,
+                                   gone_after=args.gone_after, counts=counts)
+    print(scrub(f"{'ok' if healthy else 'unhealthy'}: {why}"))
     return 0 if healthy else 1
+
+
+def other_status_rows(outboxes: Any, dsn: str, status_table: str) -> tuple[list[Any], list[str]]:
+    """The status rows in the other databases the file's [outboxes] name by `dsn` (an engine writes its row in its
+    own outbox's database), each table named with its database (`outbox (database 'billing')`: another outbox, even
+    where its table has this one's name), and a line for each database that could not be read. Each database is
+    read once, however many entries name it; one without the status table (status rows off there) has none."""
+    places = {_place(dsn)}
+    found: list[Any] = []
+    unread: list[str] = []
+    for entry in outboxes.values() if isinstance(outboxes, Mapping) else ():
+        other = entry.get("dsn") if isinstance(entry, Mapping) else None
+        if not isinstance(other, str) or database_problem(other) is not None or _place(other) in places:
+            continue  # not another database, or one `check` says is wrong
+        places.add(_place(other))
+        remember_secrets(other)
+        label = _place(other)[2]
+        try:
+            with psycopg.connect(other, connect_timeout=10, autocommit=True) as conn:
+                rows, _now = replicas.read(conn, status_table)
+        except psycopg.errors.UndefinedTable:
+            continue
+        except psycopg.Error as error:
+            unread.append(f"cannot read the status rows in database {label!r}: {first_line(error)}")
+            continue
+        for row in rows:
+            row.harvested_table = f"{row.harvested_table} (database {label!r})"
+        found += rows
+    return found, unread
+
+
+def _place(dsn: str) -> tuple[str, str, str]:
+    """Where `dsn` leads (host, port, database name), to read each database once whatever its spelling."""
+    try:
+        info = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return ("", "", dsn)
+    return (str(info.get("host") or ""), str(info.get("port") or "5432"), str(info.get("dbname") or ""))
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:

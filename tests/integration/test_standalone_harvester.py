@@ -226,6 +226,54 @@ def test_an_unreachable_database_or_broker_is_one_line(database, tmp_path):
         assert ":outbox@" not in done.stderr and "password=" not in done.stderr
 
 
+def test_the_probe_reads_the_status_rows_of_every_database_the_file_names(database, services, bootstrap_servers,
+                                                                          tmp_path):
+    """`outbox-harvest health --config` with an `[outboxes.NAME]` on another database (its `dsn`): that outbox's
+    engines write their status rows there, and the probe reads them, named with their database. A database it
+    cannot read is named on its line and judges nothing (a liveness probe)."""
+    other = f"{database.rsplit('/', 1)[1]}_billing"
+    with psycopg.connect(services.database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{other}"')
+    billing = services.database_url_for(other)
+    env = standalone_env(database, bootstrap_servers)
+    try:
+        for url in (database, billing):
+            applied = subprocess.run([*STANDALONE, "schema", "--apply"], env={**env, "DATABASE_URL": url},
+                                     capture_output=True, text=True, timeout=60)
+            assert applied.returncode == 0, applied.stderr
+        config = tmp_path / "outboxes.toml"
+        config.write_text(f'[outboxes.shop]\n[outboxes.billing]\ndsn = "{billing}"\n')
+        harvester = Replica("two-databases", env, tmp_path, ["--config", str(config), "--heartbeat-timeout", "2"],
+                            program=STANDALONE)
+
+        def probe(*args: str, file: Path = config) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*STANDALONE, "health", "--config", str(file), *args], env=env,
+                                  capture_output=True, text=True, timeout=60)
+
+        try:
+            for label in ("shop", "billing"):
+                leads = wait_until(lambda label=label: (done := probe("--name", f"two-databases/{label}",
+                                                                      "--require-leader")).returncode == 0 and done,
+                                   60, f"the {label} outbox's engine to lead")
+                assert leads.stdout.startswith(f"ok: two-databases/{label} is leader ("), leads.stdout
+            both = probe("--any", "--require-leader")
+            assert both.returncode == 0 and "; cannot read" not in both.stdout, both.stdout + both.stderr
+            gone = tmp_path / "gone.toml"
+            gone.write_text(config.read_text().replace(f"/{other}", "/outbox_no_such_database"))
+            unread = probe("--any", file=gone)
+            assert unread.returncode == 0 and "; cannot read the status rows in database 'outbox_no_such_database': " \
+                in unread.stdout, unread.stdout + unread.stderr
+            unseen = probe("--name", "two-databases/billing", file=gone)
+            assert unseen.returncode == 1 and "never seen" in unseen.stdout, unseen.stdout + unseen.stderr
+            assert ":outbox@" not in unread.stdout + unseen.stdout, "no password shown"
+        finally:
+            harvester.signal(signal.SIGTERM)
+        assert harvester.wait(timeout=60) == 0, harvester.log()
+    finally:
+        with psycopg.connect(services.database_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{other}" WITH (FORCE)')
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_the_command(wheel_venv, database, bootstrap_servers, new_topic, tmp_path):
     """`outbox-harvest` as pip installs it: the schema from the wheel, rows written by plain SQL, published.
