@@ -40,21 +40,27 @@ class Replicas:
     #: many outboxes (outbox/many.py) writes its engines' rows into the same status table: their terms'
     #: ids and marks are of other tables, and say nothing of this one's records.
     table: str | None = None
+    #: Leaders' rows (among `gone`) last written before another replica took the lead of the same group, shard and
+    #: table: a killed leader writes no last row, and its new leader's row says when it took over.
+    superseded: list[Any] = field(default_factory=list)
 
     @classmethod
     def sort(cls, rows: Iterable[Any], now: datetime, gone_after: float, table: str | None = None) -> Replicas:
-        """The rows sorted: a replica not seen for `gone_after` seconds is gone; a stopped one says when."""
+        """The rows sorted: a replica not seen for `gone_after` seconds is gone, and so is a leader not seen since
+        another one took its lead (superseded()); a stopped one says when."""
         rows = list(rows)
         stopped = sorted((r for r in rows if r.state == ReplicaState.STOPPED), key=lambda r: r.last_seen,
                          reverse=True)
         rows = [r for r in rows if r.state != ReplicaState.STOPPED]
         live = [r for r in rows if (now - r.last_seen).total_seconds() <= gone_after]
+        superseded = _superseded([r for r in live if r.state == ReplicaState.LEADER])
+        live = [r for r in live if r not in superseded]
         leaders = [r for r in live if r.state == ReplicaState.LEADER]
         blocked = [r for r in live if r.state == ReplicaState.BLOCKED]
         standbys = [r for r in live if r not in leaders and r not in blocked]
         return cls(leaders=leaders, blocked=blocked, standbys=standbys,
-                   gone=[r for r in rows if (now - r.last_seen).total_seconds() > gone_after], stopped=stopped,
-                   table=table)
+                   gone=[*superseded, *(r for r in rows if (now - r.last_seen).total_seconds() > gone_after)],
+                   stopped=stopped, table=table, superseded=superseded)
 
     @property
     def live(self) -> list[Any]:
@@ -141,6 +147,9 @@ def health(found: Replicas, now: datetime, *, name: str | None = None, host: str
         last = max((r for r in [*found.gone, *found.stopped] if matches(r)), key=lambda r: r.last_seen, default=None)
         if last is None:
             when = "never seen"
+        elif last in found.superseded:
+            when = f"{last.name} last seen {(now - last.last_seen).total_seconds():.0f}s ago, before another replica " \
+                   "took its lead"
         elif last in found.stopped:
             when = (f"{last.name} stopped cleanly at {last.last_seen.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC, "
                     f"{(now - last.last_seen).total_seconds():.0f}s ago")
@@ -171,6 +180,24 @@ def health(found: Replicas, now: datetime, *, name: str | None = None, host: str
     elif best in found.leaders:
         detail += f" ({rate_text(best.throughput)} records/s, {best.in_flight:,} in flight)"
     return True, f"{detail}, seen {age:.1f}s ago; {_processes(live)} live replica(s) for {scope}{tail}"
+
+
+#: How much earlier than a newer leader's `since` (its host's clock) another leader's `last_seen` (the database's)
+#: must be for that leader to count as superseded: room for the clocks' skew.
+SUPERSEDED_SLACK = 1.0
+
+
+def _superseded(leaders: list[Any]) -> list[Any]:
+    """The leaders' rows last written before another replica became leader of the same group, shard and table
+    (more than SUPERSEDED_SLACK before its row's `since`). A leader writes its row every `status_interval` while it
+    lives, so one that has not written since is dead or frozen (and fenced out): counted as leading until
+    `status_gone_after`, it would be a second leader for that long after every crash. One that writes again is a
+    leader again, and two leaders are said as such."""
+    by_place: dict[tuple[str, str, int | None], list[Any]] = {}
+    for r in leaders:
+        by_place.setdefault((r.leader_group, r.harvested_table, r.shard), []).append(r)
+    return [r for rows in by_place.values() for r in rows
+            if any((other.since - r.last_seen).total_seconds() > SUPERSEDED_SLACK for other in rows if other is not r)]
 
 
 def _processes(rows: list[Any]) -> int:
