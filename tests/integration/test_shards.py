@@ -20,9 +20,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox.console.dashboard import warnings
 from outbox.harvest import contract, sharding
 from outbox.harvest.config import HarvestConfig, Limits
 from outbox.harvest.harvester import Harvester, HarvestError
+from outbox.harvest.replicas import Replicas
+from outbox.harvest.replicas import read as replicas_read
 from outbox.harvest.shard_index import ensure_shard_index
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.store import PostgresStore, connect
@@ -251,7 +254,8 @@ def test_a_killed_replicas_shards_move_and_the_others_keep_publishing(database_u
     timeout gives them to the others; the other shards never stop. Nothing is lost or reordered.
     Slow: Kafka's session timeout, then a rebalance of six shards."""
     topic = new_topic("shards-kill")
-    env = replica_env(database_url, bootstrap_servers, f"test-shards-{uuid.uuid4().hex[:8]}")
+    group = f"test-shards-{uuid.uuid4().hex[:8]}"
+    env = replica_env(database_url, bootstrap_servers, group)
     args = ["--shards", "6", "--heartbeat-timeout", "2"]
     replicas = [Replica(f"replica-{i}", env, tmp_path, args) for i in range(3)]
     generator = Generator(topic, keys=60, pause=0.005)
@@ -284,6 +288,14 @@ def test_a_killed_replicas_shards_move_and_the_others_keep_publishing(database_u
         assert delivered >= 0.4, f"only {delivered:.0%} of the records written in the 7 s after the kill arrived"
         wait_until(lambda: sum(map(len, replicas_leading(database_url).values())) == 6
                    and victim.name not in replicas_leading(database_url), 60, "the survivors to lead all six shards")
+        # As harvest_health and the dashboard read the rows: the victim wrote no last row, and its engines' rows are
+        # gone once their successors' say they lead (not two leaders of a shard until status_gone_after).
+        with psycopg.connect(database_url) as conn:
+            rows, now = replicas_read(conn, "outbox_harvester")
+        found = Replicas.sort([r for r in rows if r.leader_group == group], now, 20.0)
+        assert {r.shard for r in found.superseded} == victims_shards, found.superseded
+        assert sorted(r.shard for r in found.leaders if r.shard is not None) == list(range(6)), found.leaders
+        assert not [alarm for alarm in warnings(found) if alarm.kind == "two-leaders"], warnings(found)
         # The victim's fences went with its sessions, unsettled: its successors waited for its stragglers.
         waited = "".join(replica.log() for replica in replicas[1:]).count("which did not settle")
         assert waited == len(victims_shards), f"{waited} waits for {len(victims_shards)} shards taken over"
