@@ -10,5 +10,6 @@ class OutboxConfig(AppConfig):
         from outbox import checks, conf  # noqa: F401  registers the system checks
         from outbox.kafka.redaction import remember_secrets
 
-        # Log lines and one-line errors mask these wherever they turn up (outbox.kafka.redaction).
-        remember_secrets(conf.secret_values())
+        # Log lines and one-line errors mask these wherever they turn up (outbox.kafka.redaction): in every process
+        # of the project, web servers and shells too, not only those that build a harvester.
+        remember_secrets(*conf.secret_settings())

@@ -184,9 +184,14 @@ def alias_problem(alias: Any) -> str | None:
     return None
 
 
+def secret_settings() -> tuple[Any, Any]:
+    """The settings that hold secrets: OUTBOX and DATABASES (redaction.secret_values reads them)."""
+    return getattr(settings, "OUTBOX", {}), getattr(settings, "DATABASES", {})
+
+
 def secret_values() -> set[str]:
     """The secret values in OUTBOX and DATABASES, to mask wherever a message might quote them."""
-    return redaction.secret_values(getattr(settings, "OUTBOX", {}), getattr(settings, "DATABASES", {}))
+    return redaction.secret_values(*secret_settings())
 
 
 def dsn_for(alias: str) -> str:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
@@ -20,6 +24,8 @@ from outbox.kafka.redaction import (
     secret_values,
 )
 from outbox.queue.config import QueueConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 #: What the issue names, at least: librdkafka's sensitive properties, libpq's secrets, and names by pattern.
 MUST_BE_SECRET = [
@@ -95,3 +101,21 @@ def test_the_log_filter_masks_remembered_secrets_in_messages_and_tracebacks():
     finally:
         logger.removeHandler(handler)
     assert "filter-secret-1" not in stream.getvalue() and "connecting with ***" in stream.getvalue()
+
+
+def test_a_django_process_masks_its_settings_secrets_from_the_start(tmp_path):
+    """Any process of the project (a web server, a shell), not only one that builds a harvester: the app remembers
+    OUTBOX's and DATABASES' secrets when Django starts, and the log filter masks them (a fresh process: this one
+    remembered others' long ago)."""
+    (tmp_path / "secret_settings.py").write_text(
+        "from project.settings import *  # noqa\n"
+        "OUTBOX = {**OUTBOX, 'base_kafka_config': {'bootstrap.servers': '127.0.0.1:9', 'sasl.password': "
+        "'s3cret-pass-Xy9'}}\n"
+        "DATABASES['default'] = {**DATABASES['default'], 'PASSWORD': 'db-pass-Qw7e'}\n")
+    said = ("import django, logging; django.setup(); from outbox.kafka.redaction import RedactingFilter; "
+            "record = logging.LogRecord('app', logging.INFO, 'app.py', 1, 'with %s and %s', "
+            "('s3cret-pass-Xy9', 'db-pass-Qw7e'), None); RedactingFilter().filter(record); print(record.getMessage())")
+    done = subprocess.run([sys.executable, "-c", said], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "DJANGO_SETTINGS_MODULE": "secret_settings",
+                               "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    assert done.returncode == 0 and done.stdout.strip() == f"with {REDACTED} and {REDACTED}", done.stdout + done.stderr
