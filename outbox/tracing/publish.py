@@ -166,11 +166,14 @@ class OtelPublishTracer:
         previous: Any = None
         for record in records:
             keys = record.header_keys
-            if not keys or "traceparent" not in keys:
+            if not keys:
+                continue
+            parent = header_index(keys, "traceparent")
+            if parent is None:
                 continue
             values = record.header_values
-            state = values[keys.index("tracestate")] if "tracestate" in keys else None
-            key = (values[keys.index("traceparent")], state)
+            state = header_index(keys, "tracestate")
+            key = (values[parent], None if state is None else values[state])
             if key == previous or key in contexts:  # a request's records come together: mostly the former
                 continue
             previous = key
@@ -185,7 +188,7 @@ class OtelPublishTracer:
         """The same through the configured propagator (B3, Jaeger...): for records that have its headers."""
         contexts: dict[Any, SpanContext] = {}
         for record in records:
-            if not record.header_keys or self._fields.isdisjoint(record.header_keys):
+            if not record.header_keys or self._fields.isdisjoint(name.lower() for name in record.header_keys):
                 continue
             context = trace.get_current_span(self._context_of(record)).get_span_context()
             if context.is_valid and (context.trace_id, context.span_id) not in contexts:
@@ -197,6 +200,14 @@ class OtelPublishTracer:
     @staticmethod
     def _context_of(record: Record) -> Any:
         return extract(zip(record.header_keys, record.header_values, strict=False)) if record.header_keys else None
+
+
+def header_index(keys: list[str], name: str) -> int | None:
+    """Where header `name` (lower case) is among a record's header names, compared without case as stash() compares
+    them (a caller's `TraceParent` is the record's context); the first of a repeated name; None if absent."""
+    if name in keys:  # as stash() writes it: the common case, and the cheap one
+        return keys.index(name)
+    return next((at for at, key in enumerate(keys) if len(key) == len(name) and key.lower() == name), None)
 
 
 _FLAGS = [TraceFlags(value) for value in range(256)]

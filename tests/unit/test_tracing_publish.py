@@ -82,6 +82,20 @@ def test_records_of_several_traces_are_linked_not_parented(tracer, exporter):
     assert [f"{link.context.span_id:016x}" for link in span.links] == [A.split("-")[2], B.split("-")[2]]
 
 
+def test_a_traceparent_the_caller_spelt_in_capitals_is_the_records_context(tracer, exporter):
+    """stash() keeps a caller's `TraceParent` (header names compared without case) and adds no other: the
+    harvester reads it as the record's context, alone or among other traces' records."""
+    spelt = Record(5, datetime.now(UTC), "orders", "k5", "v", ["TraceParent", "TraceState"], [B, "vendor=1"])
+    tracer.end(tracer.sending([spelt])[0])
+    [alone] = exporter.get_finished_spans()
+    assert f"{alone.parent.span_id:016x}" == B.split("-")[2] and alone.parent.trace_state.get("vendor") == "1"
+    handles = tracer.sending([record(1, A), spelt])
+    for handle in handles:
+        tracer.end(handle)
+    linked = exporter.get_finished_spans()[1]
+    assert [f"{link.context.span_id:016x}" for link in linked.links] == [A.split("-")[2], B.split("-")[2]]
+
+
 def test_a_batch_settled_from_two_threads_at_once_ends_once_after_its_last_record(tracer, exporter):
     handles = tracer.sending([record(i, A) for i in range(1, 20_001)])
     start = threading.Barrier(2)
