@@ -5,7 +5,9 @@ Factories take the merged librdkafka config, so tests swap in fakes with the sam
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -161,28 +163,44 @@ def leader_consumer_config(config: HarvestConfig) -> dict[str, Any]:
 
 
 def client_config_problems(config: HarvestConfig) -> list[Problem]:
-    """librdkafka's own verdict on the settings (unknown property, bad value), found by building the
-    clients without letting them connect: E013, naming the setting that holds the property."""
-    found = []
-    quiet = {"logger": check_log, "error_cb": lambda _error: None}
-    for build, settings in ((Producer, record_producer_config(config)),
-                            (Consumer, leader_consumer_config(config))):
-        try:
-            client = build({**settings, **quiet, "bootstrap.servers": "127.0.0.1:1"})
-        except (KafkaException, ValueError, TypeError) as error:
-            message = kafka_reason(error)
-            field = "producer_kafka_config" if any(f'"{key}"' in message or f"'{key}'" in message
-                                                   for key in config.producer_kafka_config) else "base_kafka_config"
-            problem = Problem("E013", field, f"is refused by librdkafka: {message}")
-            if problem not in found:
-                found.append(problem)
-            continue
-        if isinstance(client, Consumer):
-            client.close()
-        else:
-            client.flush(0)
-        del client
-    return found
+    """librdkafka's own verdict on the settings (unknown property, bad value, a file it cannot read), found by
+    building the clients without letting them connect: one E013, naming the setting that holds the property. The
+    leader consumer is built from `base_kafka_config` alone, so what it refuses is that setting's (said once, not
+    again by each client); what only the record producer refuses is `producer_kafka_config`'s, unless the producer
+    without it is refused too (a base property only producers read)."""
+    for field in ("base_kafka_config", "producer_kafka_config"):
+        if (problem := _missing_file(field, getattr(config, field))) is not None:
+            return [problem]
+    refused = _refused(Consumer, leader_consumer_config(config))
+    if refused is None:
+        refused = _refused(Producer, record_producer_config(config))
+        if refused is not None and config.producer_kafka_config and _refused(
+                Producer, record_producer_config(dataclasses.replace(config, producer_kafka_config={}))) is None:
+            return [Problem("E013", "producer_kafka_config", f"is refused by librdkafka: {refused}")]
+    return [] if refused is None else [Problem("E013", "base_kafka_config", f"is refused by librdkafka: {refused}")]
+
+
+def _refused(build: Callable[[dict[str, Any]], Any], settings: dict[str, Any]) -> str | None:
+    """Why librdkafka refuses to build a client of `settings` (it never connects), or None."""
+    try:
+        client = build({**settings, "logger": check_log, "error_cb": lambda _error: None,
+                        "bootstrap.servers": "127.0.0.1:1"})
+    except (KafkaException, ValueError, TypeError) as error:
+        return kafka_reason(error)
+    if isinstance(client, Consumer):
+        client.close()
+    else:
+        client.flush(0)
+    return None
+
+
+def _missing_file(field: str, settings: Mapping[str, Any]) -> Problem | None:
+    """A `*.location` property (a CA, certificate, key or keystore file) naming no file or directory: librdkafka's
+    own error names neither the property's value nor that it is missing ("BIO lib")."""
+    for key, value in settings.items():
+        if key.endswith(".location") and isinstance(value, str) and value != "probe" and not os.path.exists(value):
+            return Problem("E013", field, f"{key!r} names {value!r}, which does not exist")
+    return None
 
 
 #: Errors no retry can fix: the client's credentials or its trust in the brokers' certificates are wrong.

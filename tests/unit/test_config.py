@@ -171,6 +171,17 @@ def test_the_engine_sql_matches_the_models():
      "OUTBOX['producer_kafka_config'] is refused by librdkafka: No such configuration property: \"compresion.type\""),
     ({"base_kafka_config": {"security.protocol": "carrier-pigeon"}}, "outbox.E013",
      "OUTBOX['base_kafka_config'] is refused by librdkafka"),
+    # librdkafka names the alias (compression.codec), not the key written: the setting is still the one refused.
+    ({"producer_kafka_config": {"compression.type": "lz5"}}, "outbox.E013",
+     "OUTBOX['producer_kafka_config'] is refused by librdkafka: Invalid value \"lz5\" for configuration property "
+     "\"compression.codec\""),
+    ({"base_kafka_config": {"compression.type": "lz5"}}, "outbox.E013",
+     "OUTBOX['base_kafka_config'] is refused by librdkafka: Invalid value \"lz5\""),
+    # Once, not for each client; naming the file, which librdkafka's "BIO lib" does not.
+    ({"base_kafka_config": {"security.protocol": "ssl", "ssl.ca.location": "/nonexistent/ca.pem"}}, "outbox.E013",
+     "OUTBOX['base_kafka_config'] 'ssl.ca.location' names '/nonexistent/ca.pem', which does not exist"),
+    ({"producer_kafka_config": {"ssl.certificate.location": "/nonexistent/client.pem"}}, "outbox.E013",
+     "OUTBOX['producer_kafka_config'] 'ssl.certificate.location' names '/nonexistent/client.pem', which does not"),
     ({"producer_kafka_config": {"enable.idempotence": False}}, "outbox.E014",
      "OUTBOX['producer_kafka_config'] enable.idempotence must stay true"),
     ({"max_in_flight_per_key": 8, "producer_kafka_config": {"delivery.timeout.ms": 5000}}, "outbox.E014",
