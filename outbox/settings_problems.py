@@ -49,6 +49,8 @@ CHECK_CODES: dict[str, str] = {
     "outbox.W005": "`tracing` set to `True` but `opentelemetry-api` is not installed: nothing is traced",
     "outbox.W006": "no `bootstrap.servers` in `base_kafka_config` and no `KAFKA_BOOTSTRAP_SERVERS`: Kafka is looked "
         "for at `localhost:9092`",
+    "outbox.W007": "`heartbeat_timeout` under 2 s: the leader group's session timeout (3 x it) is under the 6 s "
+        "Kafka's brokers accept by default (`group.min.session.timeout.ms`)",
 }
 
 

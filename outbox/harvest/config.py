@@ -43,6 +43,10 @@ def limit(default: float | int | None, minimum: float | str, doc: str, maximum: 
     return field(default=default, metadata={"minimum": minimum, "maximum": maximum, "doc": doc, "shown": shown})
 
 
+#: The least heartbeat_timeout Kafka's brokers accept by default: the leader group's session timeout is 3 x it, and
+#: group.min.session.timeout.ms is 6 s (W007 below it; the leader consumer's refusal ends the harvester).
+MIN_HEARTBEAT_TIMEOUT = 2.0
+
 #: The limits whose default is derived from others (Limits.__post_init__), and those others: a problem is
 #: reported on the limit the user set, not again on each limit derived from it.
 DERIVED_FROM = {"max_poll_interval": ("heartbeat_timeout",),
@@ -278,6 +282,12 @@ class HarvestConfig:
                     pass
         heartbeat = self.limits.heartbeat_timeout
         session = 3 * heartbeat
+        if heartbeat < MIN_HEARTBEAT_TIMEOUT:
+            found.append(Problem(
+                "W007", "heartbeat_timeout",
+                f"{heartbeat:g}s gives the leader group a session timeout of {session:g}s (3 x heartbeat_timeout), "
+                f"under the 6s Kafka's brokers accept by default (group.min.session.timeout.ms): unless the brokers' "
+                f"minimum is lowered, the harvester stops at start with Kafka's refusal"))
         if heartbeat + delivery >= session:
             found.append(Problem(
                 "W001", field_name,

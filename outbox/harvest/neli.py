@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException
 
+from outbox.harvest.config import MIN_HEARTBEAT_TIMEOUT
 from outbox.harvest.kafka import ConsumerLike, ProducerLike
 from outbox.kafka.clients import KafkaUnavailable
 
@@ -72,9 +73,7 @@ class LeaderElection:
         for message in self._consumer.consume(num_messages=256, timeout=0):
             error = message.error()
             if error is not None:
-                if error.fatal():
-                    raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
-                log.debug("Leader topic: %s", error.str())
+                leader_topic_error(error)
             elif message.partition() == 0 and self._fresh_own(message.value() or b""):
                 seen = True
         if heartbeat:
@@ -155,6 +154,19 @@ class ElectionPoll:
     def close(self) -> None:
         """Leave the group (a revoke callback under way has returned: nothing is in flight)."""
         self.election.close()
+
+
+def leader_topic_error(error: KafkaError) -> None:
+    """An error event of the leader topic's consumer: a fatal one ends the harvester, and so does Kafka refusing the
+    group's session timeout, which librdkafka would retry for ever while the replica never leads and says nothing;
+    the rest are librdkafka's own retries."""
+    if error.fatal():
+        raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
+    if error.code() == KafkaError.INVALID_SESSION_TIMEOUT:
+        raise KafkaUnavailable(f"Kafka refuses the leader group's session timeout, 3 x heartbeat_timeout "
+                               f"({error.str()}): set heartbeat_timeout to at least {MIN_HEARTBEAT_TIMEOUT:g}s, the "
+                               f"brokers' group.min.session.timeout.ms (6 s by default) / 3, or lower that minimum")
+    log.debug("Leader topic: %s", error.str())
 
 
 def publish_heartbeat(producer: ProducerLike, topic: str, partition: int, value: bytes) -> None:

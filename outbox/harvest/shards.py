@@ -52,7 +52,7 @@ from outbox.harvest.kafka import (
     heartbeat_producer_config,
     leader_consumer_config,
 )
-from outbox.harvest.neli import publish_heartbeat
+from outbox.harvest.neli import leader_topic_error, publish_heartbeat
 from outbox.harvest.notify_hub import NotifyHubs
 from outbox.harvest.shard_index import prepare_table
 from outbox.harvest.status import StatusSnapshot
@@ -233,9 +233,7 @@ class ShardGroup(threading.Thread):
         for message in self._consumer.consume(num_messages=512, timeout=self._interval):
             error = message.error()
             if error is not None:
-                if error.fatal():
-                    raise KafkaUnavailable(f"leader election consumer failed: {error.str()}")
-                log.debug("Leader topic: %s", error.str())
+                leader_topic_error(error)
                 continue
             self.route(message.partition(), message.value() or b"")
         self._producer.poll(0)

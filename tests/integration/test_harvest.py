@@ -143,3 +143,17 @@ def test_eight_replicas_without_failures(database_url, bootstrap_servers, new_to
     # gives up its acks, and a repeat is then correct. Otherwise there must be none.
     met = [r.name for r in replicas if "Giving up" in r.log() or "Fenced:" in r.log()]
     assert audit.duplicates == 0 or met, "no failures injected or met, so no repeats"
+
+
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-table", "sharded"])
+def test_a_session_timeout_kafka_refuses_stops_the_harvester_in_one_line(database_url, bootstrap_servers, tmp_path,
+                                                                          shards):
+    """heartbeat_timeout 1 s makes a session timeout of 3 s, under the 6 s Kafka's brokers accept by default: the
+    broker refuses every JoinGroup, which librdkafka would retry for ever while the replica stood by saying
+    nothing. The harvester stops, naming the setting (and `check` warned of it: W007)."""
+    env = replica_env(database_url, bootstrap_servers, f"test-leader-{uuid.uuid4().hex[:8]}")
+    replica = Replica("too-short", env, tmp_path, ["--heartbeat-timeout", "1", "--shards", str(shards)])
+    code = replica.wait(timeout=60)  # killed and reaped if it has not stopped by then
+    log = replica.log()
+    assert code == 1 and "Kafka refuses the leader group's session timeout, 3 x heartbeat_timeout" in log, log[-3000:]
+    assert "set heartbeat_timeout to at least 2s" in log and "Traceback" not in log.split("CommandError")[-1], log

@@ -276,3 +276,17 @@ def test_a_value_in_breach_of_its_rule_is_reported_and_its_default_used_meanwhil
 def test_an_empty_leader_topic_group_or_name_is_refused_not_derived(key):
     """Only an absent one is derived, by manage.py harvest as by outbox-harvest (which always refused it)."""
     assert ("outbox.E007" if key == "leader_topic" else "outbox.E008") in outbox_errors(**{key: ""})
+
+
+def test_a_heartbeat_timeout_whose_session_kafka_refuses_by_default_is_a_warning():
+    """3 x heartbeat_timeout under the brokers' default group.min.session.timeout.ms (6 s): the leader consumer's
+    JoinGroup is refused, and the harvester stops at start saying so (tests/integration/test_harvest.py)."""
+    with override_settings(OUTBOX={"heartbeat_timeout": 1.5, "base_kafka_config": {"bootstrap.servers": "k:9092"}}):
+        messages = checks.run_checks(tags=["outbox"])
+    assert [(m.id, m.msg) for m in messages] == [(
+        "outbox.W007", "OUTBOX['heartbeat_timeout'] 1.5s gives the leader group a session timeout of 4.5s (3 x "
+                       "heartbeat_timeout), under the 6s Kafka's brokers accept by default (group.min.session.timeout"
+                       ".ms): unless the brokers' minimum is lowered, the harvester stops at start with Kafka's "
+                       "refusal")]
+    with override_settings(OUTBOX={"heartbeat_timeout": 2, "base_kafka_config": {"bootstrap.servers": "k:9092"}}):
+        assert checks.run_checks(tags=["outbox"]) == []
