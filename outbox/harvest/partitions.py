@@ -40,7 +40,11 @@ SELECT c.relname, pg_get_expr(c.relpartbound, c.oid), c.oid::regclass::text
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 WHERE i.inhparent = to_regclass(%(table)s)
 """
-LAST_ID = "SELECT pg_sequence_last_value(pg_get_serial_sequence(%(table)s, 'id'))"
+# The last id taken; before the first (just converted), one below where the sequence starts.
+LAST_ID = """
+SELECT coalesce(pg_sequence_last_value(s), (SELECT seqstart - 1 FROM pg_sequence WHERE seqrelid = s))
+FROM CAST(pg_get_serial_sequence(%(table)s, 'id') AS regclass) AS s
+"""
 _BOUNDS = re.compile(r"FOR VALUES FROM \('?(-?\d+|MINVALUE)'?\) TO \('?(-?\d+|MAXVALUE)'?\)")
 
 # Storage parameters of every partition: as the unpartitioned table's (docs/tuning.md, "Autovacuum").
@@ -133,8 +137,31 @@ def convert(conn: psycopg.Connection, table: str, size: int) -> list[Partition]:
             sql.Identifier(*_schema(schema), f"{bare}_default"), ident, sql.SQL(STORAGE)))
         for index in range(AHEAD):
             _create(conn, table, boundary + index * size, boundary + (index + 1) * size)
+        _indexes_to_parent(conn, table, old_name)
         _notify_trigger(conn, table, old)
     return partitions(conn, table)
+
+
+_INDEX_DEFINITION = re.compile(r"CREATE INDEX \S+ ON (?:ONLY )?\S+ (?P<how>USING .*)", re.S)
+
+
+def _indexes_to_parent(conn: psycopg.Connection, table: str, old_name: str) -> None:
+    """The old table's other indexes (the failed rows' partial index, which the console's stuck-record lookups use)
+    on the partitioned parent under their own names: Postgres builds them on every partition, now and later, and
+    takes the old table's own, renamed, for its partition (no rebuild)."""
+    schema = table.rpartition(".")[0]
+    found = conn.execute("SELECT c.relname, pg_get_indexdef(i.indexrelid) FROM pg_index i "
+                         "JOIN pg_class c ON c.oid = i.indexrelid "
+                         "WHERE i.indrelid = to_regclass(%(old)s) AND NOT i.indisunique", {"old": old_name}).fetchall()
+    for name, definition in found:
+        match = _INDEX_DEFINITION.fullmatch(definition)
+        if match is None:
+            log.warning("Index %s of %s not made on the partitioned table: %s", name, old_name, definition)
+            continue
+        conn.execute(sql.SQL("ALTER INDEX {} RENAME TO {}").format(
+            sql.Identifier(*_schema(schema), name), sql.Identifier(f"{name[:49]}_unpartitioned")))
+        conn.execute(sql.SQL("CREATE INDEX {} ON {} {}").format(sql.Identifier(name), table_identifier(table),
+                                                                sql.SQL(match["how"])))
 
 
 def _notify_trigger(conn: psycopg.Connection, table: str, old: sql.Composable) -> None:

@@ -93,12 +93,24 @@ def test_a_partitioned_outbox_is_harvested_and_its_drained_partitions_leave(data
     assert_complete_and_ordered(audit, written, strict=False)
 
 
-def test_the_command_converts_the_table_refuses_twice_and_lists_the_partitions(scratch, settings):
+def test_the_command_converts_the_table_refuses_twice_and_lists_the_partitions(scratch, settings, database_url):
+    with psycopg.connect(database_url) as conn:
+        conn.execute(INSERT.format(table=scratch), ("t", 3))
     with override_settings(OUTBOX={**settings.OUTBOX, "table": scratch}):
         out = io.StringIO()
         call_command("outbox_partition", "--status", stdout=out)
         assert "is not partitioned" in out.getvalue()
         call_command("outbox_partition", "--size", "5000", stdout=out)
+        # The failed rows' partial index (the console's stuck-record lookups) is the parent's, so every partition
+        # has it, the old rows' (its own index, renamed) and those made later alike.
+        with psycopg.connect(database_url) as conn:
+            without = conn.execute(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = %s::regclass AND NOT EXISTS (SELECT 1 FROM pg_index x WHERE x.indrelid = c.oid "
+                "AND pg_get_expr(x.indpred, x.indrelid) LIKE '%%reset_count > 0%%')", [scratch]).fetchall()
+            on_parent = conn.execute("SELECT count(*) FROM pg_index WHERE indrelid = %s::regclass "
+                                     "AND indpred IS NOT NULL", [scratch]).fetchone()[0]
+        assert without == [] and on_parent == 1, without
         assert f"Partitioned {scratch!r} by id" in out.getvalue()
         with pytest.raises(CommandError, match="partitioned already"):
             call_command("outbox_partition", "--size", "5000")
@@ -109,7 +121,7 @@ def test_the_command_converts_the_table_refuses_twice_and_lists_the_partitions(s
     lines = listing.getvalue().splitlines()
     assert lines[0].split()[:2] == ["partition", "ids"] and "(default)" in listing.getvalue()
     assert sum(1 for line in lines if line.startswith(f"{scratch}_p")) == partitions.AHEAD
-    assert lines[-1].startswith("last id taken:")
+    assert lines[-1] == "last id taken: 3", "the ids written before, not 0 before the first new one"
 
 
 def test_a_burst_past_the_partitions_ahead_lands_in_the_default_partition_and_is_harvested(
