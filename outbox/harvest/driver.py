@@ -85,6 +85,10 @@ class EngineIO(Protocol):
         """The topic's max.message.bytes (topics.UNLIMITED if it cannot be known), or None while it is
         being read (the records wait)."""
 
+    def topic_limit_stale(self, topic: str) -> bool:
+        """Whether a record over `topic`'s limit waits for the limit to be read again before it is held (the limit
+        is old: it may have been raised since); asks for it (topics.TopicLimits.stale)."""
+
     def fit_batches(self, limit: int) -> bool:
         """Make the record producer's batches fit `limit` bytes; False while that waits for the
         producer to report what it holds (send nothing meanwhile)."""
@@ -233,8 +237,13 @@ class Driver:
                 if contract.CE_SPECVERSION in record.header_keys:
                     headers.extend(contract.cloudevent_headers(record.id, created_text, record.header_keys))
             if limit < UNLIMITED and not fits(record.key, record.value, headers, limit):
-                # Held before it is produced: a refused batch would fail every key's records with it.
                 stopped_keys.add(record.key)
+                if io.topic_limit_stale(record.topic):  # read again first: it waits, as for an unknown limit
+                    held_back.append(record.id)
+                    if tracer is not None and handles[index] is not None:
+                        tracer.end(handles[index])
+                    continue
+                # Held before it is produced: a refused batch would fail every key's records with it.
                 size = record_size(record.key, record.value, headers)
                 failure = DeliveryError("MSG_SIZE_TOO_LARGE", too_large(size, limit, record.topic), permanent=True)
                 if tracer is not None:

@@ -328,6 +328,9 @@ class ThreadedIO:
     def topic_limit(self, topic: str) -> int | None:
         return self.topic_limits.limit(topic)
 
+    def topic_limit_stale(self, topic: str) -> bool:
+        return self.topic_limits is not None and self.topic_limits.stale(topic)
+
     def fit_batches(self, limit: int) -> bool:
         return self._producers.fit(limit)
 

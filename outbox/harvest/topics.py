@@ -42,6 +42,11 @@ _NOT_ALLOWED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUS
 
 
 
+#: A record over its topic's limit read longer ago than this (seconds) waits for the limit to be read again, at most
+#: this long, before it is held for its size (TopicLimits.stale).
+RECHECK_AGE = 5.0
+
+
 class TopicLimits:
     """Each topic's max.message.bytes as last read from the brokers; thread-safe.
 
@@ -61,6 +66,8 @@ class TopicLimits:
         self._due: dict[str, float] = {}  # topic -> when to read it (again)
         self._asked: dict[str, float] = {}  # topic -> when it was first asked for, while unknown
         self._warned: set[str] = set()
+        self._read_at: dict[str, float] = {}  # topic -> when its limit was last read
+        self._rechecked: dict[str, float] = {}  # topic -> when stale() last asked for it again
         self.changed = threading.Event()  # set when a topic is asked for or due: the learning thread wakes
 
     def limit(self, topic: str) -> int | None:
@@ -81,6 +88,27 @@ class TopicLimits:
                 if name in self._due:
                     self._due[name] = 0.0
             self.changed.set()
+
+    def stale(self, topic: str, max_age: float | None = None) -> bool:
+        """Whether a record over `topic`'s limit should wait for the limit to be read again before it is held for
+        its size: the limit was read more than `max_age` ago (an operator may have raised it, and retried the held
+        record). Asks for it at once, at most once per read, and is waited for at most `max_age`: a topic whose
+        limit cannot be read holds its record as before."""
+        max_age = RECHECK_AGE if max_age is None else max_age
+        now = self._clock()
+        with self._lock:
+            read_at = self._read_at.get(topic)
+            if read_at is None:
+                return False
+            asked = self._rechecked.get(topic)
+            if asked is not None and asked > read_at:  # asked, not read yet
+                return now - asked < max_age
+            if now - read_at <= max_age:
+                return False
+            self._rechecked[topic] = now
+            self._due[topic] = 0.0
+            self.changed.set()
+            return True
 
     def snapshot(self) -> dict[str, int]:
         """What is known now (UNLIMITED: could not be read)."""
@@ -109,6 +137,8 @@ class TopicLimits:
         previous = self._known.get(topic)
         if isinstance(answer, int):
             self._settle(topic, answer, now + self.refresh_interval)
+            with self._lock:
+                self._read_at[topic] = now
             if previous not in (None, UNLIMITED) and previous != answer:
                 log.warning("Topic %s: max.message.bytes changed from %s to %s bytes", topic,
                             bytes_text(previous), bytes_text(answer))

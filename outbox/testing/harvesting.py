@@ -108,6 +108,9 @@ class InlineIO:
     def now(self) -> float:
         return self._world.now
 
+    def topic_limit_stale(self, topic: str) -> bool:
+        return False
+
     def topic_limit(self, topic: str) -> int | None:
         return UNLIMITED
 

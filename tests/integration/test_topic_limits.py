@@ -10,6 +10,7 @@ record of any key went out at all. The queue's producers likewise.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import pytest
@@ -124,6 +125,37 @@ def test_a_limit_lowered_while_the_harvester_runs_is_learned_and_respected(datab
     finally:
         harvester.stop()
         harvester.wait(timeout=30)
+
+
+def test_a_held_record_retried_after_its_topic_limit_was_raised_goes_out_at_once(database_url, bootstrap_servers,
+                                                                               caplog, monkeypatch):
+    """The operator's way (docs/operations.md, "Retry now"): raise the topic's max.message.bytes, then retry the held
+    record. The limit the harvester read is older than RECHECK_AGE, so the record waits for it to be read again
+    rather than failing again on the old one (an attempt lost, and the automatic retries backing off)."""
+    from outbox.console.operations import retry_now
+    from outbox.harvest import topics
+    from outbox.states import Facts
+
+    monkeypatch.setattr(topics, "RECHECK_AGE", 0.5)
+    caplog.set_level(logging.INFO, logger="outbox")
+    topic = create_topic(bootstrap_servers, 3000)
+    harvester = start(database_url, bootstrap_servers)
+    try:
+        with transaction.atomic():
+            big, after = stash_many([{"topic": topic, "key": "big", "value": "x" * 4500},
+                                     {"topic": topic, "key": "big", "value": "after"}])
+        wait_until(lambda: [held.id for held in harvester.held] == [big], 60, "the record too large to be held")
+        lower_limit(bootstrap_servers, topic, 100_000)
+        time.sleep(0.6)  # what the test waits for is the limit's age passing RECHECK_AGE (0.5 s here)
+        facts = wait_until(lambda: next((found for found in [Facts.read("default")] if big in found.held), None), 30,
+                           "the status row to say it is held, as the console reads it")
+        assert retry_now([big], facts, "tester").done == [big]
+        wait_until(lambda: outbox_count(database_url) == 0, 30, "the retried record and the next one published")
+    finally:
+        harvester.stop()
+        harvester.wait(timeout=30)
+    assert not [r.getMessage() for r in caplog.records if "failed again" in r.getMessage()]
+    assert read_topic(bootstrap_servers, topic, expected=2).by_key["big"] == [big, after]
 
 
 def test_the_queue_producers_fit_small_topics_and_refuse_a_message_too_large_for_them(settings, bootstrap_servers):

@@ -121,6 +121,9 @@ class SimIO:
             producer.batch_bytes = batch_size_for(batch_limit)
         return producer
 
+    def topic_limit_stale(self, topic: str) -> bool:
+        return False
+
     def topic_limit(self, topic: str) -> int | None:
         if topic not in self._limits:
             self._read_limit(topic)

@@ -86,6 +86,9 @@ class IO:
     def topic_limit(self, topic: str) -> int:
         return 10**9
 
+    def topic_limit_stale(self, topic: str) -> bool:
+        return False
+
     def refused_for_size(self, topic: str | None) -> None:
         pass
 

@@ -60,6 +60,9 @@ class IO:
     def __init__(self, producer: Producer, limits: dict[str, int | None]) -> None:
         self.producer, self.limits = producer, limits
 
+    def topic_limit_stale(self, topic: str) -> bool:
+        return False
+
     def topic_limit(self, topic: str) -> int | None:
         return self.limits.get(topic, UNLIMITED)
 
