@@ -52,13 +52,14 @@ def add_headers(record: Record, spec: Any, prefix: str = "") -> None:
     if unknown:
         raise InvalidRecord(f"{prefix}cloudevent", f"unknown field(s) {sorted(map(str, unknown))}; "
                                                    f"allowed: {', '.join(sorted(CALL_KEYS))}")
-    event_type = spec.get("type") or types.get(record.topic)
-    source = spec.get("source") or settings.get("source")
+    # A field given (not None) is the call's, and must be valid itself: an empty one is not "use the settings'".
+    event_type = spec["type"] if spec.get("type") is not None else types.get(record.topic)
+    source = spec["source"] if spec.get("source") is not None else settings.get("source")
     for name, text in (("type", event_type), ("source", source)):
         if not isinstance(text, str) or not text:
-            raise InvalidRecord(f"{prefix}cloudevent.{name}", f"must be a non-empty str (or set OUTBOX['cloudevents']"
-                                                              f"[{'types' if name == 'type' else 'source'!r}]), "
-                                                              f"got {text!r}")
+            hint = "" if spec.get(name) is not None else \
+                f" (or set OUTBOX['cloudevents'][{'types' if name == 'type' else 'source'!r}])"
+            raise InvalidRecord(f"{prefix}cloudevent.{name}", f"must be a non-empty str{hint}, got {text!r}")
     extra = [(contract.CE_SPECVERSION, "1.0"), (contract.CE_TYPE, event_type), (contract.CE_SOURCE, source)]
     for field, header in (("id", contract.CE_ID), ("subject", contract.CE_SUBJECT)):
         text = spec.get(field)
@@ -66,9 +67,11 @@ def add_headers(record: Record, spec: Any, prefix: str = "") -> None:
             if not isinstance(text, str) or not text:
                 raise InvalidRecord(f"{prefix}cloudevent.{field}", f"must be a non-empty str, got {text!r}")
             extra.append((header, text))
-    content_type = spec.get("content_type") or settings.get("content_type") or DEFAULT_CONTENT_TYPE
-    if not isinstance(content_type, str):
-        raise InvalidRecord(f"{prefix}cloudevent.content_type", f"must be a str, got {content_type!r}")
+    content_type = spec["content_type"] if spec.get("content_type") is not None else \
+        settings.get("content_type") or DEFAULT_CONTENT_TYPE
+    if not isinstance(content_type, str) or "/" not in content_type:
+        raise InvalidRecord(f"{prefix}cloudevent.content_type", f"must be a media type such as 'application/json', "
+                                                                f"got {content_type!r}")
     if record.value is not None:
         extra.append((contract.CONTENT_TYPE, content_type))
     taken = {name.lower() for name in record.header_keys}

@@ -93,6 +93,24 @@ def test_a_bad_cloudevent_argument_names_its_field(spec, field):
     assert raised.value.field == field
 
 
+@pytest.mark.parametrize(("spec", "field", "message"), [
+    ({"type": "", "source": "/s"}, "cloudevent.type", "must be a non-empty str, got ''"),
+    ({"type": "t", "source": ""}, "cloudevent.source", "must be a non-empty str, got ''"),
+    ({"type": "t", "source": "/s", "content_type": ""}, "cloudevent.content_type",
+     "must be a media type such as 'application/json', got ''"),
+    ({"type": "t", "source": "/s", "content_type": "json"}, "cloudevent.content_type",
+     "must be a media type such as 'application/json', got 'json'"),
+])
+def test_an_empty_cloudevent_field_given_per_call_is_refused_not_taken_from_the_settings(spec, field, message):
+    """A field the call gives is the call's: empty, it is refused with what it was (as the setting's own is), even
+    where the settings have one to fall back on."""
+    with override_settings(OUTBOX={"cloudevents": {"source": "/shop", "types": {"orders": "placed"},
+                                                   "content_type": "application/json"}}):
+        with pytest.raises(InvalidRecord) as raised:
+            cloudevents.add_headers(row(), spec)
+    assert (raised.value.field, str(raised.value)) == (field, f"{field}: {message}")
+
+
 def test_the_harvester_adds_only_what_a_cloudevent_lacks():
     assert contract.cloudevent_headers(7, "2026-01-01T00:00:00.000000Z", ["ce_specversion"]) == [
         ("ce_id", "7"), ("ce_time", "2026-01-01T00:00:00.000000Z")]
