@@ -104,10 +104,9 @@ def test_a_bad_cloudevent_argument_names_its_field(spec, field):
 def test_an_empty_cloudevent_field_given_per_call_is_refused_not_taken_from_the_settings(spec, field, message):
     """A field the call gives is the call's: empty, it is refused with what it was (as the setting's own is), even
     where the settings have one to fall back on."""
-    with override_settings(OUTBOX={"cloudevents": {"source": "/shop", "types": {"orders": "placed"},
-                                                   "content_type": "application/json"}}):
-        with pytest.raises(InvalidRecord) as raised:
-            cloudevents.add_headers(row(), spec)
+    settings = {"cloudevents": {"source": "/shop", "types": {"orders": "placed"}, "content_type": "application/json"}}
+    with override_settings(OUTBOX=settings), pytest.raises(InvalidRecord) as raised:
+        cloudevents.add_headers(row(), spec)
     assert (raised.value.field, str(raised.value)) == (field, f"{field}: {message}")
 
 
