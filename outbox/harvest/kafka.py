@@ -167,17 +167,19 @@ def client_config_problems(config: HarvestConfig) -> list[Problem]:
     building the clients without letting them connect: one E013, naming the setting that holds the property. The
     leader consumer is built from `base_kafka_config` alone, so what it refuses is that setting's (said once, not
     again by each client); what only the record producer refuses is `producer_kafka_config`'s, unless the producer
-    without it is refused too (a base property only producers read)."""
-    for field in ("base_kafka_config", "producer_kafka_config"):
-        if (problem := _missing_file(field, getattr(config, field))) is not None:
-            return [problem]
+    without it is refused too (a base property only producers read). A refusal where a `*.location` of that setting
+    names no file says so, with the path (librdkafka's own words are "BIO lib")."""
+    field = "base_kafka_config"
     refused = _refused(Consumer, leader_consumer_config(config))
     if refused is None:
         refused = _refused(Producer, record_producer_config(config))
         if refused is not None and config.producer_kafka_config and _refused(
                 Producer, record_producer_config(dataclasses.replace(config, producer_kafka_config={}))) is None:
-            return [Problem("E013", "producer_kafka_config", f"is refused by librdkafka: {refused}")]
-    return [] if refused is None else [Problem("E013", "base_kafka_config", f"is refused by librdkafka: {refused}")]
+            field = "producer_kafka_config"
+    if refused is None:
+        return []
+    missing = _missing_file(field, getattr(config, field), refused)
+    return [missing or Problem("E013", field, f"is refused by librdkafka: {refused}")]
 
 
 def _refused(build: Callable[[dict[str, Any]], Any], settings: dict[str, Any]) -> str | None:
@@ -194,11 +196,12 @@ def _refused(build: Callable[[dict[str, Any]], Any], settings: dict[str, Any]) -
     return None
 
 
-def _missing_file(field: str, settings: Mapping[str, Any]) -> Problem | None:
-    """A `*.location` property (a CA, certificate, key or keystore file) naming no file or directory: librdkafka's
-    own error names neither the property's value nor that it is missing ("BIO lib")."""
+def _missing_file(field: str, settings: Mapping[str, Any], refused: str) -> Problem | None:
+    """The `*.location` property (a CA, certificate, key or keystore file) librdkafka's refusal names, where it names
+    no file or directory (one that TLS does not use, with a plaintext protocol, librdkafka accepts)."""
     for key, value in settings.items():
-        if key.endswith(".location") and isinstance(value, str) and value != "probe" and not os.path.exists(value):
+        if (key.endswith(".location") and key in refused and isinstance(value, str) and value != "probe"
+                and not os.path.exists(value)):
             return Problem("E013", field, f"{key!r} names {value!r}, which does not exist")
     return None
 
