@@ -207,7 +207,11 @@ def header_index(keys: list[str], name: str) -> int | None:
     them (a caller's `TraceParent` is the record's context); the first of a repeated name; None if absent."""
     if name in keys:  # as stash() writes it: the common case, and the cheap one
         return keys.index(name)
-    return next((at for at, key in enumerate(keys) if len(key) == len(name) and key.lower() == name), None)
+    size = len(name)
+    for key in keys:  # a plain loop: about 0.4 us a record that has headers and no context
+        if len(key) == size and key.lower() == name:
+            return keys.index(key)
+    return None
 
 
 _FLAGS = [TraceFlags(value) for value in range(256)]
