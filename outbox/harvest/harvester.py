@@ -6,10 +6,9 @@
     harvester.stop()       # returns at once
     harvester.wait()       # blocks until stopped; re-raises a background failure
 
-The core (core.py) decides; the driver carries its commands out; this file runs the driver's
-turns on the engine thread, keeps the view other threads read (state, snapshot, meter), and writes
-this replica's status row on a thread of its own (status.py). If any thread dies, the harvester
-stops as a whole and wait() says why.
+The core (core.py) decides, the driver carries its commands out; this file runs the driver's turns on the
+engine thread and keeps the view other threads read (state, snapshot, meter), which the process's status writer
+reports (status_board.py). If any thread dies, the harvester stops as a whole and wait() says why.
 """
 
 from __future__ import annotations
@@ -62,10 +61,24 @@ class HarvestError(Exception):
         super().__init__(scrub(message))
 
 
+def check_config(config: HarvestConfig) -> None:
+    """HarvestError naming every problem of `config`, if it has any."""
+    if problems := config.validate():
+        raise HarvestError("invalid configuration: " + "; ".join(map(str, problems)))
+
+
+def start_failure(error: BaseException) -> HarvestError | None:
+    """The one line an engine that cannot start says of `error` (None: a surprise, raised as it is)."""
+    if isinstance(error, StoreError | KafkaUnavailable):
+        return HarvestError(str(error))
+    if isinstance(error, KafkaException):
+        return HarvestError(f"cannot create a Kafka client: {kafka_reason(error)}")
+    return None
+
+
 class Lifecycle:
-    """start/stop/wait's state, shared by the engines (Harvester, shards.ShardedHarvester,
-    outboxes.ManyHarvester): stop() asks and returns at once, wait() blocks until the background thread
-    set `_stopped` and re-raises what it left in `_failure`."""
+    """start/stop/wait's state (Harvester, and supervisor.EngineSet): stop() asks and returns at once, wait() blocks
+    until the background thread set `_stopped` and re-raises what it left in `_failure`."""
 
     def __init__(self) -> None:
         self._state = State.CREATED
@@ -73,6 +86,10 @@ class Lifecycle:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._failure: BaseException | None = None
+
+    @property
+    def state(self) -> State:
+        return self._state
 
     def stop(self) -> None:
         """Ask to stop (what is in flight settles first); returns at once. wait() blocks until stopped."""
@@ -126,12 +143,6 @@ class Harvester(Lifecycle):
         self.last_meter: events.MeterStats | None = None
         #: Postgres's estimate of the harvested table's live rows, refreshed with the status row.
         self.backlog: int | None = None
-
-    # -- public view (safe from any thread) ------------------------------------------------------
-
-    @property
-    def state(self) -> State:
-        return self._state
 
     @property
     def replica_state(self) -> ReplicaState:
@@ -198,13 +209,11 @@ class Harvester(Lifecycle):
         (pg_stat_statements; None unless it leads and the database has the view)."""
         return self._status.statements if self._status is not None else None
 
-    # -- lifecycle --------------------------------------------------------------------------------
-
     @classmethod
     def sending_events_to(cls, sink: Callable[[Harvester, events.Event], None] | None, config: HarvestConfig,
                           **kwargs: Any) -> Harvester:
-        """A Harvester whose events reach `sink` with the harvester that sent them (Django's signals and a
-        supervisor of many engines want the sender, which does not exist before it is built)."""
+        """A Harvester whose events reach `sink` with the harvester that sent them (Django's signals want the
+        sender, which does not exist before it is built)."""
         holder: list[Harvester] = []
         harvester = cls(config, on_event=None if sink is None else lambda event: sink(holder[0], event), **kwargs)
         holder.append(harvester)
@@ -222,30 +231,23 @@ class Harvester(Lifecycle):
                  self.config.leader_topic, self.config.leader_group)
 
     def open(self) -> None:
-        """start() up to its threads: check the configuration, connect, RUNNING. The simulator calls it, then runs
-        step() on its own clock (tests/sim/engine.py)."""
+        """start() but its threads: check the configuration, connect, RUNNING (the simulator then runs step())."""
         with self._state_lock:
             if self._state is not State.CREATED:
                 raise HarvestError(f"cannot start a harvester that is {self._state.value}")
-            problems = self.config.validate()
-            if problems:
-                raise HarvestError("invalid configuration: " + "; ".join(map(str, problems)))
+            check_config(self.config)
             try:
                 self._io.open(self._driver)
                 self._status = self._connector.status_reporter(self.status, self._set_backlog)
             except BaseException as error:
                 self._close_resources()
-                if isinstance(error, StoreError | KafkaUnavailable):
-                    raise HarvestError(str(error)) from None
-                if isinstance(error, KafkaException):
-                    raise HarvestError(f"cannot create a Kafka client: {kafka_reason(error)}") from None
+                if (failure := start_failure(error)) is not None:
+                    raise failure from None
                 raise
             self._state = State.RUNNING
 
     def _stop_requested(self) -> None:
         self._io.wake()
-
-    # -- the engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         deadline = self.step()
@@ -258,10 +260,10 @@ class Harvester(Lifecycle):
             deadline = self.step()
 
     def step(self) -> float | None:
-        """One turn of the engine thread: a failed thread of the I/O ends the engine, a stop() asks the core to
-        settle, the driver runs the core's due work, and the view other threads read is refreshed. Returns the
-        clock time to sleep until (a wake() or a NOTIFY ends the sleep sooner), or None once the engine has ended
-        (finished or failed) and closed what it opened. The simulator runs this same step on its clock."""
+        """One turn of the engine thread (the simulator's on its clock): a failed I/O thread ends the engine, a stop()
+        asks the core to settle, the driver runs the core's due work, the view is refreshed. Returns the clock time
+        to sleep until (a wake or a NOTIFY ends it sooner), or None once the engine ended and closed what it
+        opened."""
         core = self._core
         try:
             failure = self._io.failure()
@@ -293,8 +295,6 @@ class Harvester(Lifecycle):
             self._state = State.STOPPED
         self._stopped.set()
 
-    # -- its parts (the simulator builds them over its world: tests/sim/engine.py) ----------------------
-
     def _new_core(self) -> Core:
         config = self.config
         sharded = config.shards > 1
@@ -307,8 +307,6 @@ class Harvester(Lifecycle):
     def _new_driver(self, tracer: PublishTracer | None) -> Driver:
         return Driver(self._core, self._io, instruments=self._instruments, parked_by=f"harvester {self.config.name}",
                       tracer=tracer)
-
-    # -- reporting ---------------------------------------------------------------------------------
 
     def _announce(self, event: events.Event) -> None:
         self._take_snapshot()  # what other threads read follows the event at once
@@ -351,7 +349,6 @@ class Harvester(Lifecycle):
             log.exception("Event handler failed for %s", type(event).__name__)
 
     def _close_resources(self) -> None:
-        if self._status is not None and self._status.is_alive():
-            self._status.stop()
-            self._status.join(timeout=10)
+        if self._status is not None:
+            self._status.close()
         self._io.close()

@@ -1,21 +1,16 @@
-"""One LISTEN session per database for every engine a process runs there.
+"""One LISTEN session per database for every engine a process runs there (process_services.py).
 
-Every engine of a process (one outbox's, each shard's, each of many outboxes' or tenant schemas') is woken
-through its database's hub: one session whatever the number of engines, where a session each would be
-fifty idle sessions for fifty tenant schemas, or one per shard. The hub's thread LISTENs on every channel
-its engines asked for (`outbox_<oid>`, contract.notify_channel) and hands each NOTIFY to the engine whose
-table fired it, by writing to that engine's wake pipe. An engine asks for its listener when it first
-leads (a standby holds no LISTEN session), and a hub whose last listener closed ends its session.
+The hub's thread LISTENs on every channel its engines asked for (`outbox_<oid>`, contract.notify_channel) and
+hands each NOTIFY to the engine whose table fired it, through that engine's wake pipe. An engine asks for its
+listener when it first leads (a standby holds no LISTEN session).
 
     hubs = NotifyHubs()                                   # the process's, one hub per database
     listener = hubs.subscribe(dsn, "outbox_16384")        # fileno(), drain(), connected, close()
 
-A NOTIFY sent while nobody listened is lost, so every listener is woken once whenever its channel
-starts being listened to (at subscribe and after each reconnect): its engine then marks, and finds what
-was written meanwhile. While the session is down, the hub wakes every listener at each attempt to
-connect again (every RETRY_AFTER): the engines look at their tables that often, together, and at their
-safety-net poll (`idle_poll_interval`), rather than each polling every `mark_backoff`, which fifty engines
-would do five thousand times a second (an engine's listener always has its pipe to select on).
+A NOTIFY sent while nobody listened is lost, so every listener is woken whenever its channel starts being listened
+to (at subscribe and after each reconnect): its engine then marks and finds what was written meanwhile. While the
+session is down, the hub wakes every listener at each attempt to connect again (every RETRY_AFTER), rather than
+have each engine poll every `mark_backoff`, which fifty engines would do five thousand times a second.
 """
 
 from __future__ import annotations
@@ -29,16 +24,17 @@ import psycopg
 from psycopg import sql
 
 from outbox.harvest.pipes import WakePipe, readable
+from outbox.harvest.process_services import ProcessServices
 from outbox.harvest.store import close_quietly
 from outbox.harvest.store import connect as connect_session
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.notify_hub")
 
-#: After a failed connection, the hub tries again at most this often (its engines poll meanwhile).
+#: Seconds between attempts to connect after a failure (its engines poll meanwhile).
 RETRY_AFTER = 5.0
-#: TCP keepalives on the LISTEN session, so a session whose server vanished without a word is noticed
-#: (and its engines woken) within about idle + interval x count seconds, without a query of ours.
+#: TCP keepalives, so a session whose server vanished without a word is noticed within about idle + interval x
+#: count seconds, without a query of ours.
 KEEPALIVES = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3"}
 
 
@@ -83,8 +79,8 @@ class NotifyHub(threading.Thread):
                  connect: Callable[[], psycopg.Connection] | None = None,
                  on_empty: Callable[[NotifyHub], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`connect` opens the LISTEN session (default: an engine session to `dsn`, with keepalives); `on_empty`
-        is told when the last listener left (NotifyHubs then ends the hub); `clock` times the retries."""
+        """`connect` opens the LISTEN session (default: to `dsn`, with keepalives); `on_empty` is told when the last
+        listener left; `clock` times the retries."""
         super().__init__(name="outbox-notify-hub", daemon=True)
         self.dsn = dsn
         self._clock = clock
@@ -99,13 +95,11 @@ class NotifyHub(threading.Thread):
         self._conn: psycopg.Connection | None = None
         self._retry_at = 0.0
         self._opened_at = 0.0
-        #: Sessions cannot be had (said once, until one LISTENs again).
+        #: No session can be had (said once, until one LISTENs again).
         self._failing = False
         #: How many NOTIFYs the hub received, and how many sessions it opened (reconnects + 1).
         self.received = 0
         self.sessions = 0
-
-    # -- the engines' side (any thread) ------------------------------------------------------------
 
     def subscribe(self, channel: str) -> ChannelListener:
         listener = ChannelListener(self, channel)
@@ -148,8 +142,6 @@ class NotifyHub(threading.Thread):
         with self._lock:  # never after run() closed it (the number could name another file by then)
             self._control.wake()
 
-    # -- the hub's thread ---------------------------------------------------------------------------
-
     def run(self) -> None:
         try:
             while not self._stop_event.is_set():
@@ -163,10 +155,9 @@ class NotifyHub(threading.Thread):
             self.end()
 
     def step(self, *, wait: bool = False) -> None:
-        """One turn of the hub: the session opened if it is down and its retry is due, the channels subscribed
-        since LISTENed (and those left UNLISTENed), the NOTIFYs that arrived handed to their listeners. The
-        thread waits (`wait`) until its session or a subscriber has something, or the next retry is due; a
-        caller that steps the hub itself (a test) looks once and returns."""
+        """One turn: the session opened if it is down and its retry is due, channels LISTENed and UNLISTENed as
+        subscribed, the NOTIFYs handed to their listeners. With `wait` (the thread's), it first waits until its
+        session or a subscriber has something, or the next retry is due."""
         conn = self._session()
         control = self._control.fileno()
         readers = [control] + ([conn.fileno()] if conn is not None else [])
@@ -198,8 +189,8 @@ class NotifyHub(threading.Thread):
         return self._conn
 
     def _failed(self, error: psycopg.Error) -> None:
-        """No session to be had (or each fails as soon as it is opened: a hot standby refuses LISTEN):
-        try again in RETRY_AFTER, and have every engine look at its table meanwhile."""
+        """No session to be had (or each fails at once: a hot standby refuses LISTEN): try again in RETRY_AFTER, and
+        have every engine look at its table meanwhile."""
         if not self._failing:
             log.warning("LISTEN session unavailable: its outboxes are looked at every %gs until it is back: %s",
                         RETRY_AFTER, first_line(error))
@@ -211,8 +202,7 @@ class NotifyHub(threading.Thread):
         self._wake(wanted)  # a NOTIFY meanwhile would be lost: each engine marks instead
 
     def _lost(self, error: psycopg.Error) -> None:
-        """The session failed: connect again at once, unless it had only just been opened (then back off,
-        rather than open sessions in a loop that never wakes anyone)."""
+        """The session failed: connect again at once, unless it had only just been opened (then back off)."""
         if self._clock() - self._opened_at < RETRY_AFTER:
             self._failed(error)
             return
@@ -220,8 +210,8 @@ class NotifyHub(threading.Thread):
         self._drop()
 
     def _apply(self) -> bool:
-        """LISTEN on channels subscribed since, UNLISTEN those left; wake the listeners of a new channel,
-        which may have missed a NOTIFY before it was listened to. True if the session ran a statement."""
+        """LISTEN on channels subscribed since, UNLISTEN those left; wake the listeners of a new channel (they may
+        have missed a NOTIFY). True if the session ran a statement."""
         conn = self._conn
         with self._lock:
             wanted = frozenset(self._subscribers)
@@ -267,63 +257,33 @@ class NotifyHub(threading.Thread):
         close_quietly(conn)
 
     def end(self) -> None:
-        """The session closed, and the pipe that wakes the hub: the thread's last act, or its owner's for a hub
-        it steps itself."""
+        """The session and the hub's wake pipe closed: the thread's last act, or its owner's for a stepped hub."""
         self._drop()
         with self._lock:
             self._control.close()
 
 
-
-class NotifyHubs:
-    """The process's hubs, one per database (by connection string): started by the first listener, ended when
-    the last one closed."""
+class NotifyHubs(ProcessServices[NotifyHub]):
+    """The process's hubs, one per database (by connection string)."""
 
     def __init__(self, *, name: str = "", connect: Callable[[str], psycopg.Connection] | None = None,
                  threads: bool = True) -> None:
-        """`connect(dsn)` opens a hub's LISTEN session (default: NotifyHub's). Without `threads` no hub's thread
-        is started: the caller steps each hub (`step()`), as the unit tests do."""
+        """`connect(dsn)` opens a hub's LISTEN session (default: NotifyHub's)."""
+        super().__init__(threads=threads)
         self._name = name
         self._connect = connect
-        self._threads = threads
-        self._lock = threading.Lock()
-        self._hubs: dict[str, NotifyHub] = {}
 
     def subscribe(self, dsn: str, channel: str) -> ChannelListener:
         """A listener of `channel` on the hub of `dsn`'s database."""
-        with self._lock:  # before the hub's own lock, as in _retire: no hub is ended under a new listener
-            hub = self._hubs.get(dsn)
-            if hub is None:
-                connect = self._connect
-                hub = self._hubs[dsn] = NotifyHub(dsn, name=self._name, on_empty=self._retire,
-                                                  connect=None if connect is None else lambda: connect(dsn))
-                if self._threads:
-                    hub.start()
-            return hub.subscribe(channel)
+        listener = self.use(dsn, lambda: self._hub(dsn), lambda hub: hub.subscribe(channel))
+        assert listener is not None  # a hub can always be made
+        return listener
 
-    def _retire(self, hub: NotifyHub) -> None:
-        with self._lock:
-            if self._hubs.get(hub.dsn) is not hub or not hub.empty:
-                return
-            del self._hubs[hub.dsn]
-        _end(hub)
+    def _hub(self, dsn: str) -> NotifyHub:
+        connect = self._connect
+        return NotifyHub(dsn, name=self._name, on_empty=self.retire,
+                         connect=None if connect is None else lambda: connect(dsn))
 
     @property
     def hubs(self) -> list[NotifyHub]:
-        with self._lock:
-            return list(self._hubs.values())
-
-    def close(self) -> None:
-        for hub in self.hubs:
-            hub.stop()
-        for hub in self.hubs:
-            _end(hub)
-
-
-def _end(hub: NotifyHub) -> None:
-    """Stop the hub and wait for its thread to end (or end it here: a hub that was stepped, never started)."""
-    hub.stop()
-    if hub.ident is None:
-        hub.end()
-    else:
-        hub.join(timeout=10)
+        return self.running

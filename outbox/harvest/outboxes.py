@@ -1,23 +1,15 @@
-"""Many outboxes in one process: an engine per outbox, started, restarted and stopped by a supervisor.
+"""Many outboxes in one process: an engine per outbox, under one supervisor (supervisor.py).
 
     harvester = ManyHarvester(discover)       # discover() -> {label: HarvestConfig}, one per outbox
     harvester.start(); ...; harvester.stop(); harvester.wait()
 
-Each outbox (a table in some database: several databases, several tables, or the outbox table of
-every tenant schema, tenants.py) is harvested as if by a process of its own: its own leader topic and
-group (or shards, shards.py), fence, leader ids, producer and status row (its engine's name is this
-process's name and the outbox's label, `replica-a/acme`). What they share is the process, the LISTEN
-session of each database (notify_hub.py: a NOTIFY wakes the engine of the table that was written) and
-the status writer of each status table (status_board.py: every engine's row in one statement), so an
-idle outbox costs no session of its own for either and, with the safety-net poll made rarer
-(`idle_poll_interval`, outbox/many.py), next to no queries.
-
-The manager thread asks `discover` for the outboxes at start and every `rescan_interval`, and
-reconciles them with its engines (supervisor.py): an outbox that appears gets an engine (a tenant
-schema created while running is picked up), one that disappears or changes has its engine stopped
-(it settles first). An engine that fails is logged and started again after a backoff that doubles:
-one broken outbox never stops the others, and the process stops only when asked to. The simulator
-(tests/sim/many_process.py) runs the same `open()` and `tick()` on its clock.
+Each outbox (a table in some database, or the outbox table of every tenant schema, tenants.py) is harvested as
+by a process of its own: its own leader topic and group (or shards), fence, producer and status row, under the
+name `replica-a/acme`. The process's LISTEN session per database (notify_hub.py) and status writer per status
+table (status_board.py) serve them all, so an idle outbox costs next to nothing (`idle_poll_interval`,
+outbox/many.py). The manager asks `discover` again every `rescan_interval`: an outbox that appears gets an
+engine, one that disappears or changes has its engine stopped once it settled; a failed engine starts again
+after a backoff, and the others go on.
 """
 
 from __future__ import annotations
@@ -38,20 +30,20 @@ from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.status import StatusSnapshot
 from outbox.harvest.status_board import BoardReporter, StatusBoards
 from outbox.harvest.store import PostgresStore
-from outbox.harvest.supervisor import EngineSet, RunningEngine, Supervisor
+from outbox.harvest.supervisor import EngineLike, EngineSet, Supervisor
 from outbox.harvest.tracing import PublishTracer
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.outboxes")
 
-#: How often the manager looks at its engines.
+#: Seconds between two steps of the manager.
 MANAGE_INTERVAL = 0.1
-#: How often the outboxes are discovered again (new tenant schemas, dropped ones), by default.
+#: Seconds between two discoveries (new tenant schemas, dropped ones), by default.
 RESCAN_INTERVAL = 30.0
 
 
-class Engine(RunningEngine, Protocol):
-    """What the set needs of an outbox's engine (Harvester and ShardedHarvester are two)."""
+class Engine(EngineLike, Protocol):
+    """An outbox's engine: a Harvester or a ShardedHarvester."""
 
     config: HarvestConfig
 
@@ -59,9 +51,8 @@ class Engine(RunningEngine, Protocol):
 
 
 class RestingStore(PostgresStore):
-    """A store whose fence session is closed while it holds no fence: of fifty outboxes' engines, the
-    standbys need no session (take_fence opens one again when the engine comes to lead). Both calls run
-    where the fence session's jobs run (the fence worker, or before it starts)."""
+    """A store whose fence session is closed while it holds no fence: fifty outboxes' standbys need no session
+    (take_fence opens one when the engine comes to lead). Both calls run where the fence session's jobs run."""
 
     def has_notify_trigger(self) -> bool:
         found = super().has_notify_trigger()
@@ -78,9 +69,8 @@ class RestingStore(PostgresStore):
 
 
 class ManyConnector(LiveConnector):
-    """The live connector of one outbox's engine among many: its LISTEN goes through its database's shared
-    hub (notify_hub.py), its status row onto the shared board (status_board.py), and its fence session is
-    open only while it leads (RestingStore)."""
+    """The live connector of one outbox's engine among many: the process's hubs and boards, no standby's lines, and
+    a fence session only while it leads."""
 
     store_class = RestingStore
 
@@ -105,7 +95,6 @@ class ManyHarvester(EngineSet[str, Engine]):
                  instruments: Callable[[str], Instruments] | None = None, tracer: PublishTracer | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  supervisor_class: type[Supervisor[str, Engine]] = Supervisor) -> None:
-        """`supervisor_class`: the reconcile step's class (the simulator swaps in a deliberate bug)."""
         super().__init__(self._start_engine, describe=lambda label: f"Outbox {label}'s engine", name=name,
                          supervisor_class=supervisor_class, clock=clock)
         self._discover = discover
@@ -126,12 +115,11 @@ class ManyHarvester(EngineSet[str, Engine]):
             return dict(self._wanted)
 
     def discover(self) -> dict[str, HarvestConfig]:
-        """The outboxes to harvest now, by label (what the supervisor asks every rescan_interval)."""
+        """The outboxes to harvest now, by label."""
         return self._discover()
 
     def open(self) -> bool:
-        """The first discovery (HarvestError if it fails), starting no thread: start() then runs tick() on the
-        manager thread, the simulator on its clock. False if stop() came meanwhile."""
+        """The first discovery (HarvestError if it fails); False if stop() came meanwhile."""
         if self._state is not State.CREATED:
             raise HarvestError(f"cannot start a harvester that is {self._state.value}")
         try:
@@ -151,11 +139,8 @@ class ManyHarvester(EngineSet[str, Engine]):
                  ", ".join(sorted(found)) or "none yet")
         return True
 
-    # -- the step (supervisor.py): an engine for each outbox found; one whose outbox is gone or changed stops,
-    # and a fresh one starts once it settled --------------------------------------------------------------
-
     def wanted(self, now: float) -> dict[str, HarvestConfig]:
-        """Discover again when due: the outboxes found."""
+        """The outboxes found (discovered again when due)."""
         if now >= self._next_scan:
             self._next_scan = now + self._rescan_interval
             self._rescan()
@@ -193,8 +178,7 @@ class ManyHarvester(EngineSet[str, Engine]):
         return engine
 
     def _live_engine(self, label: str, config: HarvestConfig) -> Engine:
-        """A Harvester whose LISTEN goes through the process's hub and whose status row is on the board (or a
-        ShardedHarvester, whose engines listen through the same hub and report on the same board)."""
+        """A Harvester, or a ShardedHarvester, on the process's hubs and boards."""
         if config.shards > 1:
             return ShardedHarvester(config, on_event=self._on_event, tracer=self._tracer,
                                     instruments=(lambda _shard: self._instruments(label))

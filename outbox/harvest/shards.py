@@ -3,25 +3,18 @@
     harvester = ShardedHarvester(config)      # config.shards > 1
     harvester.start(); ...; harvester.stop(); harvester.wait()
 
-Kafka's group protocol decides who leads what (no coordinator of our own): the leader topic has one
-partition per shard, the replicas of a group consume it with cooperative-sticky assignment, and
-partition s assigned to a replica makes it shard s's leader. A rebalance moves only the partitions
-that change owner, so the shards that stay keep publishing.
+Kafka's group protocol decides who leads what: the leader topic has a partition per shard, the replicas of a group
+consume it with cooperative-sticky assignment, and partition s assigned to a replica makes it shard s's leader; a
+rebalance moves only the partitions that change owner. Each shard has an engine of its own (a `Harvester` over the
+shard's rows, sharding.py) whose election is a `ShardElection`: a view of the replica's one group consumer
+(`ShardGroup`), which routes each engine's heartbeats back to it and queues its shard's rebalance events for the
+engine's next poll, as librdkafka runs callbacks inside poll(). Fast NELI holds per shard.
 
-Each shard is harvested by an engine of its own (a `Harvester` over the shard's rows, sharding.py):
-its own core and driver, database sessions, fence, leader ids, record producer and status row. The
-engine's leader election is a `ShardElection`, a view of this replica's one group consumer: the
-group thread (`ShardGroup`) consumes every heartbeat and routes its own back to the shard's engine,
-and queues the shard's rebalance events, which the engine's election thread takes in at its next
-poll, as librdkafka runs callbacks inside poll(). Fast NELI holds per shard: each engine publishes
-its heartbeats to its partition and fences itself when it stops seeing them.
-
-Hand-off. The group consumer cannot wait in a revoke callback for one shard to settle: that would
-stop every other shard's heartbeats. Kafka therefore hands a revoked partition on at once, and the
-database fence orders the hand-off (leadership.py): the old engine lets its shard's fence go only once
-nothing it sent is in flight, and the new one waits for it. The manager thread (`ShardedHarvester`)
-reconciles the shards assigned with its engines (supervisor.py, with `retires` below): an engine is
-started when a shard is assigned, and stopped once its shard was revoked and it settled.
+Hand-off. The group consumer cannot wait in a revoke callback for one shard to settle (every other shard's
+heartbeats would stop), so Kafka hands a revoked partition on at once and the database fence orders the hand-off
+(leadership.py): the old engine lets the shard's fence go once nothing it sent is in flight; the new one waits for
+it. The manager (supervisor.py, with `retires` below) starts an engine when a shard is assigned and stops it once
+its shard was revoked and it settled.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ from outbox.harvest import events, sharding
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import LiveConnector
 from outbox.harvest.contract import ReplicaState
-from outbox.harvest.harvester import Harvester, HarvestError, State
+from outbox.harvest.harvester import Harvester, HarvestError, State, check_config, start_failure
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import (
     ConsumerLike,
@@ -62,17 +55,15 @@ from outbox.harvest.supervisor import EngineSet, Supervisor
 from outbox.harvest.tracing import PublishTracer
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
 from outbox.kafka.redaction import remember_secrets
-from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.shards")
 
-#: How often the manager looks at what the group assigned.
+#: Seconds between two steps of the manager.
 MANAGE_INTERVAL = 0.05
 
 
 class ShardElection:
-    """One shard's leader election, for its engine's election thread: LeaderElection's interface over the
-    replica's group consumer (ShardGroup)."""
+    """One shard's leader election: LeaderElection's interface over the replica's group consumer (ShardGroup)."""
 
     def __init__(self, group: ShardGroup, shard: int, name: str) -> None:
         self.group = group
@@ -81,15 +72,14 @@ class ShardElection:
         self._lock = threading.Lock()
         self._events: deque[str] = deque()
         self._seen = False
-        self._callbacks: tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None = None
-        #: Was assigned the shard, at some point.
+        self._callbacks: dict[str, Callable[[], None]] = {}
         self.was_assigned = False
-        #: Its revoke or loss was taken in by the engine (and a revoke settled): the engine may be stopped.
+        #: Its revoke (settled) or loss was taken in by the engine: the engine may be stopped.
         self.gone = False
 
     def start(self, on_assigned: Callable[[], None], on_revoked: Callable[[], None],
               on_lost: Callable[[], None]) -> None:
-        self._callbacks = (on_assigned, on_revoked, on_lost)
+        self._callbacks = {"assign": on_assigned, "revoke": on_revoked, "lost": on_lost}
         self.group.attach(self)
 
     def notify(self, event: str) -> None:
@@ -103,8 +93,8 @@ class ShardElection:
             self._seen = True
 
     def poll(self, *, heartbeat: bool) -> bool:
-        """The rebalance events since the last poll (a revoke returns once the engine settled); True if an
-        own heartbeat came back. With `heartbeat`, publish the next one."""
+        """Serve the rebalance events since the last poll (a revoke returns once the engine settled), and publish
+        the next heartbeat if asked; True if an own heartbeat came back."""
         with self._lock:
             pending, self._events = list(self._events), deque()
             seen, self._seen = self._seen, False
@@ -123,17 +113,9 @@ class ShardElection:
         return seen and not self.gone
 
     def _serve(self, event: str) -> None:
-        assert self._callbacks is not None
-        on_assigned, on_revoked, on_lost = self._callbacks
-        if event == "assign":
-            self.was_assigned = True
-            on_assigned()
-        elif event == "revoke":
-            on_revoked()  # returns when the engine released the shard (ElectionThread._hold)
-            self.gone = True
-        else:
-            on_lost()
-            self.gone = True
+        self.was_assigned = self.was_assigned or event == "assign"
+        self._callbacks[event]()  # a revoke returns once the engine released the shard (ElectionThread._hold)
+        self.gone = event != "assign"
 
     def close(self) -> None:
         self.group.detach(self)
@@ -146,8 +128,8 @@ class ShardGroup(threading.Thread):
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__(name="outbox-shards-group", daemon=True)
         self.topic = config.leader_topic
-        #: Heartbeats carry when they were sent (this clock): one older than heartbeat_timeout counts for
-        #: nothing, so a replica resuming from a pause does not lead again on one it sent before.
+        #: Heartbeats carry when they were sent: one older than heartbeat_timeout counts for nothing, so a replica
+        #: resuming from a pause does not lead again on one it sent before.
         self._clock = clock
         self._max_age = config.limits.heartbeat_timeout
         self._interval = config.limits.min_poll_interval
@@ -181,15 +163,14 @@ class ShardGroup(threading.Thread):
         self._stop_event.set()
 
     def close(self) -> None:
-        """A group that never ran: its consumer ends without joining."""
+        """Close the consumer: one that joined leaves the group, so its shards move at once."""
         try:
             self._consumer.close()
         except (KafkaException, RuntimeError) as error:
             log.warning("Closing the leader consumer: %s", error)
 
     def route(self, partition: int, value: bytes) -> None:
-        """A message of the leader topic: an engine's own heartbeat, sent less than heartbeat_timeout ago,
-        tells it so."""
+        """A message of the leader topic: tell an engine its own heartbeat, sent within heartbeat_timeout."""
         with self._lock:
             view = self._views.get(partition)
         if view is None or not value.endswith(view.signature):
@@ -228,8 +209,8 @@ class ShardGroup(threading.Thread):
                                  on_lost=lambda _c, ps: self._changed("lost", ps))
 
     def step(self) -> None:
-        """One poll of the leader topic (the group's callbacks, and heartbeats routed to their shard's view), then
-        the heartbeat producer's delivery callbacks. Raises KafkaUnavailable on a fatal consumer error."""
+        """One poll of the leader topic (the group's callbacks, heartbeats routed), then the heartbeat producer's
+        callbacks. Raises KafkaUnavailable on a fatal consumer error."""
         for message in self._consumer.consume(num_messages=512, timeout=self._interval):
             error = message.error()
             if error is not None:
@@ -239,11 +220,8 @@ class ShardGroup(threading.Thread):
         self._producer.poll(0)
 
     def end(self) -> None:
-        """Leave the group, so the shards move at once, and send the last heartbeats."""
-        try:
-            self._consumer.close()
-        except (KafkaException, RuntimeError) as error:
-            log.warning("Closing the leader consumer: %s", error)
+        """Leave the group and send the last heartbeats."""
+        self.close()
         self._producer.flush(1.0)
 
     def run(self) -> None:
@@ -260,17 +238,16 @@ class ShardGroup(threading.Thread):
 
 
 def retires(shard: int, owned: set[int], election: ShardElection | None) -> bool:
-    """Whether a running shard's engine must stop (supervisor.py settles it first): its revoke or loss was taken in
-    (the shard moved, or was revoked and assigned again: a fresh engine takes the new assignment), or its shard is
-    no longer this replica's and it never took the assignment in. The simulator's sharded replicas use it too."""
+    """Whether a running shard's engine must stop (it settles first): its revoke or loss was taken in (a shard
+    revoked and assigned again gets a fresh engine), or its shard is no longer this replica's and it never took the
+    assignment in."""
     if election is None:
         return shard not in owned
     return election.gone or (shard not in owned and not election.was_assigned)
 
 
 class ShardConnector(LiveConnector):
-    """The live connector of one shard's engine: its leader election is the replica's group (ShardGroup), its
-    LISTEN the replica's hub."""
+    """The live connector of one shard's engine: its election is a view of the replica's group."""
 
     def __init__(self, config: HarvestConfig, group: ShardGroup, hubs: NotifyHubs, boards: StatusBoards) -> None:
         super().__init__(config, hubs, boards)
@@ -300,9 +277,8 @@ class ShardedHarvester(EngineSet[int, Harvester]):
                  hubs: NotifyHubs | None = None, boards: StatusBoards | None = None,
                  supervisor_class: type[Supervisor[int, Harvester]] = Supervisor,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`hubs`, `boards`: the process's LISTEN hubs and status writers (ManyHarvester's, where this is one of its
-        outboxes; default: this replica's own), shared by every shard's engine and the replica's own row;
-        `supervisor_class`, `clock`: the reconcile step's class and the manager's clock (the simulator's)."""
+        """`hubs`, `boards`: the process's (ManyHarvester's, where this is one of its outboxes; default: its own);
+        `supervisor_class`, `clock`: the simulator's."""
         super().__init__(self._start_engine, describe=lambda shard: f"Shard {shard}'s engine", name=config.name,
                          hubs=hubs, boards=boards, supervisor_class=supervisor_class, clock=clock)
         self.config = config
@@ -326,7 +302,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         return engine.is_leader
 
     def _replica_status(self) -> StatusSnapshot:
-        """The replica's own status row: in the group (its engines' rows say which shards it leads), and its totals."""
+        """The replica's own row: in the group (its engines' rows say which shards it leads), with its totals."""
         engines = list(self.engines.values())
         state = {State.STOPPING: ReplicaState.STOPPING, State.STOPPED: ReplicaState.STOPPED}.get(
             self._state, ReplicaState.STANDBY)
@@ -338,12 +314,10 @@ class ShardedHarvester(EngineSet[int, Harvester]):
                               failed=sum(engine.failed for engine in engines))
 
     def open(self) -> bool:
-        """Check the config, the table and the leader topic, and join the group; raises HarvestError with a one-line
-        reason. False if stop() came meanwhile."""
+        """Check the config, the table and the leader topic, and join the group (or HarvestError); False if stop()
+        came meanwhile."""
         config = self.config
-        problems = config.validate()
-        if problems:
-            raise HarvestError("invalid configuration: " + "; ".join(map(str, problems)))
+        check_config(config)
         if config.shards < 2:
             raise HarvestError("a sharded harvester needs shards > 1 (Harvester harvests one shard)")
         group = self._join_group()
@@ -362,8 +336,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         return True
 
     def _join_group(self) -> ShardGroup:
-        """The table's index for its shards, the leader topic with a partition each, and the group's consumer and
-        heartbeat producer (the simulator's are the world's)."""
+        """The table's shard index, the leader topic with a partition per shard, the group's consumer and producer."""
         config = self.config
         try:
             prepare_table(config)
@@ -372,13 +345,9 @@ class ShardedHarvester(EngineSet[int, Harvester]):
             check_leader_partitions(config.leader_topic, found, config.shards)
             consumer = self._consumer_factory(leader_consumer_config(config))
             producer = self._producer_factory(heartbeat_producer_config(config))
-        except (StoreError, KafkaUnavailable) as error:
-            raise HarvestError(str(error)) from None
-        except KafkaException as error:
-            raise HarvestError(f"cannot create a Kafka client: {first_line(error)}") from None
+        except (StoreError, KafkaUnavailable, KafkaException) as error:
+            raise start_failure(error) from None
         return ShardGroup(config, consumer, producer)
-
-    # -- the step (supervisor.py): engines for the shards assigned, stopped once they let their shard go -----
 
     def wanted(self, now: float) -> set[int]:
         assert self._group is not None
@@ -396,8 +365,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
             group.stop()
             group.join(timeout=10)
         if self._status is not None:
-            self._status.stop()
-            self._status.join(timeout=10)
+            self._status.close()
 
     def _start_engine(self, shard: int) -> Harvester:
         engine = self._new_engine(shard)
@@ -405,7 +373,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         return engine
 
     def _new_engine(self, shard: int) -> Harvester:
-        """Shard `shard`'s engine, not started: a Harvester whose election is the group's view of its shard."""
+        """Shard `shard`'s engine, not started, named after it."""
         assert self._group is not None
         config = self._engine_config(shard)
         connector = self._connectors[shard] = ShardConnector(config, self._group, self.hubs, self.boards)
@@ -414,10 +382,10 @@ class ShardedHarvester(EngineSet[int, Harvester]):
             instruments=self._instruments(shard) if self._instruments is not None else None)
 
     def _engine_config(self, shard: int) -> HarvestConfig:
-        """Shard `shard`'s engine's configuration: this replica's, for that shard, named after it."""
+        """This replica's configuration for shard `shard`, named after it."""
         return dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
 
     def _election(self, shard: int, engine: Harvester) -> ShardElection | None:
-        """The running engine's view of its shard (None until it asked for one)."""
+        """The engine's view of its shard (None until it asked for one)."""
         connector = self._connectors.get(shard)
         return connector.election if connector is not None else None

@@ -1,16 +1,11 @@
-"""Each replica's status row: who it is, whether it leads, what it has in flight and holds.
+"""Each replica's status row: who it is, whether it leads, what it has in flight and holds; read by the dashboard,
+metrics and `harvest_health`, written by the process's status writer (status_board.py) every `status_interval`, so
+writing never waits on harvesting (or the reverse). Rows not seen for `status_prune_after` seconds are deleted.
 
-A process's status writer (status_board.py: one session per status table for all its engines) upserts every
-engine's row each `status_interval`, so writing it never waits on harvesting (or the reverse); the admin
-dashboard, metrics and `harvest_health` read it. Rows not seen for `status_prune_after` seconds are deleted by
-whichever replica notices. A standby also says, once, who leads its group (StandbyNotes).
-
-Every `history_interval` seconds an engine also adds a sample of its figures to `<status_table>_history` (the
-dashboard's charts, HistorySampler) and deletes samples older than `history_retention`: the engine's loop never
-waits on it, and it costs Postgres two index lookups and an insert. A sample carries what harvesting has cost the
-database (dbtime.py): this replica's round trips, and, from the leader where the database has pg_stat_statements,
-the server's time for each kind of statement (read by the harvester's query ids; their texts, which cost more to
-read, 10 s after the first read, then twice as long each time, up to every ten minutes).
+Every `history_interval` an engine also adds a sample of its figures to `<status_table>_history` (the dashboard's
+charts: two index lookups and an insert) and deletes those older than `history_retention`. A leader's sample carries
+what harvesting cost the database (dbtime.py): its round trips and, where the database has pg_stat_statements, the
+server's time per kind of statement.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ log = logging.getLogger("outbox.harvest")
 
 @dataclass(frozen=True)
 class StatusSnapshot:
-    """What a replica reports about itself at one moment."""
+    """What a replica reports of itself at one moment."""
 
     state: ReplicaState
     #: The leader id of the term its records in flight belong to (see core.Snapshot.marking_id).
@@ -64,24 +59,11 @@ class StatusSnapshot:
     round_trips: dbtime.Totals = field(default_factory=dict)
 
 
-UPSERT = """
-INSERT INTO {table} (name, host, pid, state, leader_id, marked_upto, since, started, last_seen, harvested_table,
-                     leader_topic, leader_group, in_flight, queued, in_flight_keys, in_flight_key_count, held_keys,
-                     held, blocked_by, throughput, published, failed)
-VALUES (%(name)s, %(host)s, %(pid)s, %(state)s, %(leader_id)s, %(marked_upto)s, %(since)s, %(started)s, now(),
-        %(harvested_table)s, %(leader_topic)s, %(leader_group)s, %(in_flight)s, %(queued)s, %(in_flight_keys)s,
-        %(in_flight_key_count)s, %(held_keys)s, %(held)s, %(blocked_by)s, %(throughput)s, %(published)s, %(failed)s)
-ON CONFLICT (name) DO UPDATE SET
-  host = EXCLUDED.host, pid = EXCLUDED.pid, state = EXCLUDED.state, leader_id = EXCLUDED.leader_id,
-  marked_upto = EXCLUDED.marked_upto,
-  since = EXCLUDED.since, last_seen = now(), harvested_table = EXCLUDED.harvested_table,
-  leader_topic = EXCLUDED.leader_topic, leader_group = EXCLUDED.leader_group, in_flight = EXCLUDED.in_flight,
-  queued = EXCLUDED.queued, in_flight_keys = EXCLUDED.in_flight_keys,
-  in_flight_key_count = EXCLUDED.in_flight_key_count, held_keys = EXCLUDED.held_keys, held = EXCLUDED.held,
-  blocked_by = EXCLUDED.blocked_by, throughput = EXCLUDED.throughput, published = EXCLUDED.published,
-  failed = EXCLUDED.failed
-"""
-# A shard's engine says which shard it harvests, where the status table has the columns (migration 0008).
+#: A status row's columns, as its writer sends them (status_board.py; last_seen is the server's now()).
+ROW_COLUMNS = ("name", "host", "pid", "state", "leader_id", "marked_upto", "since", "started", "last_seen",
+               "harvested_table", "leader_topic", "leader_group", "in_flight", "queued", "in_flight_keys",
+               "in_flight_key_count", "held_keys", "held", "blocked_by", "throughput", "published", "failed")
+# Whether the status table has the shard columns (migration 0008).
 HAS_SHARD_COLUMNS = """
 SELECT count(*) = 2 FROM pg_attribute
 WHERE attrelid = to_regclass(%(table)s) AND attname IN ('shard', 'shards') AND NOT attisdropped
@@ -100,19 +82,18 @@ SELECT name, host FROM {table}
 WHERE leader_group = %(group)s AND state = 'leader' AND name <> %(name)s
   AND last_seen > now() - make_interval(secs => %(age)s)
 """
-# Replicas of this group harvesting another table: two outboxes share a leader group, and only one
-# of them can ever be harvested.
+# Replicas of this group harvesting another table (only one of the two tables can be harvested).
 OTHER_TABLES = """
 SELECT name, host, harvested_table FROM {table}
 WHERE leader_group = %(group)s AND harvested_table <> %(harvested)s AND state <> 'stopped'
   AND last_seen > now() - make_interval(secs => %(age)s)
 """
-# A live-row estimate for the harvested table, kept by Postgres's statistics: no table scan.
+# Postgres's live-row estimate for the harvested table: no table scan.
 BACKLOG = "SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(table)s)"
 #: Samples count the harvested table's rows exactly up to this many (a primary-key range), then estimate.
 HISTORY_COUNT_LIMIT = 10_000
-# One sample: the snapshot's figures, the table's rows (counted along the primary key up to the
-# limit, Postgres's estimate beyond) and its oldest row's age (the primary key's head).
+# One sample: the snapshot's figures, the table's rows (counted along the primary key up to the limit, estimated
+# beyond) and its oldest row's age.
 SAMPLE = """
 WITH counted AS (SELECT count(*) AS n FROM (SELECT 1 FROM {table} ORDER BY id LIMIT %(count_limit)s + 1) head),
      oldest AS (SELECT create_time FROM {table} ORDER BY id LIMIT 1)
@@ -139,8 +120,7 @@ PRUNE_HISTORY = "DELETE FROM {history} WHERE at < now() - make_interval(secs => 
 
 def snapshot_of(core: Snapshot, *, stopping: bool, since: datetime, throughput: float,
                 round_trips: dbtime.Totals) -> StatusSnapshot:
-    """What an engine reports, from its core's snapshot (`stopping`: asked to stop, settling): Harvester.status,
-    and the simulator's engines."""
+    """What an engine reports, from its core's snapshot (`stopping`: asked to stop, settling)."""
     return StatusSnapshot(state=ReplicaState.STOPPING if stopping else core.state, leader_id=core.marking_id,
                           since=since, in_flight=core.in_flight, queued=core.queued,
                           in_flight_keys=core.in_flight_keys, in_flight_key_count=core.in_flight_key_count,
@@ -151,23 +131,21 @@ def snapshot_of(core: Snapshot, *, stopping: bool, since: datetime, throughput: 
 
 def identity(config: HarvestConfig, started: datetime, *, host: str | None = None,
              pid: int | None = None) -> dict[str, object]:
-    """Who writes a status row: the replica or engine `config` names, on this host and process by default."""
+    """Who writes a status row: `config`'s replica or engine, on this host and process by default."""
     return {"name": config.name, "host": host or socket.gethostname(), "pid": os.getpid() if pid is None else pid,
             "started": started, "harvested_table": config.table, "leader_topic": config.leader_topic,
             "leader_group": config.leader_group}
 
 
 def shard_columns(config: HarvestConfig, sharded_replica: bool = False) -> dict[str, int | None] | None:
-    """The shard columns' values: a shard's engine says its shard, a sharded replica's own row none; None
-    unsharded."""
+    """The shard columns: a shard's engine's shard, none for a sharded replica's own row; None unsharded."""
     if config.shards <= 1:
         return None
     return {"shard": None if sharded_replica else config.shard, "shards": config.shards}
 
 
 def row_values(identity: dict[str, object], snapshot: StatusSnapshot) -> dict[str, object]:
-    """The status row's values (UPSERT's parameters) for a replica or engine (`identity`: name, host, pid, started,
-    harvested_table, leader_topic, leader_group) reporting `snapshot`."""
+    """A status row's values (ROW_COLUMNS but last_seen): `identity`'s, reporting `snapshot`."""
     return {
         **identity, "state": str(snapshot.state), "leader_id": snapshot.leader_id,
         "marked_upto": snapshot.marked_upto, "since": snapshot.since,
@@ -190,20 +168,17 @@ def status_table_exists(conn: psycopg.Connection, table: str) -> bool:
 
 
 def status_statements(status_table: str) -> list[str]:
-    """The status writer's statements on `status_table` (status_board.py), as it sends them: what a sample's
-    read of pg_stat_statements counts as `status`."""
+    """The status writer's statements on `status_table` as it sends them (counted as `status` in a sample)."""
     ident = table_identifier(status_table)
     return [sql.SQL(text).format(table=ident).as_string() for text in (PRUNE, STOPPED, FORGET, LEADERS,
                                                                        OTHER_TABLES)]
 
 
 class HistorySampler:
-    """One engine's history samples (the dashboard's charts), every `history_interval`, on the status writer's
-    session (status_board.py); a leader's sample also carries the server's time per kind of statement, read from
-    pg_stat_statements (`statements`: the last read, None where none was)."""
+    """One engine's history samples, on the status writer's session; a leader's carries the server's time per kind
+    of statement from pg_stat_statements (`statements`: the last read, None where none was)."""
 
     def __init__(self, config: HarvestConfig, identity: dict[str, object], writer_statements: list[str]) -> None:
-        """`writer_statements`: the status writer's own statements, counted as `status` with the samples'."""
         self._identity = identity
         self._harvested = table_name(config.table)
         self._history_table = history_table(config.status_table)
@@ -233,8 +208,8 @@ class HistorySampler:
         self._next_sample = 0.0
 
     def sample(self, conn: psycopg.Connection, snapshot: StatusSnapshot) -> None:
-        """A sample when one is due, and samples older than history_retention deleted. Raises psycopg.Error only
-        when the session broke (the writer says so once and reconnects)."""
+        """A sample when due, and those older than history_retention deleted. Raises psycopg.Error only when the
+        session broke (the writer reconnects)."""
         if self._history_on is False or time.monotonic() < self._next_sample:
             return
         if self._history_on is None:
@@ -271,7 +246,7 @@ class HistorySampler:
         self._history_failing = False
 
     def _read_statements(self, conn: psycopg.Connection) -> dbtime.Totals | None:
-        """The server's time per statement kind, or None where pg_stat_statements cannot be read (said once)."""
+        """The server's time per statement kind; None where pg_stat_statements cannot be read (said once)."""
         if self._statements_on is False:
             return None
         why = "the extension is not installed in this database"
@@ -291,8 +266,8 @@ class HistorySampler:
 
 
 class StandbyNotes:
-    """What a replica of one outbox says, once, from the status rows: who leads its group while it stands by,
-    and a replica of its group harvesting another table (only one of the two can be harvested)."""
+    """What a replica of one outbox says once, from the status rows: who leads its group while it stands by, and a
+    replica of its group harvesting another table."""
 
     def __init__(self, config: HarvestConfig, identity: dict[str, object]) -> None:
         ident = table_identifier(config.status_table)

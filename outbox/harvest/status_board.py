@@ -1,20 +1,14 @@
-"""One status writer per status table for every engine of a process: one outbox's, each shard's and the
-sharded replica's own row, each of many outboxes' (outboxes.py).
+"""One status writer per status table for every engine of a process (an outbox's, each shard's and the
+sharded replica's own row, each of many outboxes').
 
-A session and a thread per engine would be fifty sessions and well over a hundred statements a second for
-fifty idle outboxes, or one per shard. The board writes every engine's row in one statement per
-`status_interval` on one session (per status table), a shard's engine's shard in one more, reads every
-harvested table's backlog every BACKLOG_EVERY intervals and prunes stale rows every PRUNE_INTERVAL:
+A session and a thread per engine would be fifty sessions for fifty idle outboxes. A board writes every engine's
+row in one statement each `status_interval` on one session, reads the harvested tables' backlogs every
+BACKLOG_EVERY intervals and prunes stale rows every PRUNE_INTERVAL; per engine it also runs the history samples
+and standby's lines (status.py) and the leader's dead-letter retention (retention.py). It starts with its first
+engine and ends once its last one's row says stopped:
 
-    boards = StatusBoards()                                       # the process's
-    reporter = boards.reporter(engine_config, snapshot, on_backlog)   # start(), stop(), join(), statements
-
-The rows are read by the dashboard, metrics and harvest_health. An engine whose config has a
-`history_interval` also gets its history samples (the dashboard's charts; a leader's with its read of
-pg_stat_statements) written here (status.HistorySampler; outbox/many.py turns them off for tenant schemas'
-outboxes: fifty tenants would be five samples a second), and a replica of one outbox its standby's lines
-(status.StandbyNotes). Parked records past `dead_letter_retention` are deleted by each outbox's leader, from
-here. A board starts with its first engine and ends once its last one's row says stopped.
+    boards = StatusBoards()                                           # the process's
+    reporter = boards.reporter(engine_config, snapshot, on_backlog)   # start(), close(), statements
 """
 
 from __future__ import annotations
@@ -34,13 +28,14 @@ from psycopg.types.json import Jsonb
 from outbox.harvest import dbtime
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
+from outbox.harvest.process_services import ProcessServices
 from outbox.harvest.retention import PASS_INTERVAL, DeadLetterRetention
 from outbox.harvest.status import (
     FORGET,
     HAS_SHARD_COLUMNS,
     PRUNE,
+    ROW_COLUMNS,
     STOPPED,
-    UPSERT,
     HistorySampler,
     StandbyNotes,
     StatusSnapshot,
@@ -55,27 +50,23 @@ from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
 
-#: The backlog (Postgres's live-row estimate of each harvested table) is read every this many intervals.
+#: The harvested tables' backlogs are read every BACKLOG_EVERY intervals; stale rows deleted every PRUNE_INTERVAL s.
 BACKLOG_EVERY = 5
-#: Rows not seen for status_prune_after are deleted this often (seconds).
 PRUNE_INTERVAL = 60.0
-#: Each leader's pass over its expired dead letters, this often (seconds) for an outbox among many: retention is
-#: counted in days (retention.PASS_INTERVAL for one outbox).
+#: Seconds between a leader's passes over its expired dead letters, for an outbox among many (retention is counted in
+#: days; retention.PASS_INTERVAL for one outbox).
 RETENTION_INTERVAL = 600.0
-
-_COLUMNS = UPSERT[UPSERT.index("(") + 1:UPSERT.index(")")]
-_ON_CONFLICT = UPSERT[UPSERT.index("ON CONFLICT"):]
 
 
 def _upsert_many(shards: bool) -> str:
-    """Every engine's row in one statement: the rows as a JSON array, typed by the status table's own row type;
-    with `shards`, each engine's shard too (a table that has the columns, migration 0008)."""
-    columns = _COLUMNS + (", shard, shards" if shards else "")
-    on_conflict = _ON_CONFLICT.rstrip() + (",\n  shard = EXCLUDED.shard, shards = EXCLUDED.shards\n" if shards
-                                           else "\n")
-    return (f"INSERT INTO {{table}} ({columns})\n"
-            f"SELECT {columns.replace('last_seen', 'now()')}\n"
-            f"FROM jsonb_populate_recordset(NULL::{{table}}, %(rows)s)\n{on_conflict}")
+    """Every engine's row in one statement, as a JSON array typed by the table's own row type; with `shards`, each
+    engine's shard too (a table with the columns). A row already there (by name) keeps its `started`."""
+    columns = [*ROW_COLUMNS, *(("shard", "shards") if shards else ())]
+    listed = ", ".join(columns)
+    updated = ", ".join(f"{column} = {'now()' if column == 'last_seen' else f'EXCLUDED.{column}'}"
+                        for column in columns if column not in ("name", "started"))
+    return (f"INSERT INTO {{table}} ({listed})\nSELECT {listed.replace('last_seen', 'now()')}\n"
+            f"FROM jsonb_populate_recordset(NULL::{{table}}, %(rows)s)\nON CONFLICT (name) DO UPDATE SET {updated}\n")
 
 
 UPSERT_MANY = _upsert_many(shards=False)
@@ -85,15 +76,12 @@ BACKLOGS = """
 SELECT t.name, s.n_live_tup FROM unnest(%(tables)s::text[]) AS t(name)
 JOIN pg_stat_user_tables s ON s.relid = to_regclass(t.name)
 """
-
-
 #: The shard columns of an unsharded engine's row (their defaults), beside sharded ones on one board.
 UNSHARDED = {"shard": None, "shards": 1}
 
 
 def board_row(values: dict[str, Any], shard: dict[str, int | None] | None = None) -> dict[str, Any]:
-    """A status row as UPSERT_MANY(_SHARDS) reads it: status.row_values, and status.shard_columns (None:
-    unsharded), as JSON."""
+    """A status row (status.row_values, status.shard_columns) as JSON, as UPSERT_MANY(_SHARDS) reads it."""
     leader_id = values["leader_id"]
     return {**values, "started": values["started"].isoformat(), "since": values["since"].isoformat(),
             "leader_id": None if leader_id is None else str(leader_id), "held": json.loads(values["held"]),
@@ -101,28 +89,26 @@ def board_row(values: dict[str, Any], shard: dict[str, int | None] | None = None
 
 
 def writer_statements(status_table: str) -> list[str]:
-    """The board's statements on `status_table` as it sends them (a history sample's read of pg_stat_statements
-    counts them as status)."""
+    """The board's statements on `status_table` as it sends them (counted as `status` in a sample)."""
     ident = table_identifier(status_table)
     return [*status_statements(status_table),
             *(sql.SQL(text).format(table=ident).as_string() for text in (UPSERT_MANY, UPSERT_MANY_SHARDS))]
 
 
 class BoardReporter:
-    """One engine's place on the board: start() attaches it, stop() detaches it, join() waits for its last row."""
+    """One engine's place on the board: start() attaches it, close() detaches it once its last row is written."""
 
     def __init__(self, boards: StatusBoards, config: HarvestConfig, snapshot: Callable[[], StatusSnapshot],
                  on_backlog: Callable[[int], None], *, sharded_replica: bool = False,
                  one_of_many: bool = False) -> None:
-        """With shards, each engine reports its shard's row (deleted when the engine stops: the shard moved or the
-        replica stopped), and the replica itself a row of its own (`sharded_replica`: no shard, no history), which
-        says it is in the group whether it leads shards or not. `one_of_many`: an outbox among many (outboxes.py):
-        no standby's lines, its dead letters' retention every RETENTION_INTERVAL."""
+        """With shards, each shard's engine has a row (deleted when it stops: the shard moved or the replica
+        stopped), and the replica one of its own (`sharded_replica`: no shard, no history), in the group whether it
+        leads shards or not. `one_of_many`: an outbox among many: no standby's lines, retention every
+        RETENTION_INTERVAL."""
         self._boards = boards
         self.config = config
-        #: The board it is on, from start() (its status table's, in this process).
+        #: The board it is on, from start().
         self.board: StatusBoard | None = None
-        self.name = config.name
         self.table = table_name(config.table)
         self.identity = identity(config, datetime.now(UTC))
         self.snapshot = snapshot
@@ -132,36 +118,26 @@ class BoardReporter:
         self.forget = config.shards > 1 and not sharded_replica
         self.retention = DeadLetterRetention(config, pass_interval=RETENTION_INTERVAL if one_of_many
                                              else PASS_INTERVAL)
-        #: The engine's history samples (the dashboard's charts), when its config asks for them.
         self.sampler = (HistorySampler(config, self.identity, writer_statements(config.status_table))
                         if config.limits.history_interval and not sharded_replica else None)
-        #: A replica's own lines (a shard's engine leaves them to its replica's row).
+        #: A replica's own lines (not a shard's engine's).
         self.notes = StandbyNotes(config, self.identity) if not (one_of_many or self.forget) else None
-        self._alive = False
         self._gone = threading.Event()
 
     @property
     def statements(self) -> dbtime.Totals | None:
-        """The leader's last read of pg_stat_statements, taken with its history samples (None without)."""
+        """The leader's last read of pg_stat_statements (None without history samples)."""
         return self.sampler.statements if self.sampler is not None else None
 
     def start(self) -> None:
-        self._alive = True
         self.board = self._boards.attach(self)
 
-    def stop(self) -> None:
-        """Leave the board; its row says stopped (or is deleted) once the board wrote that (join waits for it)."""
-        if self.board is not None:
-            self.board.detach(self)
-        else:
-            self._gone.set()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._gone.wait(timeout)
-        self._alive = False
-
-    def is_alive(self) -> bool:
-        return self._alive
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Leave the board, and wait (up to `timeout`) until it wrote the row as stopped (or deleted it)."""
+        board, self.board = self.board, None
+        if board is not None:
+            board.detach(self)
+            self._gone.wait(timeout)
 
     def row(self) -> dict[str, Any]:
         """The engine's row as the board's upsert reads it."""
@@ -343,17 +319,12 @@ class StatusBoard(threading.Thread):
         return self._conn
 
 
-class StatusBoards:
-    """The process's boards, one per status table (by database): started by the first engine, ended once the
-    last one's row was written as it left."""
+class StatusBoards(ProcessServices[StatusBoard]):
+    """The process's boards, one per status table (by database)."""
 
     def __init__(self, *, name: str = "", threads: bool = True) -> None:
-        """Without `threads` no board's thread is started: the caller steps each board (`step()`), as the unit
-        tests do."""
+        super().__init__(threads=threads)
         self._name = name
-        self._threads = threads
-        self._lock = threading.Lock()
-        self._boards: dict[tuple[str, str], StatusBoard | None] = {}
 
     def reporter(self, config: HarvestConfig, snapshot: Callable[[], StatusSnapshot],
                  on_backlog: Callable[[int], None], **kinds: bool) -> BoardReporter | None:
@@ -361,61 +332,31 @@ class StatusBoards:
         start(); None where status rows are off, or the table does not exist (said once)."""
         if not (config.status_table and config.limits.status_interval):
             return None
-        with self._lock:
-            if self._board(config) is None:
-                return None
+        if self.use(self._key(config), lambda: self._board(config), lambda board: board) is None:
+            return None
         return BoardReporter(self, config, snapshot, on_backlog, **kinds)
 
     def attach(self, reporter: BoardReporter) -> StatusBoard | None:
         """Put `reporter` on its status table's board (started anew if the last one ended meanwhile)."""
-        with self._lock:  # before the board's own lock, as in _retire: no board is ended under a new engine
-            board = self._board(reporter.config)
-            if board is not None:
-                board.attach(reporter)
+        def attach(board: StatusBoard) -> StatusBoard:
+            board.attach(reporter)
             return board
 
-    def _board(self, config: HarvestConfig) -> StatusBoard | None:
-        key = (config.dsn, config.status_table or "")
-        if key not in self._boards:
-            board = StatusBoard(config, name=self._name, on_empty=self._retire)
-            if board.usable():
-                if self._threads:
-                    board.start()
-                self._boards[key] = board
-            else:
-                log.info("Status rows off: table %s does not exist (%s)", config.status_table,
-                         how_made(config.status_table, STATUS_TABLE))
-                board._close_session()
-                self._boards[key] = None
-        return self._boards[key]
+        return self.use(self._key(reporter.config), lambda: self._board(reporter.config), attach)
 
-    def _retire(self, board: StatusBoard) -> None:
-        with self._lock:
-            for key, found in self._boards.items():
-                if found is board and board.empty:
-                    del self._boards[key]
-                    break
-            else:
-                return
-        _end(board)  # its last write says the leaving engines stopped; their join() waits for it
+    @staticmethod
+    def _key(config: HarvestConfig) -> tuple[str, str]:
+        return (config.dsn, config.status_table or "")
+
+    def _board(self, config: HarvestConfig) -> StatusBoard | None:
+        board = StatusBoard(config, name=self._name, on_empty=self.retire)
+        if board.usable():
+            return board
+        log.info("Status rows off: table %s does not exist (%s)", config.status_table,
+                 how_made(config.status_table, STATUS_TABLE))
+        board._close_session()
+        return None
 
     @property
     def boards(self) -> list[StatusBoard]:
-        with self._lock:
-            return [board for board in self._boards.values() if board is not None]
-
-    def close(self) -> None:
-        boards = self.boards
-        for board in boards:
-            _end(board)
-        for board in boards:
-            if board.ident is not None:
-                board.join(timeout=10)
-
-
-def _end(board: StatusBoard) -> None:
-    """Stop the board: its thread writes the last rows and ends (a board that was stepped, never started, ends
-    here)."""
-    board.stop()
-    if board.ident is None:
-        board.end()
+        return self.running

@@ -1,17 +1,14 @@
-"""One reconcile step for a process's set of engines: what should run, what runs; start what is missing,
-stop (after it settled) what should not run, forget what stopped, start again after a backoff that doubles.
+"""One reconcile step for a process's set of engines: start what should run and does not, stop (after it
+settled) what should not, forget what stopped, start again after a backoff that doubles.
 
-A process runs a set of engines (`EngineSet`: its manager thread, the view other threads read, its end). A
-sharded replica (shards.py) runs one per shard the group assigned it; a process harvesting many outboxes
-(outboxes.py) one per outbox, each a Harvester or a sharded replica. Both are an EngineSet that says what
-should run now and its rule for an engine to retire; its tick() calls `Supervisor.reconcile` with them. The
-many-outbox and shard simulators (tests/sim/many_process.py, tests/sim/shard_replica.py) run the production
-ManyHarvester's and ShardedHarvester's tick() on their clocks.
+A sharded replica (shards.py) runs an engine per shard the group assigned it; a process harvesting many outboxes
+(outboxes.py) one per outbox. Each is an EngineSet that says what it wants now and when an engine must retire; the
+simulators (tests/sim/shard_replica.py, many_process.py) run the same tick() on their clocks.
 
-An engine is stopped, never dropped: stop() lets what it has in flight settle, and only once it has stopped is
-its slot free for a new engine (a shard's hand-off waits on that: shards.py). An engine that failed, or could
-not start, is started again after RESTART_BACKOFF, doubling at each failure in a row up to MAX_BACKOFF; one
-that ran for MAX_BACKOFF before failing starts the count again, so one broken engine never stops the others.
+An engine is stopped, never dropped: its slot is free for a new engine only once what it had in flight settled
+(a shard's hand-off waits on that). A failed engine is started again after RESTART_BACKOFF, doubled at each failure
+in a row up to MAX_BACKOFF (a good run of MAX_BACKOFF starts the count again): one broken engine never stops the
+others.
 """
 
 from __future__ import annotations
@@ -33,38 +30,32 @@ from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.supervisor")
 
-#: An engine that failed is started again after RESTART_BACKOFF, doubling at each failure in a row up to
-#: MAX_BACKOFF; one that ran for MAX_BACKOFF before failing starts the count again.
+#: Seconds before a failed engine starts again (doubled at each failure in a row, up to MAX_BACKOFF).
 RESTART_BACKOFF = 2.0
 MAX_BACKOFF = 60.0
 
 
 class EngineLike(Protocol):
-    """What the supervisor needs of an engine (a Harvester, a ShardedHarvester, a simulated shard's engine)."""
+    """What the supervisor needs of an engine (a Harvester, a ShardedHarvester)."""
 
     @property
     def state(self) -> State: ...
-    def stop(self) -> None: ...
-    def wait(self, timeout: float | None = None) -> bool: ...
-
-
-class RunningEngine(EngineLike, Protocol):
-    """What an EngineSet reads of its engines besides (a Harvester, a ShardedHarvester)."""
-
     @property
     def replica_state(self) -> ReplicaState: ...
     @property
     def published(self) -> int: ...
+    def stop(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 K = TypeVar("K")
 E = TypeVar("E", bound=EngineLike)
-R = TypeVar("R", bound=RunningEngine)
+R = TypeVar("R", bound=EngineLike)
 
 
 @dataclass
 class Slot(Generic[E]):
-    """One key's engine, if it has one, and when to start it again after a failure."""
+    """One key's engine, if any, and when to start it again after a failure."""
 
     engine: E | None = None
     started_at: float = 0.0
@@ -78,13 +69,10 @@ class Supervisor(Generic[K, E]):
     """The engines of one process by key (a shard number, an outbox label), and the step that reconciles them."""
 
     def __init__(self, start: Callable[[K], E], *, describe: Callable[[K], str]) -> None:
-        """`start(key)`: a new engine for `key`, started (HarvestError if it cannot be); `describe(key)`: how the
-        log names it ("Shard 3's engine", "Outbox acme's engine")."""
+        """`start(key)`: a new engine, started (or HarvestError); `describe(key)`: its name in the log."""
         self._start_engine, self._describe = start, describe
         self._lock = threading.Lock()
         self._slots: dict[K, Slot[E]] = {}
-
-    # -- the view (any thread) --------------------------------------------------------------------
 
     def engines(self) -> dict[K, E]:
         """The engines running or settling now, by key."""
@@ -97,12 +85,10 @@ class Supervisor(Generic[K, E]):
             return {key: (slot.engine is not None and slot.engine.state is State.RUNNING, slot.failed_total)
                     for key, slot in self._slots.items()}
 
-    # -- the step (the manager thread) ------------------------------------------------------------
-
     def reconcile(self, wanted: Collection[K], now: float, retire: Callable[[K, E], bool],
                   stopping: Callable[[], bool] = lambda: False) -> None:
-        """Forget engines that stopped (a failure delays the next start), stop running ones `retire` says must go
-        (they settle first), and start an engine for each key wanted that has none and whose backoff passed."""
+        """Forget engines that stopped (a failure delays the next start), stop those `retire` says must go (they
+        settle first), and start one for each key wanted that has none and whose backoff passed."""
         for key, slot in list(self._slots.items()):
             engine = slot.engine
             if engine is not None and engine.state is State.STOPPED:
@@ -124,8 +110,8 @@ class Supervisor(Generic[K, E]):
                 self._start(key, slot, now)
 
     def settle_all(self) -> bool:
-        """One step of the end: ask every engine to stop (what it has in flight settles first), forget those that
-        stopped (saying a failure once); True once none is left."""
+        """One step of the end: ask every engine to stop, forget those that stopped (saying a failure once); True
+        once none is left."""
         for key, slot in list(self._slots.items()):
             engine = slot.engine
             if engine is not None and engine.state is State.STOPPED:
@@ -142,7 +128,7 @@ class Supervisor(Generic[K, E]):
         return not self._slots
 
     def stop_all(self) -> None:
-        """Stop every engine and wait for each (the manager thread's end: settle_all() until it is done)."""
+        """Stop every engine and wait for each (the manager thread's end)."""
         while not self.settle_all():
             for engine in self.engines().values():
                 with contextlib.suppress(HarvestError):  # settle_all() says it
@@ -185,13 +171,11 @@ class Supervisor(Generic[K, E]):
 
 
 class EngineSet(Lifecycle, Generic[K, R]):
-    """A process's engines under one Supervisor, stepped by one manager thread. What it wants (`wanted`) and when a
-    running engine must go (`retires`) are its kind's: a shard the group assigned this replica (ShardedHarvester), an
-    outbox found (ManyHarvester). open() prepares without starting a thread, and tick() is one step of the manager
-    (start() runs it every `manage_interval`), so a simulator can step it on its clock. Its engines share the process's
-    LISTEN hubs and status boards: its own, ended with it, unless it is given the ones of a set it belongs to."""
+    """A process's engines under one Supervisor, stepped by one manager thread: `wanted` and `retires` are its
+    kind's. open() prepares without a thread and tick() is one step (start() runs it every `manage_interval`), so a
+    simulator can step it on its clock. Its engines share the process's LISTEN hubs and status boards (its own,
+    ended with it, unless given those of a set it belongs to)."""
 
-    #: How often the manager steps; what the set is, for the log.
     manage_interval = 0.1
     kind = "Harvester"
     thread_name = "outbox-engines"
@@ -200,22 +184,18 @@ class EngineSet(Lifecycle, Generic[K, R]):
                  hubs: NotifyHubs | None = None, boards: StatusBoards | None = None,
                  supervisor_class: type[Supervisor[K, R]] = Supervisor,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`start_engine(key)`: a new engine for `key`, started; `describe(key)`: how the log names it;
-        `supervisor_class`: the reconcile step's class (the simulator swaps in a deliberate bug)."""
+        """`supervisor_class`: the reconcile step's class (the simulator swaps in a deliberate bug)."""
         super().__init__()
         self.name = name
         self._supervisor: Supervisor[K, R] = supervisor_class(start_engine, describe=describe)
         self._own_services = hubs is None and boards is None
-        #: One LISTEN session per database and one status writer per status table for every engine of the process.
         self.hubs = hubs if hubs is not None else NotifyHubs(name=name)
         self.boards = boards if boards is not None else StatusBoards(name=name)
         self._clock = clock
         self._manager: threading.Thread | None = None
 
-    # -- what a kind of set says ------------------------------------------------------------------
-
     def open(self) -> bool:
-        """Prepare, and go from CREATED to RUNNING (HarvestError if it cannot); False if stop() came meanwhile."""
+        """Prepare and go RUNNING (or HarvestError); False if stop() came meanwhile."""
         raise NotImplementedError
 
     def wanted(self, now: float) -> Collection[K]:
@@ -227,16 +207,10 @@ class EngineSet(Lifecycle, Generic[K, R]):
         raise NotImplementedError
 
     def _closed(self) -> None:
-        """After every engine stopped: end what the kind holds of its own."""
+        """After every engine stopped: end what the kind holds."""
 
     def _leads(self, engine: R) -> bool:
         return engine.replica_state is ReplicaState.LEADER
-
-    # -- the view (any thread) --------------------------------------------------------------------
-
-    @property
-    def state(self) -> State:
-        return self._state
 
     @property
     def engines(self) -> dict[K, R]:
@@ -245,8 +219,7 @@ class EngineSet(Lifecycle, Generic[K, R]):
 
     @property
     def engine_health(self) -> dict[K, tuple[bool, int]]:
-        """Every key wanted or still settling: whether its engine runs now, and how often it failed (an engine
-        that fails in a loop has none most of the time: the metrics say so)."""
+        """Every key wanted or settling: whether its engine runs now, and how often it failed (the metrics')."""
         return self._supervisor.health()
 
     @property
@@ -264,10 +237,8 @@ class EngineSet(Lifecycle, Generic[K, R]):
     def published(self) -> int:
         return sum(engine.published for engine in self.engines.values())
 
-    # -- the manager thread -----------------------------------------------------------------------
-
     def start(self) -> None:
-        """open() (raises HarvestError with a one-line reason), then step on the manager thread."""
+        """open() (HarvestError with a one-line reason), then tick() on the manager thread."""
         if not self.open():
             return  # stop() came meanwhile (a SIGTERM at start): nothing was started
         with self._state_lock:  # a stop() from now on finds the manager, which ends at once and says so
@@ -275,7 +246,7 @@ class EngineSet(Lifecycle, Generic[K, R]):
             self._manager.start()
 
     def tick(self) -> None:
-        """One step: reconcile the engines with what is wanted now (supervisor.py)."""
+        """One step of the manager: reconcile the engines with what is wanted now."""
         now = self._clock()
         self._supervisor.reconcile(self.wanted(now), now, self.retires, stopping=self._stopping.is_set)
 
@@ -294,9 +265,8 @@ class EngineSet(Lifecycle, Generic[K, R]):
             self.end_step()  # every engine stopped: it ends at once
 
     def end_step(self) -> bool:
-        """One step of the manager's end (its thread's, or a simulator's on its clock): every engine asked to stop;
-        once all stopped, what the set holds ends (its kind's, its own hubs and boards) and it is STOPPED. True
-        once it is."""
+        """One step of the end (the manager's, or a simulator's): every engine asked to stop; once all stopped, what
+        the set holds ends and it is STOPPED (True)."""
         if self._state is State.STOPPED:
             return True
         self._state = State.STOPPING

@@ -222,8 +222,7 @@ def test_a_standby_reads_no_server_figures(statement_stats):
     try:
         sample = wait_until(lambda: HarvesterSample.objects.filter(name=found.name).first(), 10, "a sample")
     finally:
-        reporter.stop()
-        reporter.join(timeout=10)
+        reporter.close()
     assert sample.db_round_trips == {"fence": [1, 0.001, 0]} and sample.db_statements is None
     assert reporter.statements is None
 

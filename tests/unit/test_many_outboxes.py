@@ -745,19 +745,6 @@ def test_an_engines_row_on_the_board_is_plain_json_with_what_a_status_row_says()
     assert reporter.table == '"acme"."outbox"', "as the backlog query matches it"
 
 
-def test_the_boards_upsert_writes_every_column_of_the_one_row_upsert():
-    from outbox.harvest.status import UPSERT
-    from outbox.harvest.status_board import UPSERT_MANY, UPSERT_MANY_SHARDS
-
-    def columns(statement: str) -> list[str]:
-        return [c.strip() for c in statement[statement.index("(") + 1:statement.index(")")].split(",")]
-
-    assert columns(UPSERT_MANY) == columns(UPSERT)
-    assert UPSERT_MANY.endswith(UPSERT[UPSERT.index("ON CONFLICT"):]), "the same update of an existing row"
-    assert columns(UPSERT_MANY_SHARDS) == [*columns(UPSERT), "shard", "shards"]
-    assert UPSERT_MANY_SHARDS.rstrip().endswith("shard = EXCLUDED.shard, shards = EXCLUDED.shards")
-
-
 def test_one_board_per_status_table_for_a_replica_and_its_shards_ended_by_the_last_to_leave(monkeypatch):
     """A sharded replica's own row and its shards' engines' rows on one session: a shard's engine's row carries its
     shard and goes when it stops (its shard moved); the replica's row says stopped; the board then ends."""
@@ -788,16 +775,13 @@ def test_one_board_per_status_table_for_a_replica_and_its_shards_ended_by_the_la
     assert [own.forget, engines[0].forget] == [False, True] and own.notes is not None and engines[0].notes is None
     board.step()
     assert any(s.startswith("INSERT INTO") for s in statements), "the rows written"
-    engines[0].stop()
+    engines[0].close(timeout=0)
     board.step()
-    engines[0].join(timeout=0)
     assert "DELETE FROM" in statements, "the moved shard's row is gone"
     assert boards.boards == [board] and not sessions[0].closed
     statements.clear()
-    engines[1].stop()
-    own.stop()  # the last to leave: the board ends, writing their rows
-    own.join(timeout=0)
-    engines[1].join(timeout=0)
+    engines[1].close(timeout=0)
+    own.close(timeout=0)  # the last to leave: the board ends, writing their rows
     assert sorted(statements[:2]) == ["DELETE FROM", "UPDATE \"outbox_harvester_status\""], statements
     assert boards.boards == [] and len(sessions) == 1 and sessions[0].closed, "the board ended with its last engine"
 
