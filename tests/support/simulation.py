@@ -7,6 +7,21 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
+import pytest
+
+#: A simulator run over many seeds is split into this many tests, each seed in one: none takes a minute, and
+#: pytest-xdist spreads them over its workers.
+PARTS = 4
+
+
+def seeds_of_part(seeds: list[int], part: int) -> list[int]:
+    """Every PARTS-th seed from the `part`-th on (a run's cost does not follow its seed); a part left without one
+    (--sim-seed runs one seed) is skipped."""
+    chosen = seeds[part::PARTS]
+    if not chosen:
+        pytest.skip("no seed in this part (--sim-seed runs one)")
+    return chosen
+
 
 def assert_every_seed_passes(run_quietly: Callable[[int], tuple[int, str | None, str]], seeds: list[int],
                              test_file: str) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import pytest
 
 from tests.sim import mutations, replay, shard_scenario
-from tests.support.simulation import assert_every_seed_passes
+from tests.support.simulation import PARTS, assert_every_seed_passes, seeds_of_part
 
 
-def test_every_sharded_seed_keeps_the_invariants(shard_sim_seeds):
+@pytest.mark.parametrize("part", range(PARTS))
+def test_every_sharded_seed_keeps_the_invariants(shard_sim_seeds, part):
     seeds = sorted(set(shard_sim_seeds) | set(shard_scenario.REGRESSIONS))
-    assert_every_seed_passes(shard_scenario.run_quietly, seeds, "tests/unit/test_shard_simulation.py")
+    assert_every_seed_passes(shard_scenario.run_quietly, seeds_of_part(seeds, part),
+                             "tests/unit/test_shard_simulation.py")
 
 
 def test_one_sharded_seed_replays_the_same_run():

@@ -14,11 +14,12 @@ import pytest
 
 from outbox.harvest.core import Core
 from tests.sim import mutations, replay, scenario
-from tests.support.simulation import assert_every_seed_passes
+from tests.support.simulation import PARTS, assert_every_seed_passes, seeds_of_part
 
 
-def test_every_seed_keeps_the_invariants(sim_seeds):
-    assert_every_seed_passes(scenario.run_quietly, sim_seeds, "tests/unit/test_simulation.py")
+@pytest.mark.parametrize("part", range(PARTS))
+def test_every_seed_keeps_the_invariants(sim_seeds, part):
+    assert_every_seed_passes(scenario.run_quietly, seeds_of_part(sim_seeds, part), "tests/unit/test_simulation.py")
 
 
 def test_one_seed_replays_the_same_run():
