@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -340,12 +341,19 @@ class Process:
 
     def wait(self, timeout: float = 60) -> int:
         """Its exit status; one that has not exited within `timeout` is killed and reaped before the test fails
-        (left running, it would be reported as a ResourceWarning in whichever test the worker runs next)."""
+        (left running, it would be reported as a ResourceWarning in whichever test the worker runs next), having
+        first printed where each of its threads waits (SIGUSR1, outbox/stopping.py) into its log, whose end the
+        failure shows."""
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=2)  # the stacks written (it exits if it had no handler yet)
             self.process.kill()
             self.process.wait()
+            self._log.flush()
+            print(f"{self.name} did not exit within {timeout:g}s; the end of its log:\n{self.log()[-8000:]}")
             raise
         finally:
             self._log.close()
