@@ -115,7 +115,8 @@ class ShardElection:
     def _serve(self, event: str) -> None:
         self.was_assigned = self.was_assigned or event == "assign"
         self._callbacks[event]()  # a revoke returns once the engine released the shard (ElectionThread._hold)
-        self.gone = event != "assign"
+        if event != "assign":
+            self.gone = True
 
     def close(self) -> None:
         self.group.detach(self)

@@ -352,7 +352,6 @@ class Process:
                 self.process.wait(timeout=2)  # the stacks written (it exits if it had no handler yet)
             self.process.kill()
             self.process.wait()
-            self._log.flush()
             print(f"{self.name} did not exit within {timeout:g}s; the end of its log:\n{self.log()[-8000:]}")
             raise
         finally:
