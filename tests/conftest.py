@@ -38,7 +38,8 @@ os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", "-XX:TieredStopAtLevel=1")
 os.environ.setdefault("SPARK_CONF_DIR", str(Path(__file__).parent / "support" / "spark-conf"))
 
 #: Fixtures kept beside the helpers they go with.
-pytest_plugins = ["tests.support.statement_stats", "tests.support.tenants", "tests.support.fresh_project"]
+pytest_plugins = ["tests.support.statement_stats", "tests.support.tenants", "tests.support.fresh_project",
+                  "tests.support.watchdog"]
 
 #: Each folder's tests carry its marker, so `-m` selects by what a test needs (README, "Tests").
 FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "spark": "spark",
