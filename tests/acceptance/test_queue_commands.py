@@ -93,5 +93,4 @@ def test_an_unmigrated_database_is_one_line(services):
         result = manage("outbox_redeliver", env={"DATABASE_URL": services.database_url_for(name)})
         assert "run manage.py migrate outbox_queue" in one_line(result)
     finally:
-        with psycopg.connect(services.database_url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        services.drop_database(name)

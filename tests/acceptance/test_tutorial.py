@@ -33,7 +33,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from tests.support.fresh_project import user_env
@@ -279,5 +278,4 @@ def test_the_tutorial_runs_as_written(services, bootstrap_servers, tmp_path):
     finally:
         reader.stop_all()
         if run_suffix is not None:  # the reader's last step drops it; a failed run leaves it to us
-            with psycopg.connect(services.database_url, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "tutorial_{run_suffix.group(1)}" WITH (FORCE)')
+            services.drop_database(f"tutorial_{run_suffix.group(1)}")

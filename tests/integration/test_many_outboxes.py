@@ -32,6 +32,7 @@ from outbox.harvest.harvester import State
 from outbox.harvest.outboxes import ManyHarvester
 from tests.support.commands import manage
 from tests.support.harness import assert_complete_and_ordered, read_topic, wait_until
+from tests.support.services import drop_database
 from tests.support.tenants import PREFIX, TenantWriter, create_tenant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,12 +197,8 @@ def second_database(database_url: str, tmp_path) -> Iterator[str]:
     name = f"{psycopg.conninfo.conninfo_to_dict(database_url)['dbname']}_second"
     url = database_url.rsplit("/", 1)[0] + f"/{name}"
 
-    def drop(conn: psycopg.Connection) -> None:
-        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", [name])
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
-
+    drop_database(database_url, name)
     with psycopg.connect(database_url, autocommit=True) as conn:
-        drop(conn)
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"}
     migrated = subprocess.run([sys.executable, str(ROOT / "manage.py"), "migrate", "--no-input"], cwd=ROOT, env=env,
@@ -210,8 +207,7 @@ def second_database(database_url: str, tmp_path) -> Iterator[str]:
     try:
         yield url
     finally:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            drop(conn)
+        drop_database(database_url, name)
 
 
 def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, second_database, database_url,

@@ -63,8 +63,7 @@ def database(services):
     with psycopg.connect(services.database_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     yield services.database_url_for(name)
-    with psycopg.connect(services.database_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    services.drop_database(name)
 
 
 def standalone_env(url: str, bootstrap: str) -> dict[str, str]:
@@ -269,8 +268,7 @@ def test_the_probe_reads_the_status_rows_of_every_database_the_file_names(databa
             harvester.signal(signal.SIGTERM)
         assert harvester.wait(timeout=60) == 0, harvester.log()
     finally:
-        with psycopg.connect(services.database_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{other}" WITH (FORCE)')
+        services.drop_database(other)
 
 
 @pytest.mark.slow

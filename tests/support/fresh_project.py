@@ -31,8 +31,7 @@ def fresh_database(services):
     with psycopg.connect(services.database_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     yield name, services.database_url_for(name)
-    with psycopg.connect(services.database_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    services.drop_database(name)
 
 
 @pytest.fixture(scope="session")

@@ -56,6 +56,28 @@ class Services:
         parts = urlsplit(self.database_url)
         return urlunsplit(parts._replace(path=f"/{name}"))
 
+    def drop_database(self, name: str) -> None:
+        """Drop database `name` on this server (gone already is fine): drop_database()."""
+        drop_database(self.database_url, name)
+
+
+def drop_database(admin_url: str, name: str, timeout: float = 60.0) -> None:
+    """DROP DATABASE `name` WITH (FORCE), connected through `admin_url`, retried while the server refuses to end
+    a session in it for us: an autovacuum worker vacuuming a database a test has just loaded is not the tests'
+    role's to end ("permission denied to terminate process"), and it leaves by itself within seconds."""
+    import psycopg
+    from psycopg import sql
+
+    def dropped() -> bool:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            try:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            except psycopg.errors.InsufficientPrivilege:
+                return False
+        return True
+
+    wait_until(dropped, timeout, f"database {name} to be dropped (an autovacuum worker in it)", interval=0.5)
+
 
 def docker_client() -> Any | None:
     """A client of the Docker engine at DOCKER_HOST (or the usual socket) if one answers, else None."""

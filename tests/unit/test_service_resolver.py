@@ -180,3 +180,32 @@ def test_a_socket_an_engine_left_behind_is_no_engine_and_leaks_nothing(monkeypat
         assert services.docker_client() is None
         gc.collect()
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_dropping_a_database_waits_out_an_autovacuum_worker_the_role_cannot_end(monkeypatch):
+    """DROP DATABASE ... WITH (FORCE) by a role that is not a superuser fails while an autovacuum worker is in the
+    database (seen on PostgreSQL 18 after a test loaded it); the drop is tried again until the worker left."""
+    import psycopg
+
+    refusals = [psycopg.errors.InsufficientPrivilege("permission denied to terminate process")] * 2
+    tried: list[str] = []
+
+    class Connection:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def execute(self, statement):
+            tried.append(statement.as_string(None))
+            if refusals:
+                raise refusals.pop()
+
+    monkeypatch.setattr(psycopg, "connect", lambda url, autocommit: Connection())
+    def wait_until(condition, timeout, what, interval):  # waits on no clock: the condition, asked until true
+        return next(result for result in (condition() for _ in range(5)) if result)
+
+    monkeypatch.setattr(services, "wait_until", wait_until)
+    services.drop_database("postgres://outbox@127.0.0.1/outbox", "loaded")
+    assert tried == ['DROP DATABASE IF EXISTS "loaded" WITH (FORCE)'] * 3
