@@ -1,4 +1,5 @@
-"""The management commands' logging: visible when the project configured none, secrets masked either way."""
+"""The management commands' logging: visible when the project configured none, secrets masked either way; and a
+recurring failure said once (SaidOnce)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,22 @@ def install_redaction() -> None:
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
                 handler.addFilter(RedactingFilter())
         logger = logger.parent if logger.propagate else None
+
+
+class SaidOnce:
+    """A failure that recurs (every interval, every pass) logged once, as `message` % the first failure's args, until
+    it ends; its end logged as `back`, if given."""
+
+    def __init__(self, logger: logging.Logger, message: str, back: str | None = None) -> None:
+        self._logger, self._message, self._back = logger, message, back
+        self.on = False
+
+    def failed(self, *args: object) -> None:
+        if not self.on:
+            self._logger.warning(self._message, *args)
+        self.on = True
+
+    def ended(self) -> None:
+        if self.on and self._back:
+            self._logger.info(self._back)
+        self.on = False

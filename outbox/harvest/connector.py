@@ -17,9 +17,8 @@ from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import Record
 from outbox.harvest.kafka import (
     ProducerLike,
-    check_leader_partitions,
     dead_letter_producer_config,
-    ensure_topic,
+    ensure_leader_topic,
     heartbeat_producer_config,
     leader_consumer_config,
     record_producer_config,
@@ -30,7 +29,7 @@ from outbox.harvest.status import StatusSnapshot
 from outbox.harvest.status_board import BoardReporter, StatusBoards
 from outbox.harvest.store import FenceHolder, PostgresStore
 from outbox.harvest.topics import TopicLimits
-from outbox.kafka.clients import KAFKA_START_TIMEOUT, admin_describe
+from outbox.kafka.clients import admin_describe
 
 log = logging.getLogger("outbox.harvest")
 
@@ -109,9 +108,7 @@ class LiveConnector:
                                      shards=config.shards, shard=config.shard)
 
     def ensure_leader_topic(self) -> None:
-        config = self.config
-        found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT, config.shards)
-        check_leader_partitions(config.leader_topic, found, config.shards)
+        ensure_leader_topic(self.config)
 
     def record_producer(self) -> Producer:
         return Producer(record_producer_config(self.config, self.batch_limit))

@@ -6,9 +6,8 @@
     harvester.stop()       # returns at once
     harvester.wait()       # blocks until stopped; re-raises a background failure
 
-The core (core.py) decides, the driver carries its commands out; this file runs the driver's turns on the
-engine thread and keeps the view other threads read (state, snapshot, meter), which the process's status writer
-reports (status_board.py). If any thread dies, the harvester stops as a whole and wait() says why.
+This file runs the driver's turns on the engine thread and keeps the view other threads read (state, snapshot,
+meter), which the status writer reports (status_board.py). If any thread dies, the harvester stops and wait() says why.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from outbox.reasons import first_line, kafka_reason
 
 log = logging.getLogger(__name__)
 
-#: How often the cached status snapshot is refreshed (at most).
 SNAPSHOT_INTERVAL = 0.05
 
 
@@ -62,7 +60,6 @@ class HarvestError(Exception):
 
 
 def check_config(config: HarvestConfig) -> None:
-    """HarvestError naming every problem of `config`, if it has any."""
     if problems := config.validate():
         raise HarvestError("invalid configuration: " + "; ".join(map(str, problems)))
 
@@ -134,8 +131,7 @@ class Harvester(Lifecycle):
         self._driver = self._new_driver(tracer)
         self._status: BoardReporter | None = None
         self._engine: threading.Thread | None = None
-        self._started_at = datetime.now(UTC)
-        self._since = self._started_at
+        self._since = datetime.now(UTC)
         self._snapshot = self._core.snapshot()
         self._snapshot_at = 0.0
         self._meter_started = clock()
@@ -196,7 +192,7 @@ class Harvester(Lifecycle):
         """What this replica would report now."""
         meter = self.last_meter
         return snapshot_of(self._snapshot, stopping=self._state is State.STOPPING, since=self._since,
-                           throughput=meter.rate if meter else 0.0, round_trips=self._driver.round_trips.totals())
+                           throughput=meter.rate if meter else 0.0, round_trips=self.round_trips)
 
     @property
     def round_trips(self) -> dbtime.Totals:
@@ -238,7 +234,7 @@ class Harvester(Lifecycle):
             check_config(self.config)
             try:
                 self._io.open(self._driver)
-                self._status = self._connector.status_reporter(self.status, self._set_backlog)
+                self._status = self._connector.status_reporter(self.status, lambda rows: setattr(self, "backlog", rows))
             except BaseException as error:
                 self._close_resources()
                 if (failure := start_failure(error)) is not None:
@@ -250,24 +246,19 @@ class Harvester(Lifecycle):
         self._io.wake()
 
     def _run(self) -> None:
-        deadline = self.step()
-        while deadline is not None:
+        while (deadline := self.step()) is not None:
             try:
                 self._io.wait(deadline)
             except BaseException as error:
                 self._end(error)
                 return
-            deadline = self.step()
 
     def step(self) -> float | None:
-        """One turn of the engine thread (the simulator's on its clock): a failed I/O thread ends the engine, a stop()
-        asks the core to settle, the driver runs the core's due work, the view is refreshed. Returns the clock time
-        to sleep until (a wake or a NOTIFY ends it sooner), or None once the engine ended and closed what it
-        opened."""
+        """One turn of the engine thread (the simulator's on its clock). Returns the clock time to sleep until (a wake
+        or a NOTIFY ends it sooner), or None once the engine ended and closed what it opened."""
         core = self._core
         try:
-            failure = self._io.failure()
-            if failure is not None:
+            if (failure := self._io.failure()) is not None:
                 raise failure
             if self._stopping.is_set() and not core.stopping:
                 # Graceful: send nothing more, let what is in flight settle (bounded), stay in the group meanwhile.
@@ -336,9 +327,6 @@ class Harvester(Lifecycle):
         self._snapshot = self._core.snapshot()
         if self._snapshot.state is not previous:
             self._since = datetime.now(UTC)
-
-    def _set_backlog(self, rows: int) -> None:
-        self.backlog = rows
 
     def _emit(self, event: events.Event) -> None:
         if self._on_event is None:

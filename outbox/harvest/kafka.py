@@ -18,7 +18,14 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.harvest.config import HarvestConfig
 from outbox.kafka.client_errors import log_client_error
-from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE, KafkaUnavailable, admin_config, check_log, client_log
+from outbox.kafka.clients import (
+    KAFKA_START_TIMEOUT,
+    LIBRDKAFKA_BATCH_SIZE,
+    KafkaUnavailable,
+    admin_config,
+    check_log,
+    client_log,
+)
 from outbox.kafka.problems import Problem
 from outbox.kafka.sizes import UNLIMITED, batch_size_for
 from outbox.reasons import kafka_reason
@@ -316,6 +323,12 @@ def ensure_topic(base: dict[str, Any], topic: str, timeout: float, partitions: i
             return found
         raise KafkaUnavailable(f"cannot create leader topic {topic!r} at {bootstrap}: {kafka_reason(error)}") from None
     return partitions
+
+
+def ensure_leader_topic(config: HarvestConfig) -> None:
+    """`config`'s leader topic, made with a partition per shard unless it exists, and checked to have that many."""
+    found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT, config.shards)
+    check_leader_partitions(config.leader_topic, found, config.shards)
 
 
 def check_leader_partitions(topic: str, found: int, shards: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psycopg
 from psycopg import sql
@@ -27,6 +27,7 @@ from outbox.harvest.pipes import WakePipe, readable
 from outbox.harvest.process_services import ProcessServices
 from outbox.harvest.store import close_quietly
 from outbox.harvest.store import connect as connect_session
+from outbox.logs import SaidOnce
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.notify_hub")
@@ -38,38 +39,31 @@ RETRY_AFTER = 5.0
 KEEPALIVES = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3"}
 
 
-class ChannelListener:
-    """One engine's view of the hub: a wake pipe the hub writes to (connector.ListenerLike)."""
+class ChannelListener(WakePipe):
+    """One engine's view of the hub: a wake pipe the hub writes to, under its lock, at each NOTIFY of the channel
+    (or one that may have been missed) (connector.ListenerLike)."""
 
     def __init__(self, hub: NotifyHub, channel: str) -> None:
+        super().__init__()
         self.hub = hub
         self.channel = channel
-        self._pipe = WakePipe()
         self.closed = False
 
-    def fileno(self) -> int | None:
+    def fileno(self) -> int | None:  # type: ignore[override]
         """The pipe to select on (None once closed)."""
-        return None if self.closed else self._pipe.fileno()
+        return None if self.closed else super().fileno()
 
     @property
     def connected(self) -> bool:
         """Whether the hub listens on this channel now."""
-        return not self.closed and self.hub.listens(self.channel)
-
-    def wake(self) -> None:
-        """From the hub's thread, under its lock: a NOTIFY of this channel arrived (or may have been missed)."""
-        self._pipe.wake()
-
-    def drain(self) -> int:
-        """Consume pending wakes; returns how many arrived."""
-        return self._pipe.drain()
+        return not self.closed and self.channel in self.hub.channels
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.hub.unsubscribe(self)  # no wake reaches the pipe from here on
-        self._pipe.close()
+        super().close()
 
 
 class NotifyHub(threading.Thread):
@@ -88,7 +82,7 @@ class NotifyHub(threading.Thread):
         self._on_empty = on_empty
         self._lock = threading.Lock()
         self._subscribers: dict[str, set[ChannelListener]] = {}
-        #: Channels LISTENed on the current session (read by the engines' fileno()).
+        #: Channels LISTENed on the current session (read by the engines' `connected`).
         self._listening: frozenset[str] = frozenset()
         self._control = WakePipe()
         self._stop_event = threading.Event()
@@ -96,10 +90,10 @@ class NotifyHub(threading.Thread):
         self._retry_at = 0.0
         self._opened_at = 0.0
         #: No session can be had (said once, until one LISTENs again).
-        self._failing = False
-        #: How many NOTIFYs the hub received, and how many sessions it opened (reconnects + 1).
+        self._outage = SaidOnce(log, "LISTEN session unavailable: its outboxes are looked at every %gs until it is "
+                              "back: %s", "LISTEN session back")
+        #: How many NOTIFYs the hub received.
         self.received = 0
-        self.sessions = 0
 
     def subscribe(self, channel: str) -> ChannelListener:
         listener = ChannelListener(self, channel)
@@ -125,9 +119,6 @@ class NotifyHub(threading.Thread):
         """Whether no listener is subscribed."""
         with self._lock:
             return not self._subscribers
-
-    def listens(self, channel: str) -> bool:
-        return channel in self._listening
 
     @property
     def channels(self) -> frozenset[str]:
@@ -155,8 +146,7 @@ class NotifyHub(threading.Thread):
             self.end()
 
     def step(self, *, wait: bool = False) -> None:
-        """One turn: the session opened if it is down and its retry is due, channels LISTENed and UNLISTENed as
-        subscribed, the NOTIFYs handed to their listeners. With `wait` (the thread's), it first waits until its
+        """One turn (session, LISTENs, NOTIFYs handed on). With `wait` (the thread's), it first waits until its
         session or a subscriber has something, or the next retry is due."""
         conn = self._session()
         control = self._control.fileno()
@@ -167,9 +157,8 @@ class NotifyHub(threading.Thread):
             self._control.drain()
         if conn is not None and conn.fileno() in ready:
             self._dispatch(conn)
-        if self._conn is not None and self._apply():
-            # A NOTIFY that came in during LISTEN waits in psycopg's backlog, not on the socket.
-            self._dispatch(self._conn)
+        if self._conn is not None:
+            self._apply()
 
     def _session(self) -> psycopg.Connection | None:
         """The LISTEN session, connected again (at most every RETRY_AFTER) when it is down."""
@@ -183,23 +172,16 @@ class NotifyHub(threading.Thread):
             self._failed(error)
             return None
         self._opened_at = self._clock()
-        self.sessions += 1
-        if self._apply():
-            self._dispatch(self._conn)
+        self._apply()
         return self._conn
 
     def _failed(self, error: psycopg.Error) -> None:
         """No session to be had (or each fails at once: a hot standby refuses LISTEN): try again in RETRY_AFTER, and
         have every engine look at its table meanwhile."""
-        if not self._failing:
-            log.warning("LISTEN session unavailable: its outboxes are looked at every %gs until it is back: %s",
-                        RETRY_AFTER, first_line(error))
-        self._failing = True
+        self._outage.failed(RETRY_AFTER, first_line(error))
         self._drop()
         self._retry_at = self._clock() + RETRY_AFTER
-        with self._lock:
-            wanted = frozenset(self._subscribers)
-        self._wake(wanted)  # a NOTIFY meanwhile would be lost: each engine marks instead
+        self._wake(self._subscribers)  # every listener: a NOTIFY meanwhile would be lost, each engine marks instead
 
     def _lost(self, error: psycopg.Error) -> None:
         """The session failed: connect again at once, unless it had only just been opened (then back off)."""
@@ -209,15 +191,15 @@ class NotifyHub(threading.Thread):
         log.warning("LISTEN session lost, its outboxes poll until it is back: %s", first_line(error))
         self._drop()
 
-    def _apply(self) -> bool:
+    def _apply(self) -> None:
         """LISTEN on channels subscribed since, UNLISTEN those left; wake the listeners of a new channel (they may
-        have missed a NOTIFY). True if the session ran a statement."""
+        have missed a NOTIFY)."""
         conn = self._conn
         with self._lock:
             wanted = frozenset(self._subscribers)
         new, gone = wanted - self._listening, self._listening - wanted
         if not new and not gone:
-            return False
+            return
         try:
             for channel in sorted(new):
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
@@ -225,13 +207,12 @@ class NotifyHub(threading.Thread):
                 conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
         except psycopg.Error as error:
             self._lost(error)
-            return False
-        if self._failing and new:
-            log.info("LISTEN session back")
-            self._failing = False
+            return
+        if new:
+            self._outage.ended()
         self._wake(new)  # before they count as listened to, so whoever sees them listened to sees the wake too
         self._listening = (self._listening | new) - gone
-        return self._conn is not None
+        self._dispatch(conn)  # a NOTIFY that came in during LISTEN waits in psycopg's backlog, not on the socket
 
     def _dispatch(self, conn: psycopg.Connection) -> None:
         try:
@@ -242,7 +223,7 @@ class NotifyHub(threading.Thread):
         self.received += len(channels)
         self._wake(set(channels))
 
-    def _wake(self, channels: set[str] | frozenset[str]) -> None:
+    def _wake(self, channels: Iterable[str]) -> None:
         # Under the lock: a listener closes its pipe only once unsubscribed, so no write reaches a closed
         # (or reused) descriptor. The writes do not block.
         with self._lock:
@@ -283,7 +264,3 @@ class NotifyHubs(ProcessServices[NotifyHub]):
         connect = self._connect
         return NotifyHub(dsn, name=self._name, on_empty=self.retire,
                          connect=None if connect is None else lambda: connect(dsn))
-
-    @property
-    def hubs(self) -> list[NotifyHub]:
-        return self.running

@@ -4,12 +4,10 @@
     harvester.start(); ...; harvester.stop(); harvester.wait()
 
 Each outbox (a table in some database, or the outbox table of every tenant schema, tenants.py) is harvested as
-by a process of its own: its own leader topic and group (or shards), fence, producer and status row, under the
-name `replica-a/acme`. The process's LISTEN session per database (notify_hub.py) and status writer per status
-table (status_board.py) serve them all, so an idle outbox costs next to nothing (`idle_poll_interval`,
-outbox/many.py). The manager asks `discover` again every `rescan_interval`: an outbox that appears gets an
-engine, one that disappears or changes has its engine stopped once it settled; a failed engine starts again
-after a backoff, and the others go on.
+by a process of its own (its leader topic and group, or shards, fence, producer and status row, named
+`replica-a/acme`), on the process's shared services (process_services.py). The manager asks `discover` again every
+`rescan_interval`: an outbox that appears gets an engine, one that disappears or changes has its engine stopped
+once it settled.
 """
 
 from __future__ import annotations
@@ -18,20 +16,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.connector import LiveConnector
 from outbox.harvest.harvester import Harvester, HarvestError, State
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.notify_hub import NotifyHubs
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.status import StatusSnapshot
-from outbox.harvest.status_board import BoardReporter, StatusBoards
+from outbox.harvest.status_board import BoardReporter
 from outbox.harvest.store import PostgresStore
 from outbox.harvest.supervisor import EngineLike, EngineSet, Supervisor
 from outbox.harvest.tracing import PublishTracer
+from outbox.logs import SaidOnce
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.outboxes")
@@ -40,14 +38,6 @@ log = logging.getLogger("outbox.harvest.outboxes")
 MANAGE_INTERVAL = 0.1
 #: Seconds between two discoveries (new tenant schemas, dropped ones), by default.
 RESCAN_INTERVAL = 30.0
-
-
-class Engine(EngineLike, Protocol):
-    """An outbox's engine: a Harvester or a ShardedHarvester."""
-
-    config: HarvestConfig
-
-    def start(self) -> None: ...
 
 
 class RestingStore(PostgresStore):
@@ -74,15 +64,12 @@ class ManyConnector(LiveConnector):
 
     store_class = RestingStore
 
-    def __init__(self, config: HarvestConfig, hubs: NotifyHubs, boards: StatusBoards) -> None:
-        super().__init__(config, hubs, boards)
-
     def status_reporter(self, snapshot: Callable[[], StatusSnapshot], on_backlog: Callable[[int], None], *,
                         sharded_replica: bool = False) -> BoardReporter | None:
         return self.boards.reporter(self.config, snapshot, on_backlog, one_of_many=True)
 
 
-class ManyHarvester(EngineSet[str, Engine]):
+class ManyHarvester(EngineSet[str, EngineLike]):
     """Harvests every outbox `discover` names, an engine each, in this process (module docstring)."""
 
     manage_interval = MANAGE_INTERVAL
@@ -90,11 +77,11 @@ class ManyHarvester(EngineSet[str, Engine]):
 
     def __init__(self, discover: Callable[[], dict[str, HarvestConfig]], *, name: str = "",
                  rescan_interval: float = RESCAN_INTERVAL,
-                 engine_factory: Callable[[str, HarvestConfig], Engine] | None = None,
+                 engine_factory: Callable[[str, HarvestConfig], EngineLike] | None = None,
                  on_event: Callable[[Any, events.Event], None] | None = None,
                  instruments: Callable[[str], Instruments] | None = None, tracer: PublishTracer | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 supervisor_class: type[Supervisor[str, Engine]] = Supervisor) -> None:
+                 supervisor_class: type[Supervisor[str, EngineLike]] = Supervisor) -> None:
         super().__init__(self._start_engine, describe=lambda label: f"Outbox {label}'s engine", name=name,
                          supervisor_class=supervisor_class, clock=clock)
         self._discover = discover
@@ -106,7 +93,8 @@ class ManyHarvester(EngineSet[str, Engine]):
         self._lock = threading.Lock()
         self._wanted: dict[str, HarvestConfig] = {}
         self._next_scan = 0.0
-        self._scan_failing = False
+        self._scan_outage = SaidOnce(log, "Cannot look for outboxes (the ones found before go on; looked again every "
+                                   "%gs): %s", "Looking for outboxes works again")
 
     @property
     def outboxes(self) -> dict[str, HarvestConfig]:
@@ -144,10 +132,9 @@ class ManyHarvester(EngineSet[str, Engine]):
         if now >= self._next_scan:
             self._next_scan = now + self._rescan_interval
             self._rescan()
-        with self._lock:
-            return dict(self._wanted)
+        return self.outboxes
 
-    def retires(self, label: str, engine: Engine) -> bool:
+    def retires(self, label: str, engine: EngineLike) -> bool:
         with self._lock:
             return self._wanted.get(label) != engine.config
 
@@ -155,14 +142,9 @@ class ManyHarvester(EngineSet[str, Engine]):
         try:
             found = self._discover()
         except Exception as error:
-            if not self._scan_failing:  # said once; the outboxes found before go on meanwhile
-                log.warning("Cannot look for outboxes (the ones found before go on; looked again every %gs): %s",
-                            self._rescan_interval, first_line(error))
-            self._scan_failing = True
+            self._scan_outage.failed(self._rescan_interval, first_line(error))
             return
-        if self._scan_failing:
-            log.info("Looking for outboxes works again")
-        self._scan_failing = False
+        self._scan_outage.ended()
         with self._lock:
             before, self._wanted = self._wanted, dict(found)
         for label in sorted(set(found) - set(before)):
@@ -170,14 +152,14 @@ class ManyHarvester(EngineSet[str, Engine]):
         for label in sorted(set(before) - set(found)):
             log.info("Outbox %s gone: its engine stops", label)
 
-    def _start_engine(self, label: str) -> Engine:
+    def _start_engine(self, label: str) -> EngineLike:
         with self._lock:
             config = self._wanted[label]
         engine = self._factory(label, config)
         engine.start()
         return engine
 
-    def _live_engine(self, label: str, config: HarvestConfig) -> Engine:
+    def _live_engine(self, label: str, config: HarvestConfig) -> EngineLike:
         """A Harvester, or a ShardedHarvester, on the process's hubs and boards."""
         if config.shards > 1:
             return ShardedHarvester(config, on_event=self._on_event, tracer=self._tracer,

@@ -62,8 +62,7 @@ class ProcessServices(Generic[S]):
     def close(self) -> None:
         """End every service (a user that comes after gets a new one)."""
         with self._lock:
-            services = [service for service in self._services.values() if service is not None]
-            self._services.clear()
+            services, self._services = [service for service in self._services.values() if service is not None], {}
         for service in services:
             service.stop()
         for service in services:

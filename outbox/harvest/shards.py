@@ -10,11 +10,9 @@ shard's rows, sharding.py) whose election is a `ShardElection`: a view of the re
 (`ShardGroup`), which routes each engine's heartbeats back to it and queues its shard's rebalance events for the
 engine's next poll, as librdkafka runs callbacks inside poll(). Fast NELI holds per shard.
 
-Hand-off. The group consumer cannot wait in a revoke callback for one shard to settle (every other shard's
-heartbeats would stop), so Kafka hands a revoked partition on at once and the database fence orders the hand-off
-(leadership.py): the old engine lets the shard's fence go once nothing it sent is in flight; the new one waits for
-it. The manager (supervisor.py, with `retires` below) starts an engine when a shard is assigned and stops it once
-its shard was revoked and it settled.
+Hand-off: Kafka hands a revoked partition on at once, and the database fence orders the hand-off (leadership.py).
+The manager (supervisor.py, with `retires` below) starts an engine when a shard is assigned and stops it once its
+shard was revoked and it settled.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ from outbox.harvest.instruments import Instruments
 from outbox.harvest.kafka import (
     ConsumerLike,
     ProducerLike,
-    check_leader_partitions,
-    ensure_topic,
+    ensure_leader_topic,
     heartbeat_producer_config,
     leader_consumer_config,
 )
@@ -51,9 +48,9 @@ from outbox.harvest.shard_index import prepare_table
 from outbox.harvest.status import StatusSnapshot
 from outbox.harvest.status_board import BoardReporter, StatusBoards
 from outbox.harvest.store import StoreError
-from outbox.harvest.supervisor import EngineSet, Supervisor
+from outbox.harvest.supervisor import ENDING, EngineSet, Supervisor
 from outbox.harvest.tracing import PublishTracer
-from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable
+from outbox.kafka.clients import KafkaUnavailable
 from outbox.kafka.redaction import remember_secrets
 
 log = logging.getLogger("outbox.harvest.shards")
@@ -129,8 +126,7 @@ class ShardGroup(threading.Thread):
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__(name="outbox-shards-group", daemon=True)
         self.topic = config.leader_topic
-        #: Heartbeats carry when they were sent: one older than heartbeat_timeout counts for nothing, so a replica
-        #: resuming from a pause does not lead again on one it sent before.
+        #: Heartbeats carry when they were sent: one older than heartbeat_timeout counts for nothing (neli.py's why).
         self._clock = clock
         self._max_age = config.limits.heartbeat_timeout
         self._interval = config.limits.min_poll_interval
@@ -191,10 +187,7 @@ class ShardGroup(threading.Thread):
                  {"assign": "assigned", "revoke": "revoked", "lost": "lost"}[event])
         with self._lock:
             for shard in shards:
-                if event == "assign":
-                    self._assigned.add(shard)
-                else:
-                    self._assigned.discard(shard)
+                (self._assigned.add if event == "assign" else self._assigned.discard)(shard)
                 view = self._views.get(shard)
                 if view is not None:
                     view.notify(event)
@@ -221,12 +214,10 @@ class ShardGroup(threading.Thread):
         self._producer.poll(0)
 
     def end(self) -> None:
-        """Leave the group and send the last heartbeats."""
         self.close()
         self._producer.flush(1.0)
 
     def run(self) -> None:
-        """The group's thread: subscribe(), step() until stop(), end()."""
         try:
             self.subscribe()
             while not self._stop_event.is_set():
@@ -294,10 +285,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         self._status: BoardReporter | None = None
         self._started_at = datetime.now(UTC)
 
-    @property
-    def leading_shards(self) -> list[int]:
-        """The shards this replica publishes now (assigned, own heartbeats seen, fence held)."""
-        return self.leading
+    leading_shards = EngineSet.leading  # the shards it publishes now (assigned, own heartbeats seen, fence held)
 
     def _leads(self, engine: Harvester) -> bool:
         return engine.is_leader
@@ -305,8 +293,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
     def _replica_status(self) -> StatusSnapshot:
         """The replica's own row: in the group (its engines' rows say which shards it leads), with its totals."""
         engines = list(self.engines.values())
-        state = {State.STOPPING: ReplicaState.STOPPING, State.STOPPED: ReplicaState.STOPPED}.get(
-            self._state, ReplicaState.STANDBY)
+        state = ENDING.get(self._state, ReplicaState.STANDBY)
         meters = [engine.last_meter for engine in engines if engine.last_meter is not None]
         return StatusSnapshot(state=state, leader_id=None, since=self._started_at, in_flight=0, queued=0,
                               in_flight_keys=[], in_flight_key_count=0, held=[], blocked_by=None,
@@ -341,9 +328,7 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         config = self.config
         try:
             prepare_table(config)
-            found = ensure_topic(dict(config.base_kafka_config), config.leader_topic, KAFKA_START_TIMEOUT,
-                                 config.shards)
-            check_leader_partitions(config.leader_topic, found, config.shards)
+            ensure_leader_topic(config)
             consumer = self._consumer_factory(leader_consumer_config(config))
             producer = self._producer_factory(heartbeat_producer_config(config))
         except (StoreError, KafkaUnavailable, KafkaException) as error:
@@ -383,7 +368,6 @@ class ShardedHarvester(EngineSet[int, Harvester]):
             instruments=self._instruments(shard) if self._instruments is not None else None)
 
     def _engine_config(self, shard: int) -> HarvestConfig:
-        """This replica's configuration for shard `shard`, named after it."""
         return dataclasses.replace(self.config.for_shard(shard), name=sharding.engine_name(self.config.name, shard))
 
     def _election(self, shard: int, engine: Harvester) -> ShardElection | None:

@@ -27,6 +27,7 @@ from outbox.harvest import dbtime, retention
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import HeldRecord, ReplicaState
 from outbox.harvest.store import STATUS_TABLE, how_made, table_identifier, table_name
+from outbox.logs import SaidOnce
 from outbox.reasons import first_line
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ class StatusSnapshot:
     queued: int
     in_flight_keys: list[str]
     in_flight_key_count: int
-    #: Held (poison) records.
     held: list[HeldRecord]
     blocked_by: str | None
     throughput: float
@@ -63,10 +63,10 @@ class StatusSnapshot:
 ROW_COLUMNS = ("name", "host", "pid", "state", "leader_id", "marked_upto", "since", "started", "last_seen",
                "harvested_table", "leader_topic", "leader_group", "in_flight", "queued", "in_flight_keys",
                "in_flight_key_count", "held_keys", "held", "blocked_by", "throughput", "published", "failed")
-# Whether the status table has the shard columns (migration 0008).
-HAS_SHARD_COLUMNS = """
+# Whether a table has both columns: the status table's shard ones (migration 0008), the history table's costs (0006).
+HAS_COLUMNS = """
 SELECT count(*) = 2 FROM pg_attribute
-WHERE attrelid = to_regclass(%(table)s) AND attname IN ('shard', 'shards') AND NOT attisdropped
+WHERE attrelid = to_regclass(%(table)s) AND attname IN (%(first)s, %(second)s) AND NOT attisdropped
 """
 PRUNE = "DELETE FROM {table} WHERE last_seen < now() - make_interval(secs => %(age)s)"
 # A clean stop keeps the row, saying so (and when: last_seen), until it is pruned like any other.
@@ -88,12 +88,9 @@ SELECT name, host, harvested_table FROM {table}
 WHERE leader_group = %(group)s AND harvested_table <> %(harvested)s AND state <> 'stopped'
   AND last_seen > now() - make_interval(secs => %(age)s)
 """
-# Postgres's live-row estimate for the harvested table: no table scan.
-BACKLOG = "SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(table)s)"
 #: Samples count the harvested table's rows exactly up to this many (a primary-key range), then estimate.
 HISTORY_COUNT_LIMIT = 10_000
-# One sample: the snapshot's figures, the table's rows (counted along the primary key up to the limit, estimated
-# beyond) and its oldest row's age.
+# One sample: the snapshot's figures, the table's rows (HISTORY_COUNT_LIMIT) and its oldest row's age.
 SAMPLE = """
 WITH counted AS (SELECT count(*) AS n FROM (SELECT 1 FROM {table} ORDER BY id LIMIT %(count_limit)s + 1) head),
      oldest AS (SELECT create_time FROM {table} ORDER BY id LIMIT 1)
@@ -111,10 +108,6 @@ FROM counted
 COST_COLUMNS = ", db_round_trips, db_statements"
 COST_VALUES = ", %(db_round_trips)s, %(db_statements)s"
 STATEMENTS_INSTALLED = "SELECT to_regclass('pg_stat_statements') IS NOT NULL"
-HAS_COST_COLUMNS = """
-SELECT count(*) = 2 FROM pg_attribute
-WHERE attrelid = to_regclass(%(table)s) AND attname IN ('db_round_trips', 'db_statements') AND NOT attisdropped
-"""
 PRUNE_HISTORY = "DELETE FROM {history} WHERE at < now() - make_interval(secs => %(age)s)"
 
 
@@ -158,20 +151,8 @@ def row_values(identity: dict[str, object], snapshot: StatusSnapshot) -> dict[st
     }
 
 
-def history_table(status_table: str) -> str:
-    """The history table beside a status table: `outbox_harvester` -> `outbox_harvester_history`."""
-    return f"{status_table}_history"
-
-
 def status_table_exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [table_name(table)]).fetchone()[0]
-
-
-def status_statements(status_table: str) -> list[str]:
-    """The status writer's statements on `status_table` as it sends them (counted as `status` in a sample)."""
-    ident = table_identifier(status_table)
-    return [sql.SQL(text).format(table=ident).as_string() for text in (PRUNE, STOPPED, FORGET, LEADERS,
-                                                                       OTHER_TABLES)]
 
 
 class HistorySampler:
@@ -181,25 +162,24 @@ class HistorySampler:
     def __init__(self, config: HarvestConfig, identity: dict[str, object], writer_statements: list[str]) -> None:
         self._identity = identity
         self._harvested = table_name(config.table)
-        self._history_table = history_table(config.status_table)
+        self._history_table = f"{config.status_table}_history"  # beside the status table
         self._history_interval = config.limits.history_interval
         self._history_retention = config.history_retention
         history = table_identifier(self._history_table)
         harvested = table_identifier(config.table)
-        self._sample = sql.SQL(SAMPLE.format(table="{table}", history="{history}", cost_columns="", cost_values="")
-                               ).format(table=harvested, history=history)
-        self._sample_costs = sql.SQL(SAMPLE.format(table="{table}", history="{history}", cost_columns=COST_COLUMNS,
-                                                   cost_values=COST_VALUES)).format(table=harvested, history=history)
+        self._sample, self._sample_costs = (sql.SQL(SAMPLE).format(
+            table=harvested, history=history, cost_columns=sql.SQL(columns), cost_values=sql.SQL(values))
+            for columns, values in (("", ""), (COST_COLUMNS, COST_VALUES)))
         self._prune_history = sql.SQL(PRUNE_HISTORY).format(history=history)
         self._history_on: bool | None = None
         self._history_costs = False
-        self._history_failing = False
+        self._history_outage = SaidOnce(log, "History sample not written (harvesting goes on): %s")
         # Its own statements, the status writer's and the dead letters' retention count as `status`.
         own = [statement.as_string() for statement in (self._sample, self._sample_costs, self._prune_history)]
         if config.dead_letter_table:
             own.append(sql.SQL(retention.PRUNE).format(table=table_identifier(config.dead_letter_table)).as_string())
         statements = {**dbtime.engine_statements(config.table, config.dead_letter_table, config.shards),
-                      **{text: "status" for text in [*own, *writer_statements, BACKLOG]}}
+                      **{text: "status" for text in [*own, *writer_statements]}}
         self._server_time = dbtime.ServerTime(dbtime.StatementKinds(statements), dbtime.server_patterns(
             [config.table, config.status_table, self._history_table,
              *([config.dead_letter_table] if config.dead_letter_table else [])]))
@@ -216,18 +196,17 @@ class HistorySampler:
             self._history_on = status_table_exists(conn, self._history_table)
             if not self._history_on:
                 log.info("History off: table %s does not exist (%s)", self._history_table,
-                         how_made(self._history_table, history_table(STATUS_TABLE)))
+                         how_made(self._history_table, f"{STATUS_TABLE}_history"))
                 return
-            self._history_costs = conn.execute(HAS_COST_COLUMNS,
-                                               {"table": table_name(self._history_table)}).fetchone()[0]
+            self._history_costs = conn.execute(HAS_COLUMNS, {"table": table_name(self._history_table),
+                                                             "first": "db_round_trips", "second": "db_statements"}
+                                               ).fetchone()[0]
         self._next_sample = time.monotonic() + self._history_interval
         params = row_values(self._identity, snapshot)
-        if snapshot.state is ReplicaState.LEADER:
-            statements = self._read_statements(conn)
-        else:
-            statements = None
+        leads = snapshot.state is ReplicaState.LEADER
+        if not leads:
             self._server_time.again()  # a new term may run statements the last did not: learn them soon again
-        self.statements = statements
+        self.statements = statements = self._read_statements(conn) if leads else None
         costs = {"db_round_trips": Jsonb(dbtime.as_json(snapshot.round_trips)),
                  "db_statements": None if statements is None else Jsonb(dbtime.as_json(statements))}
         try:
@@ -239,11 +218,9 @@ class HistorySampler:
         except psycopg.Error as error:
             if conn.broken:
                 raise
-            if not self._history_failing:  # say it once, not every interval
-                log.warning("History sample not written (harvesting goes on): %s", first_line(error))
-            self._history_failing = True
+            self._history_outage.failed(first_line(error))
             return
-        self._history_failing = False
+        self._history_outage.ended()
 
     def _read_statements(self, conn: psycopg.Connection) -> dbtime.Totals | None:
         """The server's time per statement kind; None where pg_stat_statements cannot be read (said once)."""
@@ -271,8 +248,7 @@ class StandbyNotes:
 
     def __init__(self, config: HarvestConfig, identity: dict[str, object]) -> None:
         ident = table_identifier(config.status_table)
-        self._leaders = sql.SQL(LEADERS).format(table=ident)
-        self._other_tables = sql.SQL(OTHER_TABLES).format(table=ident)
+        self._leaders, self._other_tables = (sql.SQL(text).format(table=ident) for text in (LEADERS, OTHER_TABLES))
         self._identity = identity
         self._group = config.leader_group
         self._gone_after = max(4 * config.limits.status_interval, 10.0)

@@ -32,7 +32,9 @@ from outbox.harvest.process_services import ProcessServices
 from outbox.harvest.retention import PASS_INTERVAL, DeadLetterRetention
 from outbox.harvest.status import (
     FORGET,
-    HAS_SHARD_COLUMNS,
+    HAS_COLUMNS,
+    LEADERS,
+    OTHER_TABLES,
     PRUNE,
     ROW_COLUMNS,
     STOPPED,
@@ -42,15 +44,14 @@ from outbox.harvest.status import (
     identity,
     row_values,
     shard_columns,
-    status_statements,
     status_table_exists,
 )
 from outbox.harvest.store import STATUS_TABLE, close_quietly, connect, how_made, table_identifier, table_name
+from outbox.logs import SaidOnce
 from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest")
 
-#: The harvested tables' backlogs are read every BACKLOG_EVERY intervals; stale rows deleted every PRUNE_INTERVAL s.
 BACKLOG_EVERY = 5
 PRUNE_INTERVAL = 60.0
 #: Seconds between a leader's passes over its expired dead letters, for an outbox among many (retention is counted in
@@ -91,8 +92,8 @@ def board_row(values: dict[str, Any], shard: dict[str, int | None] | None = None
 def writer_statements(status_table: str) -> list[str]:
     """The board's statements on `status_table` as it sends them (counted as `status` in a sample)."""
     ident = table_identifier(status_table)
-    return [*status_statements(status_table),
-            *(sql.SQL(text).format(table=ident).as_string() for text in (UPSERT_MANY, UPSERT_MANY_SHARDS))]
+    return [sql.SQL(text).format(table=ident).as_string() for text in (PRUNE, STOPPED, FORGET, LEADERS, OTHER_TABLES,
+                                                                       UPSERT_MANY, UPSERT_MANY_SHARDS, BACKLOGS)]
 
 
 class BoardReporter:
@@ -159,13 +160,10 @@ class StatusBoard(threading.Thread):
         self._on_empty = on_empty
         self._status_table = config.status_table
         ident = table_identifier(config.status_table)
-        self._upsert = sql.SQL(UPSERT_MANY).format(table=ident)
-        self._upsert_shards = sql.SQL(UPSERT_MANY_SHARDS).format(table=ident)
+        self._upsert, self._upsert_shards, self._prune, self._stopped, self._forget = (
+            sql.SQL(text).format(table=ident) for text in (UPSERT_MANY, UPSERT_MANY_SHARDS, PRUNE, STOPPED, FORGET))
         #: Whether the status table has the shard columns (asked once an engine with a shard attaches).
         self._shard_columns: bool | None = None
-        self._prune = sql.SQL(PRUNE).format(table=ident)
-        self._stopped = sql.SQL(STOPPED).format(table=ident)
-        self._forget = sql.SQL(FORGET).format(table=ident)
         self._interval = config.limits.status_interval
         self._prune_after = config.status_prune_after
         self._lock = threading.Lock()
@@ -174,7 +172,7 @@ class StatusBoard(threading.Thread):
         self._wake = threading.Event()
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection | None = None
-        self._failing = False
+        self._outage = SaidOnce(log, "Status rows not written (harvesting goes on): %s", "Status reporting resumed")
         self._writes = 0
         self._pruned_at = float("-inf")
         self._ended = False
@@ -195,10 +193,11 @@ class StatusBoard(threading.Thread):
         conn, self._conn = self._conn, None
         close_quietly(conn)
 
-    def attach(self, reporter: BoardReporter) -> None:
+    def attach(self, reporter: BoardReporter) -> StatusBoard:
         with self._lock:
             self._reporters.append(reporter)
         self._wake.set()  # its first row at once
+        return self
 
     def detach(self, reporter: BoardReporter) -> None:
         with self._lock:
@@ -230,10 +229,8 @@ class StatusBoard(threading.Thread):
             self.end()
 
     def step(self) -> None:
-        """One round of rows, which the thread writes every status_interval (and at once when an engine comes or
-        goes): the engines that left say stopped (a shard's engine's row goes), every attached engine's row in
-        one statement, then their retention, history samples and lines. A surprise (a bug of ours) costs one
-        round of rows, not every engine's status from now on."""
+        """One round of rows (the thread's, every status_interval and at once when an engine comes or goes). A
+        surprise (a bug of ours) costs one round of rows, not every engine's status from now on."""
         try:
             self._write()
         except Exception:
@@ -280,13 +277,9 @@ class StatusBoard(threading.Thread):
             if now - self._pruned_at >= PRUNE_INTERVAL:
                 self._pruned_at = now
                 conn.execute(self._prune, {"age": self._prune_after})
-            if self._failing:
-                log.info("Status reporting resumed")
-            self._failing = False
+            self._outage.ended()
         except psycopg.Error as error:
-            if not self._failing:  # said once, not every interval
-                log.warning("Status rows not written (harvesting goes on): %s", first_line(error))
-            self._failing = True
+            self._outage.failed(first_line(error))
             self._close_session()
         finally:
             for reporter in leaving:
@@ -298,8 +291,8 @@ class StatusBoard(threading.Thread):
         if not any(reporter.shard for reporter in reporters):
             return False
         if self._shard_columns is None:
-            self._shard_columns = conn.execute(HAS_SHARD_COLUMNS,
-                                               {"table": table_name(self._status_table)}).fetchone()[0]
+            self._shard_columns = conn.execute(HAS_COLUMNS, {"table": table_name(self._status_table),
+                                                             "first": "shard", "second": "shards"}).fetchone()[0]
             if not self._shard_columns:
                 log.warning("Status table %s has no shard columns (run manage.py migrate, or outbox-harvest schema "
                             "--apply --since 0007_history_database_time): the dashboard cannot tell the engines' "
@@ -332,21 +325,16 @@ class StatusBoards(ProcessServices[StatusBoard]):
         start(); None where status rows are off, or the table does not exist (said once)."""
         if not (config.status_table and config.limits.status_interval):
             return None
-        if self.use(self._key(config), lambda: self._board(config), lambda board: board) is None:
+        if self._use(config, lambda board: board) is None:
             return None
         return BoardReporter(self, config, snapshot, on_backlog, **kinds)
 
     def attach(self, reporter: BoardReporter) -> StatusBoard | None:
         """Put `reporter` on its status table's board (started anew if the last one ended meanwhile)."""
-        def attach(board: StatusBoard) -> StatusBoard:
-            board.attach(reporter)
-            return board
+        return self._use(reporter.config, lambda board: board.attach(reporter))
 
-        return self.use(self._key(reporter.config), lambda: self._board(reporter.config), attach)
-
-    @staticmethod
-    def _key(config: HarvestConfig) -> tuple[str, str]:
-        return (config.dsn, config.status_table or "")
+    def _use(self, config: HarvestConfig, use: Callable[[StatusBoard], StatusBoard]) -> StatusBoard | None:
+        return self.use((config.dsn, config.status_table or ""), lambda: self._board(config), use)
 
     def _board(self, config: HarvestConfig) -> StatusBoard | None:
         board = StatusBoard(config, name=self._name, on_empty=self.retire)
@@ -356,7 +344,3 @@ class StatusBoards(ProcessServices[StatusBoard]):
                  how_made(config.status_table, STATUS_TABLE))
         board._close_session()
         return None
-
-    @property
-    def boards(self) -> list[StatusBoard]:
-        return self.running

@@ -1,9 +1,6 @@
-"""One reconcile step for a process's set of engines: start what should run and does not, stop (after it
-settled) what should not, forget what stopped, start again after a backoff that doubles.
-
-A sharded replica (shards.py) runs an engine per shard the group assigned it; a process harvesting many outboxes
-(outboxes.py) one per outbox. Each is an EngineSet that says what it wants now and when an engine must retire; the
-simulators (tests/sim/shard_replica.py, many_process.py) run the same tick() on their clocks.
+"""One reconcile step for a process's set of engines (an EngineSet: a sharded replica's engine per shard, shards.py;
+one per outbox, outboxes.py; the simulators, tests/sim, run the same tick() on their clocks): start what should run
+and does not, stop what should not, forget what stopped.
 
 An engine is stopped, never dropped: its slot is free for a new engine only once what it had in flight settled
 (a shard's hand-off waits on that). A failed engine is started again after RESTART_BACKOFF, doubled at each failure
@@ -21,6 +18,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from outbox.harvest.config import HarvestConfig
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import HarvestError, Lifecycle, State
 from outbox.harvest.notify_hub import NotifyHubs
@@ -30,13 +28,16 @@ from outbox.reasons import first_line
 
 log = logging.getLogger("outbox.harvest.supervisor")
 
-#: Seconds before a failed engine starts again (doubled at each failure in a row, up to MAX_BACKOFF).
 RESTART_BACKOFF = 2.0
 MAX_BACKOFF = 60.0
+#: What a set that stops, or stopped, reports of itself (running: whether one of its engines leads).
+ENDING = {State.STOPPING: ReplicaState.STOPPING, State.STOPPED: ReplicaState.STOPPED}
 
 
 class EngineLike(Protocol):
     """What the supervisor needs of an engine (a Harvester, a ShardedHarvester)."""
+
+    config: HarvestConfig
 
     @property
     def state(self) -> State: ...
@@ -44,6 +45,7 @@ class EngineLike(Protocol):
     def replica_state(self) -> ReplicaState: ...
     @property
     def published(self) -> int: ...
+    def start(self) -> None: ...
     def stop(self) -> None: ...
     def wait(self, timeout: float | None = None) -> bool: ...
 
@@ -75,12 +77,10 @@ class Supervisor(Generic[K, E]):
         self._slots: dict[K, Slot[E]] = {}
 
     def engines(self) -> dict[K, E]:
-        """The engines running or settling now, by key."""
         with self._lock:
             return {key: slot.engine for key, slot in self._slots.items() if slot.engine is not None}
 
     def health(self) -> dict[K, tuple[bool, int]]:
-        """Every key wanted or still settling: whether its engine runs now, and how often it failed."""
         with self._lock:
             return {key: (slot.engine is not None and slot.engine.state is State.RUNNING, slot.failed_total)
                     for key, slot in self._slots.items()}
@@ -101,11 +101,8 @@ class Supervisor(Generic[K, E]):
         for key in sorted(wanted):  # type: ignore[type-var]  # shard numbers and labels both sort
             if stopping():
                 return  # starting fifty engines takes a while: a stop need not wait for the rest
-            slot = self._slots.get(key)
-            if slot is None:
-                slot = Slot()
-                with self._lock:
-                    self._slots[key] = slot
+            with self._lock:
+                slot = self._slots.setdefault(key, Slot())
             if slot.engine is None and now >= slot.retry_at:
                 self._start(key, slot, now)
 
@@ -135,7 +132,6 @@ class Supervisor(Generic[K, E]):
                     engine.wait()
 
     def _reap(self, key: K, slot: Slot[E], engine: E, now: float) -> None:
-        """An engine stopped: forget it; if it failed, wait before starting the key's engine again."""
         try:
             engine.wait(0)
             failure = None
@@ -172,9 +168,8 @@ class Supervisor(Generic[K, E]):
 
 class EngineSet(Lifecycle, Generic[K, R]):
     """A process's engines under one Supervisor, stepped by one manager thread: `wanted` and `retires` are its
-    kind's. open() prepares without a thread and tick() is one step (start() runs it every `manage_interval`), so a
-    simulator can step it on its clock. Its engines share the process's LISTEN hubs and status boards (its own,
-    ended with it, unless given those of a set it belongs to)."""
+    kind's; open() prepares without a thread, tick() is one step (start() runs it every `manage_interval`). Its
+    engines share the process's LISTEN hubs and status boards (its own, unless given those of a set it is in)."""
 
     manage_interval = 0.1
     kind = "Harvester"
@@ -229,9 +224,7 @@ class EngineSet(Lifecycle, Generic[K, R]):
 
     @property
     def replica_state(self) -> ReplicaState:
-        if self._state in (State.STOPPING, State.STOPPED):
-            return ReplicaState.STOPPING if self._state is State.STOPPING else ReplicaState.STOPPED
-        return ReplicaState.LEADER if self.leading else ReplicaState.STANDBY
+        return ENDING.get(self._state) or (ReplicaState.LEADER if self.leading else ReplicaState.STANDBY)
 
     @property
     def published(self) -> int:
@@ -246,7 +239,6 @@ class EngineSet(Lifecycle, Generic[K, R]):
             self._manager.start()
 
     def tick(self) -> None:
-        """One step of the manager: reconcile the engines with what is wanted now."""
         now = self._clock()
         self._supervisor.reconcile(self.wanted(now), now, self.retires, stopping=self._stopping.is_set)
 

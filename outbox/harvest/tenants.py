@@ -39,17 +39,15 @@ def find_tenant_tables(conn: psycopg.Connection, table: str, *, exclude: Collect
     out with a warning, once per name remembered in `skipped`."""
     if "." in table:
         raise ValueError(f"table: the tenant schemas' table must be unqualified (no schema), got {table!r}")
+    skipped = set() if skipped is None else skipped
     found = {}
     for schema, oid in conn.execute(TENANT_SCHEMAS, {"table": table}).fetchall():
-        if schema in exclude:
-            continue
         qualified = f"{schema}.{table}"
+        if schema in exclude or schema in skipped:
+            continue
         if not TABLE_PATTERN.fullmatch(qualified):
-            if skipped is None or schema not in skipped:
-                log.warning("Schema %r has a table %s but its name is not an SQL identifier: not harvested", schema,
-                            table)
-                if skipped is not None:
-                    skipped.add(schema)
+            log.warning("Schema %r has a table %s but its name is not an SQL identifier: not harvested", schema, table)
+            skipped.add(schema)
             continue
         found[qualified] = oid
     return found

@@ -117,7 +117,7 @@ def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants
         assert sorted(rows) == sorted(f"{name}/tenants.{schema}" for name in names for schema in schemas)
         assert sorted(row[0] for row in rows.values() if row[1] == "leader") == sorted(f"{schema}.outbox"
                                                                                       for schema in schemas)
-        assert all(harvester.hubs.hubs[0].channels and harvester.hubs.hubs[0].received for harvester in harvesters
+        assert all(harvester.hubs.running[0].channels and harvester.hubs.running[0].received for harvester in harvesters
                    if harvester.leading)
         assert history_samples(database_url, names) == {}, "a tenant's outbox draws no charts"
 
@@ -271,7 +271,7 @@ def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, secon
 
         for url, labels in ((database_url, {"plain", "sharded"}), (second_database, {"other"})):
             assert [sessions(url, "listen", name) for name in names] == [int(leads(h, labels)) for h in harvesters]
-        assert [len(h.hubs.hubs) for h in harvesters] == [leads(h, {"plain", "sharded"}) + leads(h, {"other"})
+        assert [len(h.hubs.running) for h in harvesters] == [leads(h, {"plain", "sharded"}) + leads(h, {"other"})
                                                           for h in harvesters]
         # Each database's status table holds the rows of the engines harvesting there.
         wait_until(lambda: {row[0] for row in status_rows(second_database, names).values()} == {"outbox"}

@@ -125,3 +125,16 @@ def test_a_statement_first_run_after_the_leader_started_is_counted_within_second
     now[0] += dbtime.FIRST_RELEARN
     server.read(views)
     assert views.learns == 2
+
+
+def test_every_statement_the_status_board_sends_on_its_tables_counts_as_status():
+    """The samples count the status writer's own statements as `status`, the harvested tables' backlogs read among
+    them (it names pg_stat_user_tables, not the status table: only this list tells it)."""
+    from outbox.harvest import status, status_board
+
+    texts = [as_pg_stat_statements_keeps_it(text) for text in status_board.writer_statements("outbox_harvester")]
+    kinds = dbtime.StatementKinds(dict.fromkeys(status_board.writer_statements("outbox_harvester"), "status"))
+    for query_id, text in enumerate((status_board.BACKLOGS, status_board.UPSERT_MANY_SHARDS, status.PRUNE)):
+        sent = text.replace("{table}", '"outbox_harvester"')
+        assert kinds.kind(query_id, as_pg_stat_statements_keeps_it(sent)) == "status", text
+    assert len(texts) == len(set(texts))

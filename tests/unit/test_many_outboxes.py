@@ -529,7 +529,7 @@ def test_a_process_has_one_hub_per_database_ended_by_its_last_listener():
     hubs = NotifyHubs(connect=connect, threads=False)
 
     def step() -> None:
-        for each in hubs.hubs:
+        for each in hubs.running:
             each.step()
 
     a, b, other = (hubs.subscribe("db1", "outbox_1"), hubs.subscribe("db1", "outbox_2"),
@@ -538,12 +538,12 @@ def test_a_process_has_one_hub_per_database_ended_by_its_last_listener():
         step()
         assert a.connected and b.connected and other.connected
         assert [len(sessions["db1"]), len(sessions["db2"])] == [1, 1], "one session per database"
-        [first, _] = hubs.hubs
+        [first, _] = hubs.running
         a.close()
         step()
-        assert hubs.hubs[0] is first and b.connected, "b still listens on db1's hub"
+        assert hubs.running[0] is first and b.connected, "b still listens on db1's hub"
         b.close()
-        assert [hub.dsn for hub in hubs.hubs] == ["db2"], "db1's hub ended with its last listener"
+        assert [hub.dsn for hub in hubs.running] == ["db2"], "db1's hub ended with its last listener"
         assert sessions["db1"][0].closed and first.channels == frozenset(), "its session is gone"
         again = hubs.subscribe("db1", "outbox_1")
         step()
@@ -554,7 +554,7 @@ def test_a_process_has_one_hub_per_database_ended_by_its_last_listener():
         for found in sessions.values():
             for session in found:
                 session.close()
-    assert hubs.hubs == []
+    assert hubs.running == []
 
 
 # ---------------------------------------------------------------------------------------------- tenant discovery
@@ -769,7 +769,7 @@ def test_one_board_per_status_table_for_a_replica_and_its_shards_ended_by_the_la
                                a_snapshot, lambda rows: None) for shard in (0, 1)]
     for reporter in (own, *engines):
         reporter.start()
-    [board] = boards.boards
+    [board] = boards.running
     assert [own.shard, engines[0].shard, engines[1].shard] == [{"shard": None, "shards": 2},
                                                              {"shard": 0, "shards": 2}, {"shard": 1, "shards": 2}]
     assert [own.forget, engines[0].forget] == [False, True] and own.notes is not None and engines[0].notes is None
@@ -778,12 +778,12 @@ def test_one_board_per_status_table_for_a_replica_and_its_shards_ended_by_the_la
     engines[0].close(timeout=0)
     board.step()
     assert "DELETE FROM" in statements, "the moved shard's row is gone"
-    assert boards.boards == [board] and not sessions[0].closed
+    assert boards.running == [board] and not sessions[0].closed
     statements.clear()
     engines[1].close(timeout=0)
     own.close(timeout=0)  # the last to leave: the board ends, writing their rows
     assert sorted(statements[:2]) == ["DELETE FROM", "UPDATE \"outbox_harvester_status\""], statements
-    assert boards.boards == [] and len(sessions) == 1 and sessions[0].closed, "the board ended with its last engine"
+    assert boards.running == [] and len(sessions) == 1 and sessions[0].closed, "the board ended with its last engine"
 
 
 # ---------------------------------------------------------------------------------------------- manage.py harvest
@@ -861,7 +861,7 @@ def test_a_board_whose_database_cannot_say_at_first_is_started_and_writes_once_i
     try:
         assert reporter is not None, "one refused connection must not turn status rows off for good"
         reporter.start()
-        assert boards.boards == [reporter.board]
+        assert boards.running == [reporter.board]
         reporter.board.step()
         assert any(s.startswith("INSERT INTO") for s in statements), "the engine's row written"
     finally:
