@@ -8,7 +8,8 @@ It makes schemas bench_t0..N-1 (an outbox table and its NOTIFY trigger each), st
 waits until every outbox has a leader (its status row), lets them settle, then counts over `--seconds`
 what the database ran: statements (pg_stat_statements, this database only, the benchmark's own left
 out), transactions (pg_stat_database), and the sessions the harvesters hold; and the harvesters' CPU.
-Run it against a database of its own (DATABASE_URL): the figures are the whole database's.
+Run it against a database of its own (DATABASE_URL), migrated first (`manage.py migrate`): the figures are the
+whole database's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from psycopg import sql
 
 from outbox import conf
+from outbox.reasons import first_line
 
 ROOT = Path(settings.BASE_DIR)
 PREFIX = "bench_t"
@@ -49,7 +51,12 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         dsn = conf.dsn_for("default")
         schemas = [f"{PREFIX}{i}" for i in range(options["schemas"])]
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        try:
+            conn = psycopg.connect(dsn, autocommit=True)
+        except psycopg.OperationalError as error:
+            raise CommandError(f"cannot connect to the database: {first_line(error)}") from None
+        with conn:
+            self._check_migrated(conn, dsn)
             self._make_schemas(conn, schemas)
             statements = self._statements_on(conn, dsn)
             if options["separate"]:
@@ -87,6 +94,16 @@ class Command(BaseCommand):
         self._report(before, after, elapsed, sessions)
 
     # -- set-up ---------------------------------------------------------------------------------------
+
+    def _check_migrated(self, conn: psycopg.Connection, dsn: str) -> None:
+        """Each schema's outbox is made LIKE public.outbox, and leaders are counted from the status table: both come
+        from the project's migrations, which a database made for the benchmark does not have yet."""
+        missing = [table for table in ("outbox", "outbox_harvester")
+                   if conn.execute("SELECT to_regclass(%s) IS NULL", [f"public.{table}"]).fetchone()[0]]
+        if missing:
+            database = psycopg.conninfo.conninfo_to_dict(dsn).get("dbname")
+            raise CommandError(f"database {database} has no table {' or '.join(missing)}: migrate it first "
+                               f"(DATABASE_URL=<its URL> manage.py migrate)")
 
     def _make_schemas(self, conn: psycopg.Connection, schemas: list[str]) -> None:
         self._drop_schemas(conn, [row[0] for row in conn.execute(
