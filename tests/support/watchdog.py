@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
-from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
@@ -42,26 +41,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _terminal = None
 
 
-def deadline_of(item: pytest.Item) -> float | None:
-    """pytest-timeout's timeout for this test (its mark, else the command line, else the ini), or None if off."""
-    marker = item.get_closest_marker("timeout")
-    if marker is not None and (marker.args or "timeout" in marker.kwargs):
-        value = marker.args[0] if marker.args else marker.kwargs["timeout"]
-    else:
-        value = item.config.getoption("timeout", None) or item.config.getini("timeout")
-    seconds = float(value or 0)
-    return seconds if seconds > 0 else None
+# pytest-timeout's own hooks (each returns None, so its timer is set and cancelled too): the watchdog follows the
+# timeout pytest-timeout resolved for the test (its mark, the command line, the environment, the ini), and where
+# it runs it (the whole protocol, or the test function alone with func_only).
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    seconds = deadline_of(item)
-    if seconds is None or _terminal is None:
-        yield
-        return
-    grace = float(item.config.getini("timeout_grace"))
-    faulthandler.dump_traceback_later(seconds + grace, exit=True, file=_terminal)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    if _terminal is not None:
+        grace = float(item.config.getini("timeout_grace"))
+        faulthandler.dump_traceback_later(settings.timeout + grace, exit=True, file=_terminal)
+
+
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    faulthandler.cancel_dump_traceback_later()
