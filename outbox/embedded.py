@@ -14,7 +14,6 @@ from typing import Any
 from outbox import conf, signals
 from outbox.harvest.harvester import Harvester
 from outbox.harvest.instruments import Instruments
-from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.running import engine_for
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.tracing import PublishTracer
@@ -30,29 +29,15 @@ def create_harvester(*, instruments: Instruments | None = None, tracer: PublishT
     With tracing on (OUTBOX["tracing"] and opentelemetry-api installed) and no `tracer` given, each
     published record gets a span from OpenTelemetry's global tracer provider (docs/tracing.md).
     """
-    if tracer is None and tracing_on():
-        from outbox.tracing.publish import OtelPublishTracer
-
-        tracer = OtelPublishTracer()
-    return engine_for(conf.harvest_config(**overrides), signals.send_event, tracer, instruments)
+    return engine_for(conf.harvest_config(**overrides), signals.send_event,
+                      tracer if tracer is not None else default_tracer(), instruments)
 
 
-def create_many_harvester(names: list[str] | None = None, *, tenant_schemas: bool = False,
-                          exclude_schemas: list[str] | None = None, instruments: Instruments | None = None,
-                          tracer: PublishTracer | None = None, **overrides: Any) -> ManyHarvester:
-    """A ManyHarvester over the outboxes of OUTBOX["outboxes"] (those in `names`, else all) and, with
-    `tenant_schemas`, the table (overrides' `table`, else OUTBOX's) of every schema that has one
-    (outbox/many.py); each engine the sender of its signals. Raises ValueError naming a bad entry."""
-    from outbox import many
+def default_tracer() -> PublishTracer | None:
+    """A span for each published record from OpenTelemetry's global tracer provider, when tracing is on (OUTBOX's
+    `tracing` and opentelemetry-api installed); else None."""
+    if not tracing_on():
+        return None
+    from outbox.tracing.publish import OtelPublishTracer
 
-    if tracer is None and tracing_on():
-        from outbox.tracing.publish import OtelPublishTracer
-
-        tracer = OtelPublishTracer()
-    entries = many.selected_entries(names, tenant_schemas=tenant_schemas, table=overrides.get("table"),
-                                    database=overrides.get("database"), exclude_schemas=exclude_schemas)
-    base = conf.harvest_config(**overrides)
-    discover = many.discoverer(base, entries, conf.given_limits(**overrides))
-    return ManyHarvester(discover, name=base.name, rescan_interval=conf.setting("discover_interval"),
-                         on_event=signals.send_event, tracer=tracer,
-                         instruments=(lambda _label: instruments) if instruments is not None else None)
+    return OtelPublishTracer()

@@ -19,13 +19,12 @@ Nothing here imports Django: a test runs it with Django made unimportable.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,11 +32,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox import logs
 from outbox.harvest import discovery, horizon, replicas, running, schema
 from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, TABLE_PATTERN, HarvestConfig, from_values, leader_name
 from outbox.harvest.kafka import client_config_problems
-from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.store import StoreError, table_identifier
 from outbox.kafka.keys import NO_BOOTSTRAP, key, positive_seconds
 from outbox.kafka.problems import Problem, unknown_keys
@@ -52,8 +49,6 @@ FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES, "outboxes", "discover
 FLAG_KEYS = (*running.SETTING_FLAGS, *LIMIT_NAMES)
 #: Where the file lists several outboxes, as the flags' help and errors name it.
 OUTBOXES = "the file's [outboxes]"
-#: How often several outboxes are looked for again by default (seconds), as OUTBOX["discover_interval"]'s.
-DISCOVER_INTERVAL = 30.0
 
 
 @dataclass(frozen=True)
@@ -64,29 +59,15 @@ class FileEntry(discovery.Entry):
                                                                                       "`DATABASE_URL`")
 
 
-class Settings:
-    """The configuration as built from a file, the environment and flags, with what check and run report."""
+@dataclass(frozen=True)
+class Settings(running.Plan):
+    """The plan as built from a file, the environment and flags, with what `check` reports besides its problems."""
 
-    def __init__(self, config: HarvestConfig, given_limits: set[str], problems: list[Problem],
-                 bootstrap_source: str | None, secrets: set[str],
-                 entries: dict[str, dict[str, Any]] | None = None, discover_interval: float = DISCOVER_INTERVAL
-                 ) -> None:
-        self.config = config
-        self.given_limits = given_limits
-        self.problems = problems
-        self.bootstrap_source = bootstrap_source
-        self.secrets = secrets
-        #: Several outboxes' entries (the file's, or --tenant-schemas'), None for one outbox.
-        self.entries = entries
-        self.discover_interval = discover_interval
-
-    def discover(self) -> Callable[[], dict[str, HarvestConfig]]:
-        """The supervisor's discover() over the entries, each entry's database its `dsn`, else the file's."""
-        def locate(entry: Mapping[str, Any]) -> tuple[str, Callable[[str], str]]:
-            dsn = entry.get("dsn") or self.config.dsn
-            return dsn, lambda table: _derived_leader_name(dsn, table)
-
-        return discovery.discoverer(self.config, self.entries or {}, self.given_limits, locate)
+    #: Where bootstrap.servers came from (None: nowhere, W006).
+    bootstrap_source: str | None = None
+    secrets: set[str] = field(default_factory=set)
+    #: Several outboxes' entries (the file's, or --tenant-schemas'), None for one outbox.
+    entries: dict[str, dict[str, Any]] | None = None
 
     def warnings(self) -> list[Problem]:
         return self.config.warnings() + ([NO_BOOTSTRAP] if self.bootstrap_source is None else [])
@@ -180,7 +161,7 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """The configuration from the file, the environment and the flags (flags win, then the file)."""
     values, found = read_file(getattr(args, "config", None))
     values = {key: value for key, value in values.items() if key in FILE_KEYS}
-    outboxes, interval = values.pop("outboxes", None), values.pop("discover_interval", DISCOVER_INTERVAL)
+    outboxes, interval = values.pop("outboxes", None), values.pop("discover_interval", running.DISCOVER_INTERVAL)
     for name in FLAG_KEYS:
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
@@ -194,11 +175,11 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     if (problem := positive_seconds(interval)) is not None:
         problems.append(Problem("E003", "discover_interval", problem))
     problems += outboxes_problems(outboxes, values.get("table", HarvestConfig.table))
-    entries = None
+    entries = discover = None
     several = bool(outboxes or args.outbox or args.tenant_schemas)
     if problem := running.outbox_flags_problem(vars(args), OUTBOXES, several=several):
         raise running.RunFailure(problem)
-    if several and not problems:
+    if several and not any(p.code == "E018" for p in problems):
         tenants = {"exclude_schemas": list(args.exclude_schema)} if args.exclude_schema else {}
         try:
             entries = discovery.select(outboxes or {}, args.outbox, where=OUTBOXES,
@@ -206,10 +187,20 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         except ValueError as error:
             raise running.RunFailure(str(error)) from None
         problems += outboxes_problems(entries, values.get("table", HarvestConfig.table))
+        discover = discovery.discoverer(config, entries, given, _locate(config.dsn))
     if not problems:
         problems = client_config_problems(config)
-    secrets = secret_values(dsn, values, outboxes)
-    return Settings(config, given, problems, source, secrets, entries, interval)
+    return Settings(config, given, problems, several, discover, interval, source, secret_values(dsn, values, outboxes),
+                    entries)
+
+
+def _locate(default_dsn: str) -> discovery.Locate:
+    """An entry's database by its `dsn`, else the file's: its DSN and derived leader names."""
+    def locate(entry: Mapping[str, Any]) -> tuple[str, Callable[[str], str]]:
+        dsn = entry.get("dsn") or default_dsn
+        return dsn, lambda table: _derived_leader_name(dsn, table)
+
+    return locate
 
 
 def outboxes_problems(outboxes: Any, table: Any) -> list[Problem]:
@@ -269,39 +260,9 @@ def database_readers(config: HarvestConfig) -> dict[str, Callable[[], Any]]:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> None:
-    if args.print_config and settings.entries is None:
-        print(json.dumps(settings.config.redacted(), indent=2, default=str))
-    if settings.problems:
-        raise running.RunFailure("invalid configuration: " + "; ".join(map(str, settings.problems)))
-    if args.print_config:
-        if settings.entries is not None:  # each outbox found now, by label
-            print_outboxes(settings)
-        return
-    logs.configure_logging(args.verbosity)
-    for warning in settings.warnings():
-        logging.getLogger("outbox").warning("%s (outbox.%s)", warning, warning.code)
-    registry, instruments = running.metrics_registry(args.metrics_port)
-    harvester: running.AnyHarvester
-    if settings.entries is None:
-        harvester = running.engine_for(settings.config, instruments=instruments)
-    else:
-        harvester = ManyHarvester(settings.discover(), name=settings.config.name,
-                                  rescan_interval=settings.discover_interval,
-                                  instruments=None if instruments is None else lambda _label: instruments)
-    running.run_until_stopped(harvester, registry, args.metrics_address, args.metrics_port,
-                              database_readers(settings.config))
-
-
-def print_outboxes(settings: Settings) -> None:
-    """--print-config with several outboxes: each one's configuration as discovered now, by label."""
-    try:
-        found = settings.discover()()
-    except Exception as error:
-        raise running.RunFailure(f"cannot find the outboxes: {first_line(error)}") from None
-    printed, problems = running.outboxes_printed(found, settings.given_limits)
-    print(printed)
-    if problems:
-        raise running.RunFailure("invalid configuration: " + "; ".join(problems))
+    running.harvest(settings, print_config=args.print_config, out=print, verbosity=args.verbosity,
+                    metrics_port=args.metrics_port, metrics_address=args.metrics_address,
+                    readers=lambda: database_readers(settings.config))
 
 
 def check(settings: Settings) -> int:

@@ -11,9 +11,10 @@ import dataclasses
 import json
 import logging
 from argparse import ArgumentParser
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from outbox import logs
 from outbox.gc_tuning import tune_gc
 from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig, Limits
@@ -22,6 +23,8 @@ from outbox.harvest.instruments import Instruments
 from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.tracing import PublishTracer
+from outbox.kafka.problems import Problem
+from outbox.reasons import first_line
 from outbox.stopping import on_stop_signals
 
 log = logging.getLogger("outbox")
@@ -31,6 +34,81 @@ AnyHarvester = Harvester | ShardedHarvester | ManyHarvester
 
 class RunFailure(Exception):
     """The harvester cannot run, or stopped on an error: one line."""
+
+
+#: How often several outboxes are looked for again by default (seconds): OUTBOX["discover_interval"]'s, the file's.
+DISCOVER_INTERVAL = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one harvester process runs, as its entry point built it from its settings (OUTBOX and flags for
+    `manage.py harvest`, a TOML file, the environment and flags for `outbox-harvest`): from here on the two run
+    the same way (harvest())."""
+
+    config: HarvestConfig
+    #: The limits the user set (a problem of a limit derived from one of them is said once, on that one).
+    given_limits: set[str]
+    #: Everything wrong, the engine's config's problems included.
+    problems: list[Problem]
+    #: The process runs several outboxes (OUTBOX["outboxes"], the file's [outboxes], --outbox, --tenant-schemas).
+    several: bool = False
+    #: With several: the supervisor's discover() (None when the outboxes' entries themselves are wrong).
+    discover: Callable[[], dict[str, HarvestConfig]] | None = None
+    discover_interval: float = DISCOVER_INTERVAL
+
+    def warnings(self) -> list[Problem]:
+        """What to log at start, besides the problems (none: `manage.py check` said them before the command)."""
+        return []
+
+
+def harvest(plan: Plan, *, print_config: bool, out: Callable[[str], None], verbosity: int = 1,
+            metrics_port: int | None = None, metrics_address: str = "",
+            readers: Callable[[], dict[str, Callable[[], Any]]] | None = None,
+            sink: Callable[[Harvester, events.Event], None] | None = None, tracer: PublishTracer | None = None) -> None:
+    """Print the configuration (to `out`; invalid is when it is wanted, so it is printed, then refused), or run the
+    plan until a stop signal: RunFailure (one line) when it cannot. `readers` makes the metrics' database readers,
+    `sink` and `tracer` go to every engine."""
+    if print_config:
+        printed, problems = _printed(plan)
+        out(printed)
+        if problems:
+            raise RunFailure("invalid configuration: " + "; ".join(problems))
+        return
+    if plan.problems:
+        raise RunFailure("invalid configuration: " + "; ".join(map(str, plan.problems)))
+    logs.configure_logging(verbosity)
+    for warning in plan.warnings():
+        log.warning("%s (outbox.%s)", warning, warning.code)
+    registry, instruments = metrics_registry(metrics_port)
+    harvester: AnyHarvester
+    if plan.discover is None:
+        harvester = engine_for(plan.config, sink, tracer, instruments)
+    else:
+        harvester = ManyHarvester(plan.discover, name=plan.config.name, rescan_interval=plan.discover_interval,
+                                  on_event=sink, tracer=tracer,
+                                  instruments=None if instruments is None else lambda _label: instruments)
+    run_until_stopped(harvester, registry, metrics_address, metrics_port,
+                      readers() if registry is not None and readers is not None else None)
+
+
+def _printed(plan: Plan) -> tuple[str, list[str]]:
+    """--print-config: the configuration (secrets redacted) as JSON, and what is wrong with it. With several
+    outboxes, each one's as discovered now, by label, and its problems naming its label (a limit derived from one
+    the user gave is not reported again, nor the base configuration's, which each outbox's repeats)."""
+    if not plan.several:
+        return json.dumps(plan.config.redacted(), indent=2, default=str), list(map(str, plan.problems))
+    if plan.discover is None:  # the entries themselves are wrong: nothing to discover
+        raise RunFailure("invalid configuration: " + "; ".join(map(str, plan.problems)))
+    try:
+        found = plan.discover()
+    except Exception as error:
+        raise RunFailure(f"cannot find the outboxes: {first_line(error)}") from None
+    base = plan.config.validate(given_limits=plan.given_limits)
+    printed = json.dumps({label: config.redacted() for label, config in sorted(found.items())}, indent=2, default=str)
+    return printed, [*(str(p) for p in plan.problems if p not in base),
+                     *(f"{label}: {problem}" for label, config in sorted(found.items())
+                       for problem in config.validate(given_limits=plan.given_limits))]
 
 
 #: The engine's keys a flag sets, by the key's name, in manage.py harvest and outbox-harvest alike (flags win).
@@ -81,14 +159,6 @@ def outbox_flags_problem(options: Mapping[str, Any], where: str, *, several: boo
         if options.get(flag) is not None and not options.get("tenant_schemas"):
             return f"--{flag}: with {where}, each outbox names its own (--{flag} goes with --tenant-schemas)"
     return None
-
-
-def outboxes_printed(found: Mapping[str, HarvestConfig], given_limits: Collection[str]) -> tuple[str, list[str]]:
-    """--print-config with several outboxes: each one's configuration (secrets redacted) as JSON by label, and what
-    is wrong with each, naming its label (a limit derived from one the user gave is not reported again)."""
-    printed = json.dumps({label: config.redacted() for label, config in sorted(found.items())}, indent=2, default=str)
-    return printed, [f"{label}: {problem}" for label, config in sorted(found.items())
-                     for problem in config.validate(given_limits=given_limits)]
 
 
 def add_limit_flags(parser: ArgumentParser) -> None:

@@ -211,7 +211,7 @@ def test_the_files_outboxes_are_discovered_as_manage_py_harvest_discovers_them(t
     for one outbox, the process's name and its label, the rare idle poll of a shared LISTEN session."""
     found = settings("--config", toml(tmp_path, OUTBOXES), "--name", "r")
     assert found.problems == [] and sorted(found.entries) == ["billing", "shop"]
-    outboxes = found.discover()()
+    outboxes = found.discover()
     shop, billing = outboxes["shop"], outboxes["billing"]
     assert (shop.dsn, shop.table, shop.shards, shop.name) == (ENV["DATABASE_URL"], "outbox", 1, "r/shop")
     assert (billing.table, billing.shards, billing.name) == ("ledger.outbox", 2, "r/billing")
@@ -222,7 +222,7 @@ def test_the_files_outboxes_are_discovered_as_manage_py_harvest_discovers_them(t
     assert all(not config.validate() for config in outboxes.values())
     given = settings("--config", toml(tmp_path, "discover_interval = 5\n" + OUTBOXES), "--idle-poll-interval", "2")
     assert given.problems == [] and given.discover_interval == 5
-    assert given.discover()()["shop"].limits.idle_poll_interval == 2, "a given idle poll is kept"
+    assert given.discover()["shop"].limits.idle_poll_interval == 2, "a given idle poll is kept"
 
 
 def test_outbox_picks_entries_and_tenant_schemas_adds_one(tmp_path):
