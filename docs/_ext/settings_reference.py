@@ -2,8 +2,8 @@
 appears here without anyone writing it twice: each key is a field of a settings dataclass holding its default,
 meaning and rule (outbox/kafka/keys.py): OUTBOX's own keys (conf.OutboxKeys), the engine's (harvest.config
 .HarvestConfig) and its limits (Limits, with their least values), an OUTBOX["outboxes"] entry's (many.OutboxEntry),
-OUTBOX["queues"] (queue.app_settings.QueueKeys,
-queue.config.QueueLimits); and every check code (settings_problems.CHECK_CODES, app_settings.CHECK_CODES).
+OUTBOX["queues"] (queue.config.QueueConfig and
+QueueLimits); and every check code (settings_problems.CHECK_CODES, app_settings.CHECK_CODES).
 tests/unit/test_docs.py holds every known key to a line here."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def settings_markdown() -> str:
     from outbox.harvest.config import HarvestConfig, Limits
     from outbox.many import OutboxEntry
     from outbox.queue import app_settings
-    from outbox.queue.config import QueueLimits
+    from outbox.queue.config import QueueConfig, QueueLimits
 
     out = ["# Settings", "",
            "Everything goes in one dict, `OUTBOX = {...}` in `settings.py`, read the same way by `stash()`, the "
@@ -61,7 +61,7 @@ def settings_markdown() -> str:
             "The queues' settings ([queues](../queues.md)); the limits among them may also be set per queue, in "
             "`per_queue`.", "", "| key | default | meaning |", "|---|---|---|"]
     out += [f"| `{name}` | {_cell(shown)} | {_cell(meaning)} |"
-            for name, shown, _, meaning in _rows(app_settings.QueueKeys, QueueLimits)]
+            for name, shown, _, meaning in _rows(QueueConfig, QueueLimits)]
     out += ["", "## Check codes", "", "| code | what |", "|---|---|"]
     for code, what in {**settings_problems.CHECK_CODES, **app_settings.CHECK_CODES}.items():
         out.append(f"| `{code}` | {_cell(what)} |")

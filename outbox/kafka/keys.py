@@ -1,6 +1,6 @@
 """A setting declared once: a frozen dataclass field holding its default, what it does (the settings reference's
 line), and the rule its value must meet. OUTBOX's own keys (conf.OutboxKeys), the harvester's limits
-(harvest.config.Limits), the queues' keys (queue.app_settings.QueueKeys) are such dataclasses, read from the user's
+(harvest.config.Limits), the queues' keys (queue.config.QueueConfig) are such dataclasses, read from the user's
 mapping by `read()`, which reports each problem once, on the key the user wrote.
 
 Also the one fallback of `bootstrap.servers` every reader of settings shares (OUTBOX, OUTBOX["queues"], the stand-alone

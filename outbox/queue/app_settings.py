@@ -14,52 +14,19 @@ Every key is known here: a typo is a system-check error (outbox_queue.E002), not
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 
 from outbox import conf as outbox_conf
-from outbox.kafka.keys import key, positive_seconds, positive_seconds_or_none, read, seconds, seconds_or_zero
+from outbox.kafka.keys import read, seconds
 from outbox.kafka.problems import Problem, unknown_keys
 from outbox.kafka.redaction import scrub
 from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
-
-
-@dataclass(frozen=True)
-class QueueKeys:
-    """The keys of OUTBOX["queues"] that are not a queue's limits (those are QueueLimits'), each with its default,
-    its line in the settings reference and its rule; the topics' and groups' names derive from the project's when
-    unset, and QueueConfig.validate checks what needs the whole config."""
-
-    topic: str | None = key(None, "the queue topic, shared by every logical queue", shown='`"<project>-queue"`')
-    markers_topic: str | None = key(None, "the markers topic", shown='`"<project>-queue-markers"`')
-    partitions: int = key(8, "partition counts when the topics are created")
-    markers_partitions: int = key(4, "partition counts when the topics are created")
-    consumer_group_prefix: str | None = key(None, "consumers of queue Q share group `<prefix>Q`",
-                                            shown='`"<project>-queue-"`')
-    tracker_group: str | None = key(None, "the trackers' consumer group", shown='`"<project>-queue-tracker"`')
-    per_queue: Mapping[str, Any] = key({}, "`{\"reports\": {\"redelivery_timeout\": 600, \"max_in_progress\": 1}}`: "
-                                           "the four limits and the backend below, per queue")
-    poll_interval: float = key(0.1, "longest wait of a consumer's or tracker's loop")
-    status_interval: float = key(2.0, "status rows (admin) are written this often", positive_seconds, code="E004")
-    status_gone_after: float = key(20.0, "admin calls a process not seen for this long gone", positive_seconds,
-                                   code="E004")
-    inbox_retention: float = key(7 * 24 * 3600.0, "inbox rows (`outbox_consume --inbox`) older than this (seconds) "
-                                                  "are pruned", positive_seconds, code="E004")
-    history_interval: float = key(10.0, "a tracker adds a sample per queue (in progress, redeliveries, dead letters) "
-                                        "to `outbox_queue_history`, the admin's charts, this often, with its status "
-                                        "row (0: never)", seconds_or_zero, code="E004")
-    history_retention: float = key(24 * 3600.0, "samples older than this (seconds) are deleted", positive_seconds,
-                                   code="E004")
-    dead_letter_retention: float | None = key(30 * 24 * 3600.0, "dead letters written longer ago than this (30 days) "
-                                                                "are deleted by the trackers, once a minute; `None` "
-                                                                "keeps them until an operator acts",
-                                              positive_seconds_or_none, code="E004")
-
 
 #: What each check code of OUTBOX["queues"] means (docs/reference/settings.md is written from it).
 CHECK_CODES: dict[str, str] = {
@@ -75,17 +42,17 @@ CHECK_CODES: dict[str, str] = {
     "outbox_queue.W001": "`keep_alive_interval` above half the redelivery timeout: one late marker redelivers a "
         "message still in hand",
 }
-KNOWN_KEYS = frozenset(QueueKeys.__dataclass_fields__) | frozenset(LIMIT_NAMES)
+#: The keys of OUTBOX["queues"]: QueueConfig's (those with a meaning) and a queue's limits.
+KEYS = frozenset(spec.name for spec in dataclasses.fields(QueueConfig) if "doc" in spec.metadata)
+KNOWN_KEYS = KEYS | frozenset(LIMIT_NAMES)
+#: The names that derive from the project's when unset (or empty).
+DERIVED = {"topic": "{}-queue", "markers_topic": "{}-queue-markers", "consumer_group_prefix": "{}-queue-",
+           "tracker_group": "{}-queue-tracker"}
 
 
 def raw_settings() -> Any:
     value = outbox_conf.current().raw.get("queues", {})
     return {} if value is None else value
-
-
-def _keys() -> tuple[QueueKeys, list[Problem]]:
-    raw = raw_settings()
-    return read(QueueKeys, raw if isinstance(raw, Mapping) else {})
 
 
 def project_name() -> str:
@@ -95,7 +62,7 @@ def project_name() -> str:
 
 def setting(name: str) -> Any:
     """One OUTBOX["queues"] value with its default (durations in seconds)."""
-    return getattr(_keys()[0], name)
+    return getattr(queue_config(), name)
 
 
 def problems() -> list[Problem]:
@@ -113,14 +80,13 @@ def problems() -> list[Problem]:
                 found.append(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}"))
             else:
                 found.extend(unknown_keys(limits, LIMIT_NAMES, f"per_queue[{queue!r}]."))
-    found.extend(_keys()[1])
     if found:
         return found
     try:
-        config = queue_config()
+        config, found = _read(raw)
     except (TypeError, ValueError) as error:  # a value too malformed to build the config from
         return [Problem("E003", "OUTBOX['queues']", str(error))]
-    return config.validate(_inherited(raw))
+    return found + config.validate(_inherited(raw))
 
 
 def describe(problem: Problem) -> str:
@@ -153,26 +119,22 @@ def _inherited(raw: Mapping[str, Any]) -> dict[str, set[str]]:
 def queue_config(**overrides: Any) -> QueueConfig:
     """The queue's config from OUTBOX, the environment and overrides; None overrides are ignored."""
     raw = raw_settings()
-    raw = {**(raw if isinstance(raw, Mapping) else {}), **{k: v for k, v in overrides.items() if v is not None}}
-    keys = read(QueueKeys, raw)[0]
-    per_queue = keys.per_queue if isinstance(keys.per_queue, Mapping) else {}
-    project = project_name()
-    # A queue's limits start from the shared ones the user set; what neither sets defaults (and a
-    # keep-alive interval nobody set is derived from the queue's own redelivery timeout).
+    given = {name: value for name, value in overrides.items() if value is not None}
+    return _read({**(raw if isinstance(raw, Mapping) else {}), **given})[0]
+
+
+def _read(raw: Mapping[str, Any]) -> tuple[QueueConfig, list[Problem]]:
+    """The config from OUTBOX["queues"] (a key in breach of its rule keeps its default), and those breaches. A
+    queue's limits start from the shared ones the user set; what neither sets defaults (and a keep-alive interval
+    nobody set is derived from the queue's own redelivery timeout)."""
+    values = {name: value for name, value in raw.items() if name in KEYS and (value or name not in DERIVED)}
+    values |= {name: form.format(project_name()) for name, form in DERIVED.items() if name not in values}
+    config, found = read(QueueConfig, values)
     explicit = {name: raw[name] for name in LIMIT_NAMES if name in raw}
-    return QueueConfig(
-        base_kafka_config=outbox_conf.kafka_config(),
-        topic=keys.topic or f"{project}-queue",
-        markers_topic=keys.markers_topic or f"{project}-queue-markers",
-        partitions=keys.partitions,
-        markers_partitions=keys.markers_partitions,
-        consumer_group_prefix=keys.consumer_group_prefix or f"{project}-queue-",
-        tracker_group=keys.tracker_group or f"{project}-queue-tracker",
-        limits=_limits(explicit),
-        per_queue={queue: _limits({**explicit, **limits}) for queue, limits in per_queue.items()
-                   if isinstance(limits, Mapping)},
-        poll_interval=keys.poll_interval,
-    )
+    per_queue = config.per_queue if isinstance(config.per_queue, Mapping) else {}
+    return dataclasses.replace(config, base_kafka_config=outbox_conf.kafka_config(), limits=_limits(explicit),
+                               per_queue={queue: _limits({**explicit, **limits}) for queue, limits in per_queue.items()
+                                          if isinstance(limits, Mapping)}), found
 
 
 def _limits(values: Mapping[str, Any]) -> QueueLimits:

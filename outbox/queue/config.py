@@ -13,7 +13,16 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.kafka.keys import is_int, is_number, key, rule, rule_problems
+from outbox.kafka.keys import (
+    is_int,
+    is_number,
+    key,
+    positive_seconds,
+    positive_seconds_or_none,
+    rule,
+    rule_problems,
+    seconds_or_zero,
+)
 from outbox.kafka.names import MAX_TOPIC_LENGTH, TOPIC_NAME, is_topic_name
 from outbox.kafka.problems import Problem
 from outbox.kafka.redaction import redact_mapping
@@ -113,45 +122,58 @@ class QueueLimits:
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(QueueLimits))
 
 
-def checked(ok: Any, code: str, message: str, got: bool = True, **default: Any) -> Any:
-    """A QueueConfig field whose value must be `ok`, else a problem with `code`: "<message>, got <value>"."""
-    return field(**default, metadata={"code": code, "rule": rule(ok, message, got)})
-
-
 def _partitions(value: Any) -> bool:
     return is_int(value) and 1 <= value <= 10_000
 
 
+_TOPIC, _PARTITIONS = rule(is_topic_name, TOPIC_NAME), rule(_partitions, "must be an integer from 1 to 10000")
+
 
 @dataclass(frozen=True)
 class QueueConfig:
-    """The topic pair shared by every logical queue, the trackers' group, and the limits per queue."""
+    """The topic pair shared by every logical queue, the trackers' group, the limits per queue, and how the queues'
+    processes report: OUTBOX["queues"]'s keys, each with its default, its line in the settings reference and its
+    rule (in a Django project the topics' and groups' defaults derive from its name: app_settings.queue_config)."""
 
-    #: librdkafka settings shared by every client (bootstrap.servers, security.protocol, sasl.*).
-    base_kafka_config: Mapping[str, Any] = checked(
-        lambda v: isinstance(v, Mapping) and bool(v.get("bootstrap.servers")), "E003",
-        "must be a mapping that sets bootstrap.servers", got=False,
-        default_factory=lambda: {"bootstrap.servers": "localhost:9092"})
-    #: Messages of every logical queue, keyed by queue name.
-    topic: str = checked(is_topic_name, "E005", TOPIC_NAME, default="outbox-queue")
-    #: Start, KeepAlive and End markers of every logical queue, keyed by queue name.
-    markers_topic: str = checked(is_topic_name, "E005", TOPIC_NAME, default="outbox-queue-markers")
-    #: Partition counts used when the topics are created (existing topics are left as they are).
-    partitions: int = checked(_partitions, "E004", "must be an integer from 1 to 10000", default=8)
-    markers_partitions: int = checked(_partitions, "E004", "must be an integer from 1 to 10000", default=4)
-    #: Consumers of queue Q share the consumer group f"{consumer_group_prefix}{Q}".
-    consumer_group_prefix: str = checked(lambda v: isinstance(v, str), "E003", "must be a non-empty string",
-                                         default="outbox-queue-")
-    #: Redelivery trackers share this consumer group over the markers topic.
-    tracker_group: str = checked(lambda v: isinstance(v, str) and bool(v.strip()), "E003",
-                                 "must be a non-empty string", default="outbox-queue-tracker")
+    #: librdkafka settings shared by every client: OUTBOX's base_kafka_config (not a key of OUTBOX["queues"]).
+    base_kafka_config: Mapping[str, Any] = field(
+        default_factory=lambda: {"bootstrap.servers": "localhost:9092"},
+        metadata={"code": "E003", "rule": rule(lambda v: isinstance(v, Mapping) and bool(v.get("bootstrap.servers")),
+                                               "must be a mapping that sets bootstrap.servers", got=False)})
+    topic: str = key("outbox-queue", "the queue topic, shared by every logical queue", _TOPIC, code="E005",
+                     shown='`"<project>-queue"`')
+    markers_topic: str = key("outbox-queue-markers", "the markers topic", _TOPIC, code="E005",
+                             shown='`"<project>-queue-markers"`')
+    partitions: int = key(8, "partition counts when the topics are created", _PARTITIONS, code="E004")
+    markers_partitions: int = key(4, "partition counts when the topics are created", _PARTITIONS, code="E004")
+    consumer_group_prefix: str = key("outbox-queue-", "consumers of queue Q share group `<prefix>Q`",
+                                     rule(lambda v: isinstance(v, str), "must be a non-empty string"),
+                                     shown='`"<project>-queue-"`')
+    tracker_group: str = key("outbox-queue-tracker", "the trackers' consumer group",
+                             rule(lambda v: isinstance(v, str) and bool(v.strip()), "must be a non-empty string"),
+                             shown='`"<project>-queue-tracker"`')
     #: Limits of every queue not named in per_queue.
     limits: QueueLimits = field(default_factory=QueueLimits)
-    #: Limits of named queues.
-    per_queue: Mapping[str, QueueLimits] = field(default_factory=dict)
-    #: Longest wait of a tracker or consumer loop; bounds how late a deadline is noticed.
-    poll_interval: float = checked(lambda v: is_number(v) and 0.001 <= v <= 5, "E004",
-                                   "must be from 0.001 to 5 seconds", default=0.1)
+    per_queue: Mapping[str, QueueLimits] = key({}, "`{\"reports\": {\"redelivery_timeout\": 600, "
+                                                   "\"max_in_progress\": 1}}`: the four limits and the backend "
+                                                   "below, per queue")
+    poll_interval: float = key(0.1, "longest wait of a consumer's or tracker's loop",
+                               rule(lambda v: is_number(v) and 0.001 <= v <= 5, "must be from 0.001 to 5 seconds"),
+                               code="E004")
+    status_interval: float = key(2.0, "status rows (admin) are written this often", positive_seconds, code="E004")
+    status_gone_after: float = key(20.0, "admin calls a process not seen for this long gone", positive_seconds,
+                                   code="E004")
+    inbox_retention: float = key(7 * 24 * 3600.0, "inbox rows (`outbox_consume --inbox`) older than this (seconds) "
+                                                  "are pruned", positive_seconds, code="E004")
+    history_interval: float = key(10.0, "a tracker adds a sample per queue (in progress, redeliveries, dead letters) "
+                                        "to `outbox_queue_history`, the admin's charts, this often, with its status "
+                                        "row (0: never)", seconds_or_zero, code="E004")
+    history_retention: float = key(24 * 3600.0, "samples older than this (seconds) are deleted", positive_seconds,
+                                   code="E004")
+    dead_letter_retention: float | None = key(30 * 24 * 3600.0, "dead letters written longer ago than this (30 days) "
+                                                                "are deleted by the trackers, once a minute; `None` "
+                                                                "keeps them until an operator acts",
+                                              positive_seconds_or_none, code="E004")
 
     def limits_for(self, queue: str) -> QueueLimits:
         return self.per_queue.get(queue, self.limits)
@@ -204,18 +226,9 @@ class QueueConfig:
 
     def redacted(self) -> dict[str, Any]:
         """The configuration as plain data, with secrets masked."""
-        return {
-            "base_kafka_config": redact_mapping(self.base_kafka_config),
-            "topic": self.topic,
-            "markers_topic": self.markers_topic,
-            "partitions": self.partitions,
-            "markers_partitions": self.markers_partitions,
-            "consumer_group_prefix": self.consumer_group_prefix,
-            "tracker_group": self.tracker_group,
-            "limits": dataclasses.asdict(self.limits),
-            "per_queue": {queue: dataclasses.asdict(limits) for queue, limits in self.per_queue.items()},
-            "poll_interval": self.poll_interval,
-        }
+        return {**{spec.name: getattr(self, spec.name) for spec in dataclasses.fields(self)},
+                "base_kafka_config": redact_mapping(self.base_kafka_config), "limits": dataclasses.asdict(self.limits),
+                "per_queue": {queue: dataclasses.asdict(limits) for queue, limits in self.per_queue.items()}}
 
     def __repr__(self) -> str:  # never let a SASL password reach a log line through repr()
         return f"QueueConfig({self.redacted()!r})"

@@ -13,7 +13,7 @@ from outbox.harvest.config import HarvestConfig, Limits
 from outbox.kafka.keys import shown_default
 from outbox.many import ENTRY_KEYS, OutboxEntry
 from outbox.queue import app_settings
-from outbox.queue.config import LIMIT_NAMES, QueueLimits
+from outbox.queue.config import LIMIT_NAMES, QueueConfig, QueueLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def test_every_outbox_setting_has_a_meaning() -> None:
 
 
 def test_each_default_is_shown_as_the_code_has_it() -> None:
-    for section in (conf.OutboxKeys, HarvestConfig, Limits, OutboxEntry, app_settings.QueueKeys, QueueLimits):
+    for section in (conf.OutboxKeys, HarvestConfig, Limits, OutboxEntry, QueueConfig, QueueLimits):
         for spec in dataclasses.fields(section):
             if "doc" not in spec.metadata or spec.metadata.get("shown"):
                 continue  # derived, documented as a formula or a name
@@ -50,7 +50,7 @@ def test_every_key_of_an_outboxes_entry_has_a_meaning_on_the_page() -> None:
 
 
 def test_every_queue_setting_has_a_meaning() -> None:
-    assert _documented(app_settings.QueueKeys, QueueLimits) == app_settings.KNOWN_KEYS
+    assert _documented(QueueConfig, QueueLimits) == app_settings.KNOWN_KEYS
     assert set(LIMIT_NAMES) == _documented(QueueLimits)
 
 
