@@ -63,52 +63,37 @@ class QueueLimits:
             object.__setattr__(self, "keep_alive_interval", self.redelivery_timeout / 3)
 
     def problems(self, prefix: str = "") -> list[Problem]:
-        found = []
-        timeout, interval = self.redelivery_timeout, self.keep_alive_interval
-        if not is_number(timeout):
-            found.append(Problem("E003", f"{prefix}redelivery_timeout",
-                                 f"must be a number of seconds, got {timeout!r}"))
-        elif not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT:
-            found.append(Problem("E004", f"{prefix}redelivery_timeout",
-                                 f"must be between 0.1 and {MAX_REDELIVERY_TIMEOUT:g} seconds, got {timeout!r}"))
-        if not is_number(interval):
-            if interval is not None:  # None: derived from a redelivery_timeout that is not a number, said above
-                found.append(Problem("E003", f"{prefix}keep_alive_interval",
-                                     f"must be a number of seconds, got {interval!r}"))
-        elif self.backend == "share":
-            pass  # no keep-alives: the broker's lock is the redelivery timeout (share_consumer.py)
-        elif interval <= 0 or (is_number(timeout) and interval >= timeout):
-            below = f"{timeout:g}s" if is_number(timeout) else repr(timeout)
-            found.append(Problem("E004", f"{prefix}keep_alive_interval",
-                                 f"must be above 0 and below redelivery_timeout ({below}), got {interval!r}: "
-                                 f"a keep-alive must arrive before the deadline it extends"))
-        if not is_int(self.max_in_progress) or self.max_in_progress < 1:
-            found.append(Problem("E004", f"{prefix}max_in_progress",
-                                 f"must be a positive integer, got {self.max_in_progress!r}"))
-        if self.max_deliveries is not None and (not is_int(self.max_deliveries) or self.max_deliveries < 1):
-            found.append(Problem("E004", f"{prefix}max_deliveries",
-                                 f"must be a positive integer or None, got {self.max_deliveries!r}"))
-        if self.backend not in BACKENDS:
-            found.append(Problem("E007", f"{prefix}backend",
-                                 f"must be one of {', '.join(map(repr, BACKENDS))}, got {_show(self.backend)}"))
-        elif self.backend == "share":
-            found.extend(self._share_problems(prefix))
-        return found
-
-    def _share_problems(self, prefix: str) -> list[Problem]:
-        """What Kafka's share groups cannot do: a lock outside the broker's range, unlimited deliveries."""
-        found = []
-        low, high = SHARE_LOCK_RANGE
-        if is_number(self.redelivery_timeout) and not low <= self.redelivery_timeout <= high:
-            found.append(Problem("E007", f"{prefix}redelivery_timeout",
-                                 f"must be from {low:g} to {high:g} seconds with backend 'share' (the share "
-                                 f"group's record lock duration), got {self.redelivery_timeout!r}"))
-        if self.max_deliveries is None or (is_int(self.max_deliveries)
-                                           and self.max_deliveries > SHARE_MAX_DELIVERIES):
-            found.append(Problem("E007", f"{prefix}max_deliveries",
-                                 f"must be from 1 to {SHARE_MAX_DELIVERIES} with backend 'share' (the broker "
-                                 f"archives a record after at most 10 deliveries), got {self.max_deliveries!r}"))
-        return found
+        """Each breach, as (code, key, broken, why): the share backend's own limits last (what Kafka's share groups
+        cannot do: a lock outside the broker's range, unlimited deliveries); it sends no keep-alives."""
+        timeout, interval, deliveries, share = (self.redelivery_timeout, self.keep_alive_interval, self.max_deliveries,
+                                                self.backend == "share")
+        timed, (low, high) = is_number(timeout), SHARE_LOCK_RANGE
+        rules = [
+            ("E003", "redelivery_timeout", not timed, f"must be a number of seconds, got {timeout!r}"),
+            ("E004", "redelivery_timeout", timed and not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT,
+             f"must be between 0.1 and {MAX_REDELIVERY_TIMEOUT:g} seconds, got {timeout!r}"),
+            # None: derived from a redelivery_timeout that is not a number, said above
+            ("E003", "keep_alive_interval", interval is not None and not is_number(interval),
+             f"must be a number of seconds, got {interval!r}"),
+            ("E004", "keep_alive_interval", not share and is_number(interval) and (interval <= 0 or (timed
+                                                                                   and interval >= timeout)),
+             f"must be above 0 and below redelivery_timeout ({f'{timeout:g}s' if timed else repr(timeout)}), got "
+             f"{interval!r}: a keep-alive must arrive before the deadline it extends"),
+            ("E004", "max_in_progress", not is_int(self.max_in_progress) or self.max_in_progress < 1,
+             f"must be a positive integer, got {self.max_in_progress!r}"),
+            ("E004", "max_deliveries", deliveries is not None and (not is_int(deliveries) or deliveries < 1),
+             f"must be a positive integer or None, got {deliveries!r}"),
+            ("E007", "backend", self.backend not in BACKENDS,
+             f"must be one of {', '.join(map(repr, BACKENDS))}, got {_show(self.backend)}"),
+            ("E007", "redelivery_timeout", share and timed and not low <= timeout <= high,
+             f"must be from {low:g} to {high:g} seconds with backend 'share' (the share group's record lock "
+             f"duration), got {timeout!r}"),
+            ("E007", "max_deliveries", share and (deliveries is None or (is_int(deliveries)
+                                                  and deliveries > SHARE_MAX_DELIVERIES)),
+             f"must be from 1 to {SHARE_MAX_DELIVERIES} with backend 'share' (the broker archives a record after at "
+             f"most 10 deliveries), got {deliveries!r}"),
+        ]
+        return [Problem(code, f"{prefix}{name}", why) for code, name, broken, why in rules if broken]
 
     def warnings(self, prefix: str = "") -> list[Problem]:
         timeout, interval = self.redelivery_timeout, self.keep_alive_interval

@@ -1,4 +1,4 @@
-"""Whether this process traces the outbox: OUTBOX["tracing"] and whether opentelemetry-api imports.
+"""Whether this process traces the outbox: OUTBOX["tracing"] and whether opentelemetry-api is installed.
 
 Decided once and cached, so stash() pays one global read when tracing is off; a change of
 settings (Django's setting_changed, as override_settings sends) decides again.
@@ -16,7 +16,7 @@ _on: bool | None = None
 
 
 def tracing_on() -> bool:
-    """True when OUTBOX["tracing"] is on (the default) and opentelemetry-api is importable."""
+    """True when OUTBOX["tracing"] is on (the default) and opentelemetry-api is installed."""
     if _on is None:
         return _decide()
     return _on
@@ -26,17 +26,7 @@ def _decide() -> bool:
     global _on
     from outbox import conf
 
-    wanted = conf.setting("tracing")
-    available = False
-    if wanted is True:
-        try:
-            import opentelemetry.propagate
-            import opentelemetry.trace  # noqa: F401
-        except ImportError:
-            available = False
-        else:
-            available = True
-    _on = bool(wanted is True and available)
+    _on = conf.setting("tracing") is True and otel_installed()
     return _on
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from datetime import timedelta
@@ -99,6 +100,22 @@ def test_the_example_project_passes_its_checks():
 def test_a_bad_setting_is_a_check_error_naming_the_key_and_the_limit(queues, code, text):
     found = queue_checks(queues)
     assert any(i == code and text in msg for i, msg in found), found
+
+
+def test_every_bad_key_is_said_at_once_each_once():
+    found = queue_checks({"topic": "no spaces", "status_interval": 0, "max_in_progress": 0})
+    assert sorted(msg.split(" must ")[0] for _, msg in found) == [
+        "OUTBOX['queues']['max_in_progress']", "OUTBOX['queues']['status_interval']", "OUTBOX['queues']['topic']"]
+
+
+def test_print_config_shows_every_key_with_its_default_and_no_secret():
+    with override_settings(OUTBOX={"base_kafka_config": {"bootstrap.servers": "k:1", "sasl.password": "pw"},
+                                   "queues": {"status_interval": 5}}):
+        printed = app_settings.queue_config().redacted()
+    assert set(printed) == {spec.name for spec in dataclasses.fields(QueueConfig)}
+    assert (printed["status_interval"], printed["dead_letter_retention"], printed["topic"]) == (5, 30 * 24 * 3600.0,
+                                                                                               "project-queue")
+    assert printed["base_kafka_config"]["sasl.password"] == "***"
 
 
 def test_a_keep_alive_leaving_little_margin_is_a_warning():

@@ -274,6 +274,19 @@ def test_each_outboxs_configuration_is_printed_with_its_secrets_masked(capsys, t
     assert password not in out and "s3cret-pw" not in out
 
 
+def test_print_config_of_several_outboxes_with_a_bad_limit_prints_each_then_names_each_ones_problem(capsys, tmp_path):
+    """As `manage.py harvest --print-config`: each outbox as discovered, then its problem naming its label (the base
+    configuration's, which each outbox's repeats, not said again)."""
+    code, out, err = run_main(capsys, "--config", toml(tmp_path, OUTBOXES), "--heartbeat-timeout", "-1",
+                              "--print-config")
+    assert code == 1 and sorted(json.loads(out)) == ["billing", "shop"]
+    assert err == ("outbox-harvest: invalid configuration: billing: heartbeat_timeout: must be at least 0.001, got "
+                   "-1.0; shop: heartbeat_timeout: must be at least 0.001, got -1.0\n")
+    code, out, err = run_main(capsys, "--config", toml(tmp_path, OUTBOXES + "[outboxes.x]\ntabel = 1\n"),
+                              "--print-config")
+    assert code == 1 and out == "" and "outboxes.x.tabel: is not a key of an outbox" in err, "nothing to discover"
+
+
 def test_the_files_the_docs_show_pass_check(tmp_path):
     """Every TOML file docs/standalone.md shows is one `outbox-harvest check` accepts, as written."""
     blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "standalone.md").read_text(), re.DOTALL)

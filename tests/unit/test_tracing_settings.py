@@ -53,6 +53,13 @@ def test_the_switch_follows_the_setting():
     assert switch.tracing_on() is True  # the default, with opentelemetry-api installed (the dev extra)
 
 
+def test_the_switch_is_off_without_opentelemetry_whatever_the_setting(monkeypatch):
+    monkeypatch.setattr(switch, "otel_installed", lambda: False)
+    with override_settings(OUTBOX={"tracing": True}):
+        assert switch.tracing_on() is False
+    switch.reset()
+
+
 def row(topic: str = "orders", value: str | None = "{}"):
     return clean(topic, "k", value, {"app": "1"}, max_value_bytes=1000, max_header_bytes=1000)
 
