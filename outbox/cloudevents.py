@@ -87,19 +87,17 @@ def settings_problems(value: Any) -> list[tuple[str, str]]:
         return []
     if not isinstance(value, Mapping):
         return [("cloudevents", f"must be a dict with source, types and content_type, got {type(value).__name__}")]
-    found = [(f"cloudevents.{key}", f"is not a known key (known: {', '.join(sorted(SETTING_KEYS))})")
-             for key in sorted(set(value) - SETTING_KEYS, key=str)]
-    source = value.get("source")
-    if source is not None and (not isinstance(source, str) or not source):
-        found.append(("cloudevents.source", f"must be a non-empty str (a URI reference), got {source!r}"))
-    types = value.get("types", {})
-    if not isinstance(types, Mapping) or not all(isinstance(k, str) and isinstance(v, str) and v
-                                                 for k, v in types.items()):
-        found.append(("cloudevents.types", f"must map topic names to non-empty event types, got {types!r}"))
-    elif types and source is None:
-        found.append(("cloudevents.source", "is required when cloudevents.types names topics"))
-    content_type = value.get("content_type")
-    if content_type is not None and (not isinstance(content_type, str) or "/" not in content_type):
-        found.append(("cloudevents.content_type", f"must be a media type such as 'application/json', "
-                                                  f"got {content_type!r}"))
-    return found
+    source, types, content_type = value.get("source"), value.get("types", {}), value.get("content_type")
+    mapped = isinstance(types, Mapping) and all(isinstance(k, str) and isinstance(v, str) and v
+                                                for k, v in types.items())
+    rules = [
+        *((True, key, f"is not a known key (known: {', '.join(sorted(SETTING_KEYS))})")
+          for key in sorted(set(value) - SETTING_KEYS, key=str)),
+        (source is not None and (not isinstance(source, str) or not source), "source",
+         f"must be a non-empty str (a URI reference), got {source!r}"),
+        (not mapped, "types", f"must map topic names to non-empty event types, got {types!r}"),
+        (mapped and bool(types) and source is None, "source", "is required when cloudevents.types names topics"),
+        (content_type is not None and (not isinstance(content_type, str) or "/" not in content_type), "content_type",
+         f"must be a media type such as 'application/json', got {content_type!r}"),
+    ]
+    return [(f"cloudevents.{key}", why) for broken, key, why in rules if broken]

@@ -152,22 +152,12 @@ def setting(name: str) -> Any:
     return getattr(defaults.limits if name in LIMIT_NAMES else defaults, name)
 
 
-def bootstrap_source() -> str | None:
-    """Where bootstrap.servers comes from: OUTBOX["base_kafka_config"], else KAFKA_BOOTSTRAP_SERVERS; None when
-    neither sets it (every client then tries localhost:9092)."""
-    return bootstrap(_given_kafka_config(), os.environ, 'OUTBOX["base_kafka_config"]')[1]
-
-
 def kafka_config() -> dict[str, Any]:
-    """librdkafka settings every client shares: OUTBOX["base_kafka_config"], with bootstrap.servers
-    from KAFKA_BOOTSTRAP_SERVERS (else localhost:9092) when it does not set them."""
-    return bootstrap(_given_kafka_config(), os.environ, 'OUTBOX["base_kafka_config"]')[0]
-
-
-def _given_kafka_config() -> dict[str, Any]:
-    """OUTBOX["base_kafka_config"] as the user wrote it (not HarvestConfig's default, which names localhost)."""
+    """librdkafka settings every client shares: OUTBOX["base_kafka_config"] as the user wrote it (not HarvestConfig's
+    default, which names localhost), with bootstrap.servers from KAFKA_BOOTSTRAP_SERVERS (else localhost:9092) when
+    it does not set them."""
     base = current().raw.get("base_kafka_config", {})
-    return dict(base) if isinstance(base, Mapping) else {}
+    return bootstrap(base if isinstance(base, Mapping) else {}, os.environ, 'OUTBOX["base_kafka_config"]')[0]
 
 
 def database_alias() -> str:
@@ -223,20 +213,16 @@ def default_leader_name(alias: str, table: str) -> str:
     return leader_name(conf.get("HOST"), conf.get("PORT"), conf.get("NAME"), table)
 
 
-def build(**overrides: Any) -> tuple[HarvestConfig, set[str]]:
+def build(**overrides: Any) -> tuple[HarvestConfig, set[str], str | None]:
+    """The engine's config from OUTBOX, the environment and overrides (None ones ignored), the limits given, and where
+    bootstrap.servers came from (None: nowhere, W006)."""
     values = {**current().raw, **{k: v for k, v in overrides.items() if v is not None}}
     alias = values.get("database", OutboxKeys.database)
     table = values.get("table", HarvestConfig.table)
     known = alias in settings.DATABASES
     derived = default_leader_name(alias, table) if isinstance(table, str) and known else "outbox-leader"
-    config, given, _ = from_values(values, dsn=values.get("dsn") or (dsn_for(alias) if known else ""),
-                                   derived_leader=derived, environ=os.environ, given_by='OUTBOX["base_kafka_config"]')
-    return config, given
-
-
-def given_limits(**overrides: Any) -> set[str]:
-    """The limits set explicitly, in OUTBOX or by an override whose value is not None."""
-    return build(**overrides)[1]
+    return from_values(values, dsn=values.get("dsn") or (dsn_for(alias) if known else ""), derived_leader=derived,
+                       environ=os.environ, given_by='OUTBOX["base_kafka_config"]')
 
 
 def harvest_config(**overrides: Any) -> HarvestConfig:

@@ -99,12 +99,6 @@ def locate(entry: Mapping[str, Any]) -> tuple[str, Callable[[str], str]]:
     return conf.dsn_for(alias), functools.partial(conf.default_leader_name, alias)
 
 
-def outbox_config(base: HarvestConfig, label: str, entry: Mapping[str, Any], table: str,
-                  given_limits: set[str]) -> HarvestConfig:
-    """One outbox's engine config (discovery.outbox_config), its database by Django alias."""
-    return discovery.outbox_config(base, label, entry, table, given_limits, locate)
-
-
 def discoverer(base: HarvestConfig, entries: Mapping[str, Mapping[str, Any]],
                given_limits: set[str]) -> Callable[[], dict[str, HarvestConfig]]:
     """The supervisor's discover() (discovery.discoverer), each entry's database by Django alias."""

@@ -78,7 +78,7 @@ def problems(**overrides: Any) -> list[Problem]:
     alias = overrides.get("database")
     if alias is not None and (problem := conf.alias_problem(alias)) is not None:
         return [*found, Problem("E011", "database", problem)]
-    config, given = conf.build(**overrides)
+    config, given, _ = conf.build(**overrides)
     engine = config.validate(given_limits=given)
     if not engine:
         engine = client_config_problems(config)
@@ -89,22 +89,21 @@ def warnings() -> list[Problem]:
     """Settings that work but weaken a guarantee, for `manage.py check`."""
     if settings_problems():
         return []
-    config, given = conf.build()
+    config, given, source = conf.build()
     if config.validate(given_limits=given):
         return []
-    found = config.warnings()
     from outbox.models import OutboxRecord
 
-    raw = conf.raw_settings()
-    for key, why in conf.RETIRED_KEYS.items():
-        if key in raw:
-            found.append(Problem("W004", key, f"no longer does anything ({why}); remove it"))
-    if raw.get("tracing") is True and not switch.otel_installed():
-        found.append(Problem("W005", "tracing", "is True but opentelemetry-api is not installed, so nothing is "
-                                                "traced: install django-outbox-harvest[otel]"))
-    if conf.bootstrap_source() is None:
-        found.append(NO_BOOTSTRAP)
-    if config.table != OutboxRecord._meta.db_table:
-        found.append(Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin "
-                                              f"use the model's table {OutboxRecord._meta.db_table!r}"))
-    return found
+    raw, model_table = conf.raw_settings(), OutboxRecord._meta.db_table
+    rules = [
+        *((key in raw, Problem("W004", key, f"no longer does anything ({why}); remove it"))
+          for key, why in conf.RETIRED_KEYS.items()),
+        (raw.get("tracing") is True and not switch.otel_installed(),
+         Problem("W005", "tracing", "is True but opentelemetry-api is not installed, so nothing is traced: install "
+                                    "django-outbox-harvest[otel]")),
+        (source is None, NO_BOOTSTRAP),
+        (config.table != model_table,
+         Problem("W003", "table", f"the harvester harvests {config.table!r}, while stash() and the admin use the "
+                                  f"model's table {model_table!r}")),
+    ]
+    return config.warnings() + [problem for broken, problem in rules if broken]

@@ -159,6 +159,14 @@ class Limits:
 LIMIT_NAMES = tuple(spec.name for spec in dataclasses.fields(Limits))
 
 
+def _number(value: Any) -> float | None:
+    """A librdkafka property's value as a number (it may be a string), or None."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _sql_name(value: Any) -> bool:
     return isinstance(value, str) and TABLE_PATTERN.fullmatch(value) is not None
 
@@ -251,50 +259,39 @@ class HarvestConfig:
 
     def _guarantee_problems(self) -> list[Problem]:
         """Producer settings that would break per-key order (E014)."""
-        found = []
         merged = {**self.base_kafka_config, **self.producer_kafka_config}
-        if str(merged.get("enable.idempotence", True)).lower() in {"false", "0"}:
-            found.append(Problem("E014", "producer_kafka_config", "enable.idempotence must stay true: without it "
-                                                                  "librdkafka's retries can reorder a key's records"))
         acks = str(merged.get("acks", merged.get("request.required.acks", "all"))).lower()
-        if acks not in {"all", "-1"}:
-            found.append(Problem("E014", "producer_kafka_config", f"acks must stay 'all' (got {acks!r}): the "
-                                                                  f"idempotent producer needs it"))
-        if self.limits.max_in_flight_per_key > 1:
-            for key in ("enable.gapless.guarantee", "delivery.timeout.ms", "message.timeout.ms"):
-                if key in merged:
-                    found.append(Problem("E014", "producer_kafka_config",
-                                         f"{key} must not be set when max_in_flight_per_key > 1: the engine sets it "
-                                         f"so a key's records reach Kafka without holes (use the delivery_timeout "
-                                         f"limit instead, or set max_in_flight_per_key to 1)"))
-        return found
+        rules = [
+            (str(merged.get("enable.idempotence", True)).lower() in {"false", "0"},
+             "enable.idempotence must stay true: without it librdkafka's retries can reorder a key's records"),
+            (acks not in {"all", "-1"}, f"acks must stay 'all' (got {acks!r}): the idempotent producer needs it"),
+            *((self.limits.max_in_flight_per_key > 1 and key in merged,
+               f"{key} must not be set when max_in_flight_per_key > 1: the engine sets it so a key's records reach "
+               f"Kafka without holes (use the delivery_timeout limit instead, or set max_in_flight_per_key to 1)")
+              for key in ("enable.gapless.guarantee", "delivery.timeout.ms", "message.timeout.ms")),
+        ]
+        return [Problem("E014", "producer_kafka_config", why) for broken, why in rules if broken]
 
     def warnings(self) -> list[Problem]:
         """Settings that work but weaken a guarantee (call on a config that validates)."""
-        found = []
         merged = {**self.base_kafka_config, **self.producer_kafka_config}
         field_name, delivery = "delivery_timeout", self.limits.delivery_timeout
         for name in ("delivery.timeout.ms", "message.timeout.ms"):
-            if name in merged:
-                try:
-                    field_name, delivery = "producer_kafka_config", float(merged[name]) / 1000
-                except (TypeError, ValueError):
-                    pass
+            if name in merged and is_number(given := _number(merged[name])):
+                field_name, delivery = "producer_kafka_config", given / 1000
         heartbeat = self.limits.heartbeat_timeout
         session = 3 * heartbeat
-        if heartbeat < MIN_HEARTBEAT_TIMEOUT:
-            found.append(Problem(
-                "W007", "heartbeat_timeout",
-                f"{heartbeat:g}s gives the leader group a session timeout of {session:g}s (3 x heartbeat_timeout), "
-                f"under the 6s Kafka's brokers accept by default (group.min.session.timeout.ms): unless the brokers' "
-                f"minimum is lowered, the harvester stops at start with Kafka's refusal"))
-        if heartbeat + delivery >= session:
-            found.append(Problem(
-                "W001", field_name,
-                f"the delivery timeout ({delivery:g}s) plus heartbeat_timeout ({heartbeat:g}s) should stay below "
-                f"the leader session timeout ({session:g}s, 3 x heartbeat_timeout): a fenced leader's last records "
-                f"could otherwise land after a new leader has started"))
-        return found
+        rules = [
+            ("W007", "heartbeat_timeout", heartbeat < MIN_HEARTBEAT_TIMEOUT,
+             f"{heartbeat:g}s gives the leader group a session timeout of {session:g}s (3 x heartbeat_timeout), "
+             f"under the 6s Kafka's brokers accept by default (group.min.session.timeout.ms): unless the brokers' "
+             f"minimum is lowered, the harvester stops at start with Kafka's refusal"),
+            ("W001", field_name, heartbeat + delivery >= session,
+             f"the delivery timeout ({delivery:g}s) plus heartbeat_timeout ({heartbeat:g}s) should stay below the "
+             f"leader session timeout ({session:g}s, 3 x heartbeat_timeout): a fenced leader's last records could "
+             f"otherwise land after a new leader has started"),
+        ]
+        return [Problem(code, name, why) for code, name, broken, why in rules if broken]
 
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as plain data, with passwords and secrets masked."""

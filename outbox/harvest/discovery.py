@@ -83,22 +83,22 @@ def entry_problems(name: Any, entry: Any, section: type[Entry], default_table: A
     if not isinstance(entry, Mapping):
         return [Problem("E018", where, f"must be a dict, got {entry!r}")]
     known = {spec.name for spec in dataclasses.fields(section)}
-    found = [Problem("E018", f"{where}.{unknown}", f"is not a key of an outbox (known: {', '.join(sorted(known))})")
-             for unknown in sorted(set(entry) - known, key=str)]
-    found.extend(Problem(p.code, f"{where}.{p.field}", p.message) for p in read(section, entry)[1])
-    tenant = entry.get("tenant_schemas", False)
-    table = entry.get("table", default_table)
-    if not isinstance(table, str) or not TABLE_PATTERN.fullmatch(table) or (tenant is True and "." in table):
-        kind = "an unqualified SQL identifier (each tenant schema's table)" if tenant is True else \
-            "an SQL identifier, optionally schema.table"
-        found.append(Problem("E018", f"{where}.table", f"must be {kind}, got {table!r}"))
-    exclude = entry.get("exclude_schemas", [])
-    if exclude and _schemas(exclude) is None and tenant is not True:
-        found.append(Problem("E018", f"{where}.exclude_schemas", "applies only with tenant_schemas: True"))
-    if tenant is True and (entry.get("leader_topic") or entry.get("leader_group")):
-        found.append(Problem("E018", f"{where}.leader_topic", "cannot be set with tenant_schemas: each schema's "
-                                                              "outbox derives its own leader topic and group"))
-    return found
+    tenant, table, exclude = entry.get("tenant_schemas", False), entry.get("table", default_table), \
+        entry.get("exclude_schemas", [])
+    kind = "an unqualified SQL identifier (each tenant schema's table)" if tenant is True else \
+        "an SQL identifier, optionally schema.table"
+    rules = [
+        *((True, unknown, f"is not a key of an outbox (known: {', '.join(sorted(known))})")
+          for unknown in sorted(set(entry) - known, key=str)),
+        *((True, p.field, p.message) for p in read(section, entry)[1]),
+        (not isinstance(table, str) or not TABLE_PATTERN.fullmatch(table) or (tenant is True and "." in table),
+         "table", f"must be {kind}, got {table!r}"),
+        (bool(exclude) and _schemas(exclude) is None and tenant is not True, "exclude_schemas",
+         "applies only with tenant_schemas: True"),
+        (tenant is True and bool(entry.get("leader_topic") or entry.get("leader_group")), "leader_topic",
+         "cannot be set with tenant_schemas: each schema's outbox derives its own leader topic and group"),
+    ]
+    return [Problem("E018", f"{where}.{key}", why) for broken, key, why in rules if broken]
 
 
 def outboxes_problems(raw: Any, section: type[Entry], default_table: Any,

@@ -26,6 +26,7 @@ from django.test import override_settings
 from psycopg import sql
 
 from outbox import conf, many
+from outbox.harvest import discovery
 from outbox.harvest.config import Limits
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.harvester import State
@@ -81,7 +82,7 @@ def test_two_processes_harvest_every_tenant_schema_and_pick_up_a_new_one(tenants
     names = [f"many-a-{run}", f"many-b-{run}"]
     with override_settings(OUTBOX=settings):
         entries = many.selected_entries(None, tenant_schemas=True, table="outbox", exclude_schemas=["public"])
-        harvesters = [ManyHarvester(many.discoverer(conf.harvest_config(name=name), entries, conf.given_limits()),
+        harvesters = [ManyHarvester(many.discoverer(conf.harvest_config(name=name), entries, conf.build()[1]),
                                     name=name, rescan_interval=1.0) for name in names]
     labels = {f"tenants.{schema}" for schema in schemas}
     for harvester in harvesters:
@@ -226,11 +227,12 @@ def test_tables_a_sharded_one_and_another_database_in_one_process(tenants, secon
     names = [f"mixed-a-{run}", f"mixed-b-{run}"]
     with override_settings(OUTBOX=settings):
         base_configs = [conf.harvest_config(name=name) for name in names]
-        given = conf.given_limits()
+        given = conf.build()[1]
 
     def discoverer(base):
         def discover():
-            found = {label: many.outbox_config(base, label, entry, entry.get("table", "outbox"), given)
+            found = {label: discovery.outbox_config(base, label, entry, entry.get("table", "outbox"), given,
+                                                     many.locate)
                      for label, entry in entries.items()}
             # The other database's entry, as `"database": "billing"` would name it (conf.dsn_for of the alias).
             other = found["other"]

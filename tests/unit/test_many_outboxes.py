@@ -692,7 +692,7 @@ def test_each_outbox_derives_its_own_leader_topic_and_group_and_engine_name():
 def test_an_idle_poll_interval_set_is_kept():
     with override_settings(OUTBOX={"outboxes": {"shop": {}}, "idle_poll_interval": 2.5}):
         base = conf.harvest_config()
-        found = many.discoverer(base, many.selected_entries(None), conf.given_limits())()
+        found = many.discoverer(base, many.selected_entries(None), conf.build()[1])()
     assert found["shop"].limits.idle_poll_interval == 2.5
 
 
@@ -709,7 +709,8 @@ def test_outbox_picks_entries_and_tenant_schemas_adds_one():
 def test_a_tenant_outbox_parks_in_its_own_schema():
     with override_settings(OUTBOX={}):
         base = conf.harvest_config(name="r")
-        config = many.outbox_config(base, "tenants.acme", {"tenant_schemas": True}, "acme.outbox", set())
+        config = discovery.outbox_config(base, "tenants.acme", {"tenant_schemas": True}, "acme.outbox", set(),
+                                         many.locate)
     assert config.dead_letter_table == "acme.outbox_dead_letter"
     assert config.status_table == base.status_table, "status rows stay in one table, where the dashboard reads"
     assert dataclasses.replace(config, name="x").validate() == []

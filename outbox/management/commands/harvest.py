@@ -53,7 +53,7 @@ def plan(options: dict[str, Any]) -> running.Plan:
     if not options["print_config"] and (found := settings_problems.settings_problems()):
         raise running.RunFailure("invalid OUTBOX setting: " + "; ".join(map(str, found)))
     problems = settings_problems.problems(**overrides)  # a flag's once, on the flag the user gave
-    config, given = conf.build(**overrides)
+    config, given, _ = conf.build(**overrides)
     discover = None
     if several and not any(p.code == "E018" for p in problems):
         try:
