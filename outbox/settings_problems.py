@@ -60,14 +60,12 @@ def settings_problems() -> list[Problem]:
     if read_once.problems and read_once.problems[0].code == "E001":
         return list(read_once.problems)
     raw = read_once.raw
-    found = unknown_keys(raw, conf.known_keys()) + list(read_once.problems)
-    found.extend(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents")))
-    found.extend(outboxes_problems(raw.get("outboxes")))
     database = raw.get("database", conf.OutboxKeys.database)
-    problem = conf.alias_problem(database)
-    if problem is not None:
-        found.append(Problem("E011" if database not in settings.DATABASES else "E012", "database", problem))
-    return found
+    return [*unknown_keys(raw, conf.known_keys()), *read_once.problems,
+            *(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents"))),
+            *outboxes_problems(raw.get("outboxes")),
+            *(Problem("E011" if database not in settings.DATABASES else "E012", "database", why)
+              for why in [conf.alias_problem(database)] if why is not None)]
 
 
 def problems(**overrides: Any) -> list[Problem]:
@@ -79,10 +77,7 @@ def problems(**overrides: Any) -> list[Problem]:
     if alias is not None and (problem := conf.alias_problem(alias)) is not None:
         return [*found, Problem("E011", "database", problem)]
     config, given, _ = conf.build(**overrides)
-    engine = config.validate(given_limits=given)
-    if not engine:
-        engine = client_config_problems(config)
-    return found + engine
+    return found + (config.validate(given_limits=given) or client_config_problems(config))
 
 
 def warnings() -> list[Problem]:

@@ -147,18 +147,17 @@ def add_outbox_flags(parser: ArgumentParser, where: str, table: str) -> None:
 def outbox_flags_problem(options: Mapping[str, Any], where: str, *, several: bool) -> str | None:
     """Why the flags cannot go together, in one line naming the flag, or None. `several`: the process runs several
     outboxes (--outbox, --tenant-schemas, or `where` lists them), each deriving its own leader topic and group."""
-    if options.get("exclude_schema") and not options.get("tenant_schemas"):
-        return "--exclude-schema: applies only with --tenant-schemas"
-    if not several:
-        return None
-    for flag in ("leader_topic", "leader_group"):
-        if options.get(flag) is not None:
-            return (f"--{flag.replace('_', '-')}: cannot be given with several outboxes; each derives its own (or "
-                    f"set it in its {where} entry)")
-    for flag in ("table", "database"):
-        if options.get(flag) is not None and not options.get("tenant_schemas"):
-            return f"--{flag}: with {where}, each outbox names its own (--{flag} goes with --tenant-schemas)"
-    return None
+    tenants = options.get("tenant_schemas")
+    rules = [
+        (options.get("exclude_schema") and not tenants, "--exclude-schema: applies only with --tenant-schemas"),
+        *((several and options.get(flag) is not None,
+           f"--{flag.replace('_', '-')}: cannot be given with several outboxes; each derives its own (or set it in its "
+           f"{where} entry)") for flag in ("leader_topic", "leader_group")),
+        *((several and options.get(flag) is not None and not tenants,
+           f"--{flag}: with {where}, each outbox names its own (--{flag} goes with --tenant-schemas)")
+          for flag in ("table", "database")),
+    ]
+    return next((why for broken, why in rules if broken), None)
 
 
 def add_limit_flags(parser: ArgumentParser) -> None:

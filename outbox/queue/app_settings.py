@@ -70,16 +70,15 @@ def problems() -> list[Problem]:
     raw = raw_settings()
     if not isinstance(raw, Mapping):
         return [Problem("E001", "OUTBOX['queues']", f"must be a dict, got {type(raw).__name__}")]
-    found = unknown_keys(raw, KNOWN_KEYS)
     per_queue = raw.get("per_queue", {})
-    if not isinstance(per_queue, Mapping):
-        found.append(Problem("E003", "per_queue", f"must be a dict of queue name to limits, got {per_queue!r}"))
-    else:
-        for queue, limits in per_queue.items():
-            if not isinstance(limits, Mapping):
-                found.append(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}"))
-            else:
-                found.extend(unknown_keys(limits, LIMIT_NAMES, f"per_queue[{queue!r}]."))
+    queues = per_queue.items() if isinstance(per_queue, Mapping) else ()
+    found = [*unknown_keys(raw, KNOWN_KEYS),
+             *([] if isinstance(per_queue, Mapping) else
+               [Problem("E003", "per_queue", f"must be a dict of queue name to limits, got {per_queue!r}")]),
+             *(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}")
+               for queue, limits in queues if not isinstance(limits, Mapping)),
+             *(problem for queue, limits in queues if isinstance(limits, Mapping)
+               for problem in unknown_keys(limits, LIMIT_NAMES, f"per_queue[{queue!r}]."))]
     if found:
         return found
     try:
