@@ -219,7 +219,7 @@ def build(**overrides: Any) -> tuple[HarvestConfig, set[str], str | None]:
     values = {**current().raw, **{k: v for k, v in overrides.items() if v is not None}}
     alias = values.get("database", OutboxKeys.database)
     table = values.get("table", HarvestConfig.table)
-    known = alias in settings.DATABASES
+    known = isinstance(alias, str) and alias in settings.DATABASES
     derived = default_leader_name(alias, table) if isinstance(table, str) and known else "outbox-leader"
     return from_values(values, dsn=values.get("dsn") or (dsn_for(alias) if known else ""), derived_leader=derived,
                        environ=os.environ, given_by='OUTBOX["base_kafka_config"]')

@@ -60,12 +60,14 @@ def settings_problems() -> list[Problem]:
     if read_once.problems and read_once.problems[0].code == "E001":
         return list(read_once.problems)
     raw = read_once.raw
+    found = [*unknown_keys(raw, conf.known_keys()), *read_once.problems,
+             *(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents"))),
+             *outboxes_problems(raw.get("outboxes"))]
     database = raw.get("database", conf.OutboxKeys.database)
-    return [*unknown_keys(raw, conf.known_keys()), *read_once.problems,
-            *(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents"))),
-            *outboxes_problems(raw.get("outboxes")),
-            *(Problem("E011" if database not in settings.DATABASES else "E012", "database", why)
-              for why in [conf.alias_problem(database)] if why is not None)]
+    if (why := conf.alias_problem(database)) is not None:
+        known = isinstance(database, str) and database in settings.DATABASES
+        found.append(Problem("E012" if known else "E011", "database", why))
+    return found
 
 
 def problems(**overrides: Any) -> list[Problem]:

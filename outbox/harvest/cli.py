@@ -179,15 +179,17 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     several = bool(outboxes or args.outbox or args.tenant_schemas)
     if problem := running.outbox_flags_problem(vars(args), OUTBOXES, several=several):
         raise running.RunFailure(problem)
-    if several and not any(p.code == "E018" for p in problems):
+    if several and running.discoverable(config, given, problems, getattr(args, "print_config", False)):
         tenants = {"exclude_schemas": list(args.exclude_schema)} if args.exclude_schema else {}
         try:
             entries = discovery.select(outboxes or {}, args.outbox, where=OUTBOXES,
                                        tenants=tenants if args.tenant_schemas else None)
         except ValueError as error:
             raise running.RunFailure(str(error)) from None
-        problems += outboxes_problems(entries, values.get("table", HarvestConfig.table))
-        discover = discovery.discoverer(config, entries, given, _locate(config.dsn))
+        if entries_problems := outboxes_problems(entries, values.get("table", HarvestConfig.table)):
+            problems = problems or entries_problems  # --tenant-schemas' entry, said once the rest is right
+        else:
+            discover = discovery.discoverer(config, entries, given, _locate(config.dsn))
     if not problems:
         problems = client_config_problems(config)
     return Settings(config, given, problems, several, discover, interval, source, secret_values(dsn, values, outboxes),

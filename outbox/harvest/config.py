@@ -282,16 +282,16 @@ class HarvestConfig:
         heartbeat = self.limits.heartbeat_timeout
         session = 3 * heartbeat
         rules = [
-            ("W007", "heartbeat_timeout", heartbeat < MIN_HEARTBEAT_TIMEOUT,
+            (heartbeat < MIN_HEARTBEAT_TIMEOUT, "W007", "heartbeat_timeout",
              f"{heartbeat:g}s gives the leader group a session timeout of {session:g}s (3 x heartbeat_timeout), "
              f"under the 6s Kafka's brokers accept by default (group.min.session.timeout.ms): unless the brokers' "
              f"minimum is lowered, the harvester stops at start with Kafka's refusal"),
-            ("W001", field_name, heartbeat + delivery >= session,
+            (heartbeat + delivery >= session, "W001", field_name,
              f"the delivery timeout ({delivery:g}s) plus heartbeat_timeout ({heartbeat:g}s) should stay below the "
              f"leader session timeout ({session:g}s, 3 x heartbeat_timeout): a fenced leader's last records could "
              f"otherwise land after a new leader has started"),
         ]
-        return [Problem(code, name, why) for code, name, broken, why in rules if broken]
+        return [Problem(code, name, why) for broken, code, name, why in rules if broken]
 
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as plain data, with passwords and secrets masked."""

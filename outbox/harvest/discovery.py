@@ -83,10 +83,10 @@ def entry_problems(name: Any, entry: Any, section: type[Entry], default_table: A
     if not isinstance(entry, Mapping):
         return [Problem("E018", where, f"must be a dict, got {entry!r}")]
     known = {spec.name for spec in dataclasses.fields(section)}
-    tenant, table, exclude = entry.get("tenant_schemas", False), entry.get("table", default_table), \
-        entry.get("exclude_schemas", [])
-    kind = "an unqualified SQL identifier (each tenant schema's table)" if tenant is True else \
-        "an SQL identifier, optionally schema.table"
+    tenant, table = entry.get("tenant_schemas", False), entry.get("table", default_table)
+    exclude = entry.get("exclude_schemas", [])
+    kind = ("an unqualified SQL identifier (each tenant schema's table)" if tenant is True
+            else "an SQL identifier, optionally schema.table")
     rules = [
         *((True, unknown, f"is not a key of an outbox (known: {', '.join(sorted(known))})")
           for unknown in sorted(set(entry) - known, key=str)),

@@ -94,21 +94,27 @@ def harvest(plan: Plan, *, print_config: bool, out: Callable[[str], None], verbo
 
 def _printed(plan: Plan) -> tuple[str, list[str]]:
     """--print-config: the configuration (secrets redacted) as JSON, and what is wrong with it. With several
-    outboxes, each one's as discovered now, by label, and its problems naming its label (a limit derived from one
-    the user gave is not reported again, nor the base configuration's, which each outbox's repeats)."""
+    outboxes, each one's as discovered now, by label, with its problems naming its label; a problem of the base
+    configuration is said once more, unlabelled, unless every outbox's repeats it (an entry may override the key)."""
     if not plan.several:
         return json.dumps(plan.config.redacted(), indent=2, default=str), list(map(str, plan.problems))
-    if plan.discover is None:  # the entries themselves are wrong: nothing to discover
+    if plan.discover is None:  # something besides the engines' configuration is wrong: nothing is discovered
         raise RunFailure("invalid configuration: " + "; ".join(map(str, plan.problems)))
     try:
         found = plan.discover()
     except Exception as error:
         raise RunFailure(f"cannot find the outboxes: {first_line(error)}") from None
-    base = plan.config.validate(given_limits=plan.given_limits)
+    each = {label: config.validate(given_limits=plan.given_limits) for label, config in sorted(found.items())}
     printed = json.dumps({label: config.redacted() for label, config in sorted(found.items())}, indent=2, default=str)
-    return printed, [*(str(p) for p in plan.problems if p not in base),
-                     *(f"{label}: {problem}" for label, config in sorted(found.items())
-                       for problem in config.validate(given_limits=plan.given_limits))]
+    return printed, [*(str(p) for p in plan.problems if not each or any(p not in own for own in each.values())),
+                     *(f"{label}: {problem}" for label, own in each.items() for problem in own)]
+
+
+def discoverable(config: HarvestConfig, given_limits: set[str], problems: list[Problem], print_config: bool) -> bool:
+    """Whether several outboxes are to be discovered: when nothing is wrong, or, to print them, when every problem
+    is the base configuration's own (each outbox's configuration then says whether it repeats it)."""
+    base = config.validate(given_limits=given_limits)
+    return not problems or (print_config and all(problem in base for problem in problems))
 
 
 #: The engine's keys a flag sets, by the key's name, in manage.py harvest and outbox-harvest alike (flags win).

@@ -45,7 +45,7 @@ CHECK_CODES: dict[str, str] = {
 #: The keys of OUTBOX["queues"]: QueueConfig's (those with a meaning) and a queue's limits.
 KEYS = frozenset(spec.name for spec in dataclasses.fields(QueueConfig) if "doc" in spec.metadata)
 KNOWN_KEYS = KEYS | frozenset(LIMIT_NAMES)
-#: The names that derive from the project's when unset (or empty).
+#: The names that derive from the project's when unset (None or empty).
 DERIVED = {"topic": "{}-queue", "markers_topic": "{}-queue-markers", "consumer_group_prefix": "{}-queue-",
            "tracker_group": "{}-queue-tracker"}
 
@@ -70,22 +70,19 @@ def problems() -> list[Problem]:
     raw = raw_settings()
     if not isinstance(raw, Mapping):
         return [Problem("E001", "OUTBOX['queues']", f"must be a dict, got {type(raw).__name__}")]
+    found = unknown_keys(raw, KNOWN_KEYS)
     per_queue = raw.get("per_queue", {})
-    queues = per_queue.items() if isinstance(per_queue, Mapping) else ()
-    found = [*unknown_keys(raw, KNOWN_KEYS),
-             *([] if isinstance(per_queue, Mapping) else
-               [Problem("E003", "per_queue", f"must be a dict of queue name to limits, got {per_queue!r}")]),
-             *(Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}")
-               for queue, limits in queues if not isinstance(limits, Mapping)),
-             *(problem for queue, limits in queues if isinstance(limits, Mapping)
-               for problem in unknown_keys(limits, LIMIT_NAMES, f"per_queue[{queue!r}]."))]
-    if found:
-        return found
+    if not isinstance(per_queue, Mapping):
+        found.append(Problem("E003", "per_queue", f"must be a dict of queue name to limits, got {per_queue!r}"))
+    for queue, limits in per_queue.items() if isinstance(per_queue, Mapping) else ():
+        found += unknown_keys(limits, LIMIT_NAMES, f"per_queue[{queue!r}].") if isinstance(limits, Mapping) else \
+            [Problem("E003", f"per_queue[{queue!r}]", f"must be a dict of limits, got {limits!r}")]
     try:
-        config, found = _read(raw)
+        config, broken = _read(raw)
     except (TypeError, ValueError) as error:  # a value too malformed to build the config from
-        return [Problem("E003", "OUTBOX['queues']", str(error))]
-    return found + config.validate(_inherited(raw))
+        return [*found, Problem("E003", "OUTBOX['queues']", str(error))]
+    # The limits and the keys' relations are checked once every key is known and of its kind.
+    return found + broken if found else broken + config.validate(_inherited(raw))
 
 
 def describe(problem: Problem) -> str:
@@ -126,14 +123,17 @@ def _read(raw: Mapping[str, Any]) -> tuple[QueueConfig, list[Problem]]:
     """The config from OUTBOX["queues"] (a key in breach of its rule keeps its default), and those breaches. A
     queue's limits start from the shared ones the user set; what neither sets defaults (and a keep-alive interval
     nobody set is derived from the queue's own redelivery timeout)."""
-    values = {name: value for name, value in raw.items() if name in KEYS and (value or name not in DERIVED)}
-    values |= {name: form.format(project_name()) for name, form in DERIVED.items() if name not in values}
-    config, found = read(QueueConfig, values)
+    # A name unset, None, empty or in breach of its rule is the project's.
+    config, found = read(QueueConfig, {name: value for name, value in raw.items()
+                                       if name in KEYS and (value or name not in DERIVED)})
+    kept = {name for name in DERIVED if raw.get(name) and not any(p.field == name for p in found)}
     explicit = {name: raw[name] for name in LIMIT_NAMES if name in raw}
     per_queue = config.per_queue if isinstance(config.per_queue, Mapping) else {}
     return dataclasses.replace(config, base_kafka_config=outbox_conf.kafka_config(), limits=_limits(explicit),
                                per_queue={queue: _limits({**explicit, **limits}) for queue, limits in per_queue.items()
-                                          if isinstance(limits, Mapping)}), found
+                                          if isinstance(limits, Mapping)},
+                               **{name: form.format(project_name()) for name, form in DERIVED.items()
+                                  if name not in kept}), found
 
 
 def _limits(values: Mapping[str, Any]) -> QueueLimits:

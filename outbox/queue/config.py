@@ -63,37 +63,37 @@ class QueueLimits:
             object.__setattr__(self, "keep_alive_interval", self.redelivery_timeout / 3)
 
     def problems(self, prefix: str = "") -> list[Problem]:
-        """Each breach, as (code, key, broken, why): the share backend's own limits last (what Kafka's share groups
-        cannot do: a lock outside the broker's range, unlimited deliveries); it sends no keep-alives."""
+        """Every limit in breach, each on its key (after `prefix`); the table's rows are (breach, code, key, why),
+        the share backend's own last (what Kafka's share groups cannot do: a lock outside the broker's range,
+        unlimited deliveries); it sends no keep-alives."""
         timeout, interval, deliveries, share = (self.redelivery_timeout, self.keep_alive_interval, self.max_deliveries,
                                                 self.backend == "share")
         timed, (low, high) = is_number(timeout), SHARE_LOCK_RANGE
+        ahead = is_number(interval) and (interval <= 0 or (timed and interval >= timeout))
         rules = [
-            ("E003", "redelivery_timeout", not timed, f"must be a number of seconds, got {timeout!r}"),
-            ("E004", "redelivery_timeout", timed and not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT,
+            (not timed, "E003", "redelivery_timeout", f"must be a number of seconds, got {timeout!r}"),
+            (timed and not 0.1 <= timeout <= MAX_REDELIVERY_TIMEOUT, "E004", "redelivery_timeout",
              f"must be between 0.1 and {MAX_REDELIVERY_TIMEOUT:g} seconds, got {timeout!r}"),
             # None: derived from a redelivery_timeout that is not a number, said above
-            ("E003", "keep_alive_interval", interval is not None and not is_number(interval),
+            (interval is not None and not is_number(interval), "E003", "keep_alive_interval",
              f"must be a number of seconds, got {interval!r}"),
-            ("E004", "keep_alive_interval", not share and is_number(interval) and (interval <= 0 or (timed
-                                                                                   and interval >= timeout)),
+            (not share and ahead, "E004", "keep_alive_interval",
              f"must be above 0 and below redelivery_timeout ({f'{timeout:g}s' if timed else repr(timeout)}), got "
              f"{interval!r}: a keep-alive must arrive before the deadline it extends"),
-            ("E004", "max_in_progress", not is_int(self.max_in_progress) or self.max_in_progress < 1,
+            (not is_int(self.max_in_progress) or self.max_in_progress < 1, "E004", "max_in_progress",
              f"must be a positive integer, got {self.max_in_progress!r}"),
-            ("E004", "max_deliveries", deliveries is not None and (not is_int(deliveries) or deliveries < 1),
+            (deliveries is not None and (not is_int(deliveries) or deliveries < 1), "E004", "max_deliveries",
              f"must be a positive integer or None, got {deliveries!r}"),
-            ("E007", "backend", self.backend not in BACKENDS,
+            (self.backend not in BACKENDS, "E007", "backend",
              f"must be one of {', '.join(map(repr, BACKENDS))}, got {_show(self.backend)}"),
-            ("E007", "redelivery_timeout", share and timed and not low <= timeout <= high,
+            (share and timed and not low <= timeout <= high, "E007", "redelivery_timeout",
              f"must be from {low:g} to {high:g} seconds with backend 'share' (the share group's record lock "
              f"duration), got {timeout!r}"),
-            ("E007", "max_deliveries", share and (deliveries is None or (is_int(deliveries)
-                                                  and deliveries > SHARE_MAX_DELIVERIES)),
-             f"must be from 1 to {SHARE_MAX_DELIVERIES} with backend 'share' (the broker archives a record after at "
-             f"most 10 deliveries), got {deliveries!r}"),
+            (share and (deliveries is None or (is_int(deliveries) and deliveries > SHARE_MAX_DELIVERIES)), "E007",
+             "max_deliveries", f"must be from 1 to {SHARE_MAX_DELIVERIES} with backend 'share' (the broker archives a "
+                               f"record after at most 10 deliveries), got {deliveries!r}"),
         ]
-        return [Problem(code, f"{prefix}{name}", why) for code, name, broken, why in rules if broken]
+        return [Problem(code, f"{prefix}{name}", why) for broken, code, name, why in rules if broken]
 
     def warnings(self, prefix: str = "") -> list[Problem]:
         timeout, interval = self.redelivery_timeout, self.keep_alive_interval

@@ -1,4 +1,4 @@
-"""Whether this process traces the outbox: OUTBOX["tracing"] and whether opentelemetry-api is installed.
+"""Whether this process traces the outbox: OUTBOX["tracing"] and whether opentelemetry-api imports.
 
 Decided once and cached, so stash() pays one global read when tracing is off; a change of
 settings (Django's setting_changed, as override_settings sends) decides again.
@@ -16,7 +16,7 @@ _on: bool | None = None
 
 
 def tracing_on() -> bool:
-    """True when OUTBOX["tracing"] is on (the default) and opentelemetry-api is installed."""
+    """True when OUTBOX["tracing"] is on (the default) and opentelemetry-api is importable."""
     if _on is None:
         return _decide()
     return _on
@@ -26,7 +26,15 @@ def _decide() -> bool:
     global _on
     from outbox import conf
 
-    _on = conf.setting("tracing") is True and otel_installed()
+    _on = False
+    if conf.setting("tracing") is True:
+        try:  # imported, not only found: a broken install must leave tracing off, not make stash() fail
+            import opentelemetry.propagate
+            import opentelemetry.trace  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            _on = True
     return _on
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def test_default_settings_pass_the_checks():
     ({"table": "bad name"}, "outbox.E006"),
     ({"leader_topic": "bad topic"}, "outbox.E007"),
     ({"database": "missing"}, "outbox.E011"),
+    ({"database": ["default"]}, "outbox.E011"),
 ])
 def test_bad_settings_fail_the_checks_with_a_code(outbox, code):
     assert code in outbox_errors(**outbox)
@@ -292,3 +294,11 @@ def test_a_heartbeat_timeout_whose_session_kafka_refuses_by_default_is_a_warning
                        "refusal")]
     with override_settings(OUTBOX={"heartbeat_timeout": 2, "base_kafka_config": {"bootstrap.servers": "k:9092"}}):
         assert checks.run_checks(tags=["outbox"]) == []
+
+
+def test_a_database_that_is_not_an_alias_is_one_line_from_harvest_not_a_traceback():
+    from django.core.management import CommandError, call_command
+
+    with override_settings(OUTBOX={"database": ["default"]}), pytest.raises(CommandError) as raised:
+        call_command("harvest", "--print-config", stdout=io.StringIO())
+    assert str(raised.value).startswith("invalid configuration: database: must name an entry of DATABASES")

@@ -108,6 +108,19 @@ def test_every_bad_key_is_said_at_once_each_once():
         "OUTBOX['queues']['max_in_progress']", "OUTBOX['queues']['status_interval']", "OUTBOX['queues']['topic']"]
 
 
+def test_a_key_in_breach_is_said_beside_an_unknown_one():
+    found = queue_checks({"typo": 1, "status_interval": -1})
+    assert sorted(code for code, _ in found) == ["outbox_queue.E002", "outbox_queue.E004"], found
+
+
+def test_a_bad_name_is_said_once_and_the_project_s_is_used_meanwhile():
+    assert [code for code, _ in queue_checks({"topic": "bad topic", "markers_topic": "outbox-queue"})] == [
+        "outbox_queue.E005"], "no second problem through the name's fallback"
+    with override_settings(OUTBOX={"queues": {"topic": "bad topic", "consumer_group_prefix": 5}}):
+        config = app_settings.queue_config()
+    assert (config.topic, config.consumer_group_prefix) == ("project-queue", "project-queue-")
+
+
 def test_print_config_shows_every_key_with_its_default_and_no_secret():
     with override_settings(OUTBOX={"base_kafka_config": {"bootstrap.servers": "k:1", "sasl.password": "pw"},
                                    "queues": {"status_interval": 5}}):

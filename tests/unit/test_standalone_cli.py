@@ -287,6 +287,19 @@ def test_print_config_of_several_outboxes_with_a_bad_limit_prints_each_then_name
     assert code == 1 and out == "" and "outboxes.x.tabel: is not a key of an outbox" in err, "nothing to discover"
 
 
+def test_print_config_of_several_outboxes_never_passes_a_problem_over(capsys, tmp_path):
+    """A base key that an entry overrides is still said; nothing is discovered (no database is asked) while
+    something besides the engines' configuration is wrong, and each problem is said once."""
+    code, out, err = run_main(capsys, "--config", toml(tmp_path, 'table = "1bad"\n[outboxes.a]\ntable = "x"\n'),
+                              "--print-config")
+    assert code == 1 and list(json.loads(out)) == ["a"] and "table: must be an SQL identifier" in err
+    code, out, err = run_main(capsys, "--config", toml(tmp_path, OUTBOXES), "--print-config",
+                              environ={"KAFKA_BOOTSTRAP_SERVERS": "k1:9092"})
+    assert (code, out) == (1, "") and err.count("dsn:") == 1 and "no database" in err, err
+    code, out, _ = run_main(capsys, "check", "--tenant-schemas", "--table", "1bad")
+    assert code == 1 and out.startswith("outbox.E006 table: ") and out.count("\n") == 1, out
+
+
 def test_the_files_the_docs_show_pass_check(tmp_path):
     """Every TOML file docs/standalone.md shows is one `outbox-harvest check` accepts, as written."""
     blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "standalone.md").read_text(), re.DOTALL)

@@ -42,7 +42,8 @@ class Command(BaseCommand):
 
 def plan(options: dict[str, Any]) -> running.Plan:
     """OUTBOX, the environment and the flags (which win) to what the process runs; RunFailure (one line) for a flag
-    that cannot be, or, unless the configuration is to be printed, a bad OUTBOX setting."""
+    that cannot be, an `--outbox` OUTBOX["outboxes"] does not have, or, unless the configuration is to be printed, a
+    bad OUTBOX setting."""
     overrides = {name: options[name] for name in ("database", *running.SETTING_FLAGS, *conf.LIMIT_NAMES)}
     for flag, problem_of in (("database", conf.alias_problem), ("name", name_problem)):
         if options[flag] is not None and (problem := problem_of(options[flag])):
@@ -55,7 +56,7 @@ def plan(options: dict[str, Any]) -> running.Plan:
     problems = settings_problems.problems(**overrides)  # a flag's once, on the flag the user gave
     config, given, _ = conf.build(**overrides)
     discover = None
-    if several and not any(p.code == "E018" for p in problems):
+    if several and running.discoverable(config, given, problems, options["print_config"]):
         try:
             entries = many.selected_entries(options["outbox"], tenant_schemas=options["tenant_schemas"],
                                             table=options["table"], database=options["database"],
