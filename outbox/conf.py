@@ -42,10 +42,12 @@ def _paths(value: Any) -> str | None:
 class OutboxKeys:
     """OUTBOX's keys that belong to the Django side, each with its default, its line in the settings reference, and
     its rule (the engine's keys are HarvestConfig's, its limits Limits'). `cloudevents` and `outboxes` are checked by
-    their own modules, `database` against DATABASES (settings_problems.py)."""
+    their own modules, a `database` that is a string against DATABASES (settings_problems.py): one that is not keeps
+    the default, so what reads it meanwhile (the console, stash()) works."""
 
     database: str = key("default", "`DATABASES` alias of the outbox: the harvester connects to it (with its own "
-                                   "connections), the admin reads it")
+                                   "connections), the admin reads it",
+                        lambda alias: None if isinstance(alias, str) else alias_problem(alias), code="E011")
     max_value_bytes: int = key(900_000, "stash()'s limit on a value's UTF-8 size", positive_int)
     max_header_bytes: int = key(64 * 1024, "stash()'s limit on all of a record's headers", positive_int)
     status_gone_after: float = key(20.0, "the dashboard and `harvest_health` call a replica not seen for this long "

@@ -63,10 +63,9 @@ def settings_problems() -> list[Problem]:
     found = [*unknown_keys(raw, conf.known_keys()), *read_once.problems,
              *(Problem("E016", field, message) for field, message in cloudevent_problems(raw.get("cloudevents"))),
              *outboxes_problems(raw.get("outboxes"))]
-    database = raw.get("database", conf.OutboxKeys.database)
-    if (why := conf.alias_problem(database)) is not None:
-        known = isinstance(database, str) and database in settings.DATABASES
-        found.append(Problem("E012" if known else "E011", "database", why))
+    database = raw.get("database", conf.OutboxKeys.database)  # not a string: said by read_once.problems
+    if isinstance(database, str) and (why := conf.alias_problem(database)) is not None:
+        found.append(Problem("E012" if database in settings.DATABASES else "E011", "database", why))
     return found
 
 

@@ -296,6 +296,17 @@ def test_a_heartbeat_timeout_whose_session_kafka_refuses_by_default_is_a_warning
         assert checks.run_checks(tags=["outbox"]) == []
 
 
+def test_a_database_that_is_not_a_string_is_one_error_and_what_reads_it_uses_the_default():
+    from outbox import many
+
+    with override_settings(OUTBOX={"database": ["default"]}):
+        messages = checks.run_checks(tags=["outbox"])
+        assert [(m.id, m.msg.split(" (")[0]) for m in messages] == [
+            ("outbox.E011", "OUTBOX['database'] must name an entry of DATABASES, got ['default']")]
+        assert conf.database_alias() == "default"
+        assert many.database_aliases() == ["default"]  # the console's dashboard reads these
+
+
 def test_a_database_that_is_not_an_alias_is_one_line_from_harvest_not_a_traceback():
     from django.core.management import CommandError, call_command
 
