@@ -27,6 +27,7 @@ from django.dispatch import receiver
 from psycopg.conninfo import make_conninfo
 
 from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, HarvestConfig, from_values, leader_name
+from outbox.harvest.discovery import DISCOVER_INTERVAL
 from outbox.kafka import redaction
 from outbox.kafka.keys import boolean, bootstrap, key, positive_int, positive_seconds, read, seconds
 from outbox.kafka.problems import Problem
@@ -72,8 +73,9 @@ class OutboxKeys:
               "status row: `{\"shop\": {}, \"billing\": {\"database\": \"billing\", \"shards\": 4}, "
               "\"tenants\": {\"tenant_schemas\": True, \"exclude_schemas\": [\"public\"]}}`; what an entry may set "
               "is below: [docs/scaling.md](../scaling.md#many-outboxes-in-one-process)")
-    discover_interval: float = key(30.0, "how often those outboxes are looked for again: a tenant schema created "
-                                         "meanwhile gets harvested, a dropped one's engine stops", positive_seconds)
+    discover_interval: float = key(DISCOVER_INTERVAL, "how often those outboxes are looked for again: a tenant "
+                                                      "schema created meanwhile gets harvested, a dropped one's engine "
+                                                      "stops", positive_seconds)
     tests_require_atomic: bool = key(True, "under Django's `TestCase` and pytest-django's `db`, `stash()` outside an "
                                            "`atomic()` of the code's own raises `OutsideTransaction`, as in "
                                            "production; `False` lets the test's own transaction count: "

@@ -161,7 +161,7 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """The configuration from the file, the environment and the flags (flags win, then the file)."""
     values, found = read_file(getattr(args, "config", None))
     values = {key: value for key, value in values.items() if key in FILE_KEYS}
-    outboxes, interval = values.pop("outboxes", None), values.pop("discover_interval", running.DISCOVER_INTERVAL)
+    outboxes, interval = values.pop("outboxes", None), values.pop("discover_interval", discovery.DISCOVER_INTERVAL)
     for name in FLAG_KEYS:
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)

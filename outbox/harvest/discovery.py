@@ -36,6 +36,9 @@ from outbox.kafka.keys import boolean, key, read
 from outbox.kafka.names import name_problem
 from outbox.kafka.problems import Problem
 
+#: How often several outboxes are looked for again by default (seconds): OUTBOX["discover_interval"]'s, the file's.
+DISCOVER_INTERVAL = 30.0
+
 log = logging.getLogger("outbox.harvest.outboxes")
 
 #: The safety-net poll of an idle outbox when several share a process (seconds), unless idle_poll_interval is set.

@@ -18,6 +18,7 @@ from outbox import logs
 from outbox.gc_tuning import tune_gc
 from outbox.harvest import events
 from outbox.harvest.config import HarvestConfig, Limits
+from outbox.harvest.discovery import DISCOVER_INTERVAL
 from outbox.harvest.harvester import Harvester, HarvestError
 from outbox.harvest.instruments import Instruments
 from outbox.harvest.outboxes import ManyHarvester
@@ -36,8 +37,6 @@ class RunFailure(Exception):
     """The harvester cannot run, or stopped on an error: one line."""
 
 
-#: How often several outboxes are looked for again by default (seconds): OUTBOX["discover_interval"]'s, the file's.
-DISCOVER_INTERVAL = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
