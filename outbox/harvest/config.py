@@ -294,26 +294,13 @@ class HarvestConfig:
         return [Problem(code, name, why) for broken, code, name, why in rules if broken]
 
     def redacted(self) -> dict[str, Any]:
-        """The effective configuration as plain data, with passwords and secrets masked."""
-        return {
-            "dsn": redact_dsn(self.dsn),
-            "table": self.table,
-            "base_kafka_config": redact_mapping(self.base_kafka_config),
-            "producer_kafka_config": redact_mapping(self.producer_kafka_config),
-            "leader_topic": self.leader_topic,
-            "leader_group": self.leader_group,
-            "name": self.name,
-            "listen": self.listen,
-            "status_table": self.status_table,
-            "status_prune_after": self.status_prune_after,
-            "history_retention": self.history_retention,
-            "dead_letter_table": self.dead_letter_table,
-            "dead_letter_topic": self.dead_letter_topic,
-            "dead_letter_retention": self.dead_letter_retention,
-            "park_after": self.park_after,
-            "shards": self.shards,
-            "limits": dataclasses.asdict(self.limits),
-        }
+        """The effective configuration as plain data, with passwords and secrets masked, the limits last (`shard` is
+        each engine's own, set by the sharded harvester, not configuration)."""
+        shown = {spec.name: getattr(self, spec.name) for spec in dataclasses.fields(self)
+                 if spec.name not in ("shard", "limits")}
+        return {**shown, "dsn": redact_dsn(self.dsn),
+                **{name: redact_mapping(shown[name]) for name in ("base_kafka_config", "producer_kafka_config")},
+                "limits": dataclasses.asdict(self.limits)}
 
     def __repr__(self) -> str:  # never let a password reach a log line through repr()
         return f"HarvestConfig({self.redacted()!r})"
