@@ -40,6 +40,9 @@ from outbox.reasons import first_line, kafka_error
 
 log = logging.getLogger("outbox.harvest.harvester")
 
+#: How long close() waits for each group of threads to end (the database workers, then the others).
+THREADS_STOP_TIMEOUT = 10.0
+
 
 class Worker(threading.Thread):
     """Runs jobs one at a time, in order, on a thread (and so a database session) of its own."""
@@ -276,22 +279,18 @@ class ThreadedIO:
         return None
 
     def close(self) -> None:
-        for worker in self._workers.values():
-            if worker.is_alive():
-                worker.stop()
-                worker.join(timeout=10)
-        if self._election is not None and self._election.is_alive():
-            self._election.stop()
-            self._election.join(timeout=10)
-        if self._keeper is not None and self._keeper.is_alive():
-            self._keeper.stop()
-            self._keeper.join(timeout=10)
-        if self._poller is not None and self._poller.is_alive():
-            self._poller.stop()
-            self._poller.join(timeout=10)
-        if self._topics is not None and self._topics.is_alive():
-            self._topics.stop()
-            self._topics.join(timeout=10)
+        """Stop the threads, then close the clients and sessions: the database workers first (their last jobs, a
+        purge among them, done before the group is left and a standby takes over), then the others together, each
+        group waited for at most THREADS_STOP_TIMEOUT in all (a thread still stuck in a call is a daemon, left
+        behind). A stop so bounded ends within about twice that plus the producers' flush, where one after the
+        other a stuck thread each could hold it for a minute."""
+        for group in (list(self._workers.values()), [self._election, self._keeper, self._poller, self._topics]):
+            running = [thread for thread in group if thread is not None and thread.is_alive()]
+            for thread in running:
+                thread.stop()
+            deadline = time.monotonic() + THREADS_STOP_TIMEOUT
+            for thread in running:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for producer in (self.producer, self._dead_letter_producer):
             if producer is not None:
                 remaining = producer.flush(2.0)
