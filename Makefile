@@ -36,11 +36,11 @@ consume: setup
 # beside them (its output follows), then the rest on SERVICE_WORKERS processes (pytest-xdist; the Spark tests on
 # one of them, each layout of brokers a test stops or kills on one), then the tests marked `serial` alone (they
 # measure the database's cost or load the machine). Exit code 5 (nothing collected) fails each step. The unit
-# tests compute (a worker a core); the services' tests mostly wait on Postgres, Kafka and the JVM, and on a fast
-# machine SERVICE_WORKERS=3 fills their waits (11.9 minutes for the parallel stage, 14.7 on two), but under its
-# load a thawed leader stopped by SIGTERM once failed to exit within a minute: two until that is understood.
+# tests compute (a worker a core); the services' tests mostly wait on Postgres, Kafka and the JVM, so three
+# processes fill the two cores' waits (the parallel stage 11.1 minutes here, 14.0 on two; each worker's tests start
+# their own harvesters, consumers and Spark JVM, so `make test SERVICE_WORKERS=2` where memory is short).
 WORKERS   ?= 2
-SERVICE_WORKERS ?= 2
+SERVICE_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m ruff check . bin/services bin/slowest
 	@mkdir -p .artifacts; bin/services up > .artifacts/services-up.log 2>&1 & up=$$!; \
