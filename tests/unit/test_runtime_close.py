@@ -14,7 +14,7 @@ from outbox.harvest.config import HarvestConfig
 class Thread(threading.Thread):
     """A runtime thread's stop() and run(): it ends once asked to, or (stuck) never."""
 
-    def __init__(self, log: list[tuple[str, str]], name: str, *, stuck: bool = False) -> None:
+    def __init__(self, log: list[tuple[str, str]], name: str, *, stuck: threading.Event | None = None) -> None:
         super().__init__(name=name, daemon=True)
         self.log, self.stuck = log, stuck
         self.asked = threading.Event()
@@ -25,8 +25,8 @@ class Thread(threading.Thread):
 
     def run(self) -> None:
         self.asked.wait()
-        if self.stuck:
-            threading.Event().wait(60)  # a call into a client that does not return
+        if self.stuck is not None:
+            self.stuck.wait()  # a call into a client that returns only once the test has measured the close
         self.log.append(("ended", self.name))
 
 
@@ -34,14 +34,19 @@ def closing(monkeypatch, *, stuck: bool) -> tuple[list[tuple[str, str]], float]:
     monkeypatch.setattr(runtime, "THREADS_STOP_TIMEOUT", 1.0)
     io = runtime.ThreadedIO(HarvestConfig(dsn="dbname=x"), None, time.monotonic, lambda event: None)
     log: list[tuple[str, str]] = []
+    released = threading.Event()
     io._workers = {name: Thread(log, name) for name in ("outbox-fence", "outbox-purge")}
-    io._election, io._keeper, io._poller, io._topics = (Thread(log, name, stuck=stuck) for name in (
-        "outbox-election", "outbox-partitions", "outbox-delivery", "outbox-topics"))
+    io._election, io._keeper, io._poller, io._topics = (Thread(log, name, stuck=released if stuck else None)
+                                                        for name in ("outbox-election", "outbox-partitions",
+                                                                     "outbox-delivery", "outbox-topics"))
     for thread in (*io._workers.values(), io._election, io._keeper, io._poller, io._topics):
         thread.start()
     began = time.monotonic()
-    io.close()
-    return log, time.monotonic() - began
+    try:
+        io.close()
+        return log, time.monotonic() - began
+    finally:
+        released.set()
 
 
 def test_the_database_workers_end_before_the_others_are_asked_to_stop(monkeypatch):
