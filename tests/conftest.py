@@ -65,8 +65,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if folder in FOLDER_MARKERS and item.get_closest_marker(FOLDER_MARKERS[folder]) is None:
             item.add_marker(FOLDER_MARKERS[folder])
         marks = [name for name in TIME_MARKS if item.get_closest_marker(name) is not None]
-        if marks:  # into the JUnit report, where bin/slowest sums the time each mark takes
-            item.user_properties.append(("marks", " ".join(marks)))
+        item.user_properties.append(("marks", " ".join(marks)))  # bin/slowest sums the time each mark takes
         if item.get_closest_marker("serial") is not None:
             continue  # alone, after the rest: no group
         groups = {mark.args[0] for mark in item.iter_markers("xdist_group")}

@@ -37,8 +37,6 @@ class RunFailure(Exception):
     """The harvester cannot run, or stopped on an error: one line."""
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one harvester process runs, as its entry point built it from its settings (OUTBOX and flags for
