@@ -53,9 +53,6 @@ FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "sp
 #: `serial` (it then runs alone, after the rest).
 GROUPED_FIXTURES = {"secure_cluster": "secure", "kafka_cluster": "cluster", "spare_broker": "spare",
                     "wheel_venv": "wheel"}
-#: The marks whose share of the suite's time CONTRIBUTING.md budgets (slow at most 10% of the test time, serial at
-#: most 25% of the wall time): each test's are written to its JUnit report as the property "marks".
-TIME_MARKS = ("slow", "serial")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
@@ -64,8 +61,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = item.path.parent.name
         if folder in FOLDER_MARKERS and item.get_closest_marker(FOLDER_MARKERS[folder]) is None:
             item.add_marker(FOLDER_MARKERS[folder])
-        marks = [name for name in TIME_MARKS if item.get_closest_marker(name) is not None]
-        item.user_properties.append(("marks", " ".join(marks)))  # bin/slowest sums the time each mark takes
+        # Into the JUnit report, where bin/slowest sums the slow tests' share of the time (at most 10%).
+        item.user_properties.append(("marks", "slow" if item.get_closest_marker("slow") is not None else ""))
         if item.get_closest_marker("serial") is not None:
             continue  # alone, after the rest: no group
         groups = {mark.args[0] for mark in item.iter_markers("xdist_group")}
