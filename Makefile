@@ -73,7 +73,7 @@ test-django52: setup $(VENV52)/.installed
 # processes as `make test` runs them (concurrency and fault tests included: a timing bug can differ between servers).
 # Left to `make test`: the tests marked `postgres_agnostic`, which exercise nothing a PostgreSQL server can change
 # (Kafka's brokers restarted, killed or secured, Prometheus, the commands' flags and messages, spans, the docs' pages
-# run as written).
+# run as written), and those that start the oldest major's server of their own whatever DATABASE_URL names.
 PG18_URL  ?= postgres://outbox:outbox@127.0.0.1:5418/outbox
 PG_TESTS  := tests/integration tests/acceptance
 PG18_ENV  := DATABASE_URL=$(PG18_URL) KAFKA_BOOTSTRAP_SERVERS=$${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:9092}

@@ -49,10 +49,12 @@ FOLDER_MARKERS = {"integration": "integration", "acceptance": "integration", "sp
 #: Tests sharing a layout of bin/services that only they use run on one pytest-xdist worker, one after another: the
 #: layout is started once, and two tests that stop, kill or restart its brokers never do it to each other (the spare
 #: broker's, the three-node cluster's, the secure cluster's). Those that build the wheel in the checkout (its build/
-#: directory is the checkout's) take their turns too. A test needing two of these groups at once must be marked
-#: `serial` (it then runs alone, after the rest).
+#: directory is the checkout's) take their turns too, and so do those that use the one in-process SparkSession (the
+#: `spark` fixture: a JVM a worker would otherwise start again; a Spark test that starts the audit in a process of
+#: its own runs anywhere). A test needing two of these groups at once must be marked `serial` (it then runs alone,
+#: after the rest).
 GROUPED_FIXTURES = {"secure_cluster": "secure", "kafka_cluster": "cluster", "spare_broker": "spare",
-                    "wheel_venv": "wheel"}
+                    "wheel_venv": "wheel", "spark": "spark"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
@@ -66,8 +68,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("serial") is not None:
             continue  # alone, after the rest: no group
         groups = {mark.args[0] for mark in item.iter_markers("xdist_group")}
-        if item.get_closest_marker("spark") is not None:
-            groups.add("spark")  # one SparkSession (a JVM) for all of them
         groups |= {group for fixture, group in GROUPED_FIXTURES.items() if fixture in getattr(item, "fixturenames", ())}
         if len(groups) > 1:
             raise pytest.UsageError(f"{item.nodeid} needs the xdist groups {sorted(groups)} at once: mark it serial")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -453,39 +454,42 @@ def test_batch_and_follow_reports_have_one_shape_and_agree(spark, bootstrap_serv
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # the spark group's session and the spare broker's group at once: alone, after the rest
-def test_follow_rides_through_a_restart_of_the_only_broker(spark, spare_broker, tmp_path):
+def test_follow_rides_through_a_restart_of_the_only_broker(spare_broker, tmp_path):
     """`--follow` against a broker that is stopped for a while and started again: the run goes on, and counts
-    what was produced before and after the restart once each.
+    what was produced before and after the restart once each. The audit runs as users start it, in a process with
+    a Spark JVM of its own (so the test needs the spare broker's worker only, not the shared session's).
     Slow: the broker stopped for a while and the follow run's idle timeout."""
     spare_broker.up()
     bootstrap = spare_broker.bootstrap_servers
     topic = spare_broker.create_topic("audit-restart", partitions=2)
     produce(bootstrap, topic, in_order(0, "k", 1, 2, 3) + in_order(1, "j", 10, 11))
-    outcome: dict[str, object] = {}
-
-    def follow() -> None:
-        outcome["result"] = audit(spark, bootstrap, tmp_path, "--topics", topic, "--follow", "--idle-timeout", "40",
-                                  "--trigger-interval", "1 second")
-
-    runner = threading.Thread(target=follow, daemon=True)
-    runner.start()
+    out, log = tmp_path / "out", tmp_path / "audit.log"
+    command = [sys.executable, "-m", "outbox.pipeline", "--bootstrap-servers", bootstrap, "--out", str(out),
+               "--topics", topic, "--follow", "--idle-timeout", "40", "--trigger-interval", "1 second",
+               "--master", "local[2]", "--conf", "spark.ui.enabled=false", "--conf",
+               "spark.ui.showConsoleProgress=false"]
+    with log.open("w") as stderr:
+        job = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"},
+                               stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     try:
-        wait_until_file = tmp_path / "checkpoint" / "spark" / "commits" / "0"
+        first_commit = out / "checkpoint" / "spark" / "commits" / "0"
         deadline = time.monotonic() + 180
-        while not wait_until_file.exists():
-            assert time.monotonic() < deadline and runner.is_alive(), outcome
+        while not first_commit.exists():
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
         spare_broker.stop(1)
         time.sleep(16)  # the outage itself
-        assert runner.is_alive(), f"the follow run ended while the broker was down: {outcome}"
+        assert job.poll() is None, f"the follow run ended while the broker was down:\n{log.read_text()[-3000:]}"
         spare_broker.up()
         produce(bootstrap, topic, in_order(0, "k", 4) + in_order(1, "j", 12, 13))
+        code = job.wait(timeout=300)  # the run stops on its idle timeout
     finally:
         spare_broker.up()
-        runner.join(timeout=300)
-    assert not runner.is_alive(), "the run stops on its idle timeout"
-    code, report, _, stderr = outcome["result"]
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+    stderr = log.read_text()
+    report = json.loads((out / "report.json").read_text())
     assert code == 0, stderr
     assert (report["messages"], report["distinct_ids"], report["duplicates"], report["missing"]) == (8, 8, 0, 0), \
         stderr
