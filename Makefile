@@ -9,13 +9,16 @@ PYTHON    ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12
                 $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 STAMP     := $(VENV)/.installed
 
-.PHONY: setup services harvest consume test docs doc-screenshots test-django52 test-postgres18 images test-docker lint bench down clean
+.PHONY: venv setup services harvest consume test docs doc-screenshots test-django52 test-postgres18 images test-docker lint bench down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,spark]'
 	touch $(STAMP)
+
+# The virtualenv alone (CI times it apart from the tests).
+venv: $(STAMP)
 
 setup: $(STAMP) services
 

@@ -1,7 +1,8 @@
 """`outbox_audit` end to end: topics with known content on the real Kafka, read by local Spark.
 
 The audit runs in-process (cli.main / call_command) on one shared SparkSession; the exit-2
-cases run `manage.py` and `python -m outbox.pipeline` in subprocesses (they fail before Spark).
+cases run `manage.py` and `python -m outbox.pipeline` in subprocesses (they fail before Spark), and
+so does the follow run through a broker restart (with a Spark JVM of its own, on the spare broker).
 """
 
 from __future__ import annotations
