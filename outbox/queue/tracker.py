@@ -255,10 +255,11 @@ class RedeliveryTracker:
         due = [entry for tracker in self._trackers.values() for entry in tracker.due(now)]
         if due:
             self._settle(due, now)
-        elif self._trackers:
-            topic = self.config.markers_topic
-            self._kafka.probe(lambda timeout: self._consumer.get_watermark_offsets(
-                TopicPartition(topic, next(iter(self._trackers))), timeout=timeout))
+        else:
+            # Asked of a partition whether it is tracked or not: a tracker whose group lost its partitions in the
+            # outage has nothing else that would tell it the brokers are back (its rejoin may take a while longer).
+            probed = TopicPartition(self.config.markers_topic, next(iter(self._trackers), 0))
+            self._kafka.probe(lambda timeout: self._consumer.get_watermark_offsets(probed, timeout=timeout))
         self._commit()
         if now >= self._next_snapshot:
             self._next_snapshot = now + SNAPSHOT_INTERVAL

@@ -218,3 +218,49 @@ def test_a_tracker_stops_though_its_coordinator_never_answers(monkeypatch):
         assert tracker.wait(timeout=0) is True
     finally:
         release.set()
+
+
+class RejoiningConsumer:
+    """A markers consumer whose group lost its partitions in an outage and has not got them back: polls find
+    nothing; the broker answers a question again once `back` is set."""
+
+    def __init__(self) -> None:
+        self.back = False
+        self.asked: list[tuple[str, int]] = []
+
+    def poll(self, timeout: float) -> None:
+        return None
+
+    def get_watermark_offsets(self, partition: TopicPartition, timeout: float | None = None,
+                              cached: bool = False) -> tuple[int, int]:
+        self.asked.append((partition.topic, partition.partition))
+        if not self.back:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Connection refused"))
+        return 0, 0
+
+
+def test_a_tracker_with_no_partitions_left_still_sees_the_brokers_return(caplog):
+    """A session timeout in the outage revokes every partition; the rejoin may take longer than the brokers' return,
+    and the tracker still says the wait ended (its probe asks a partition it does not track)."""
+    from outbox.queue.config import QueueConfig
+    from outbox.queue.tracker import RedeliveryTracker
+
+    clock = Clock()
+    tracker = RedeliveryTracker(QueueConfig(base_kafka_config={"bootstrap.servers": "fake:9092"}),
+                                dead_letters=lambda letters: None, name="t", clock=clock)
+    tracker._consumer = consumer = RejoiningConsumer()
+    tracker._kafka.client_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
+    with caplog.at_level(logging.INFO, logger="outbox.queue.tracker"):
+        tracker.step()
+        assert tracker.waiting_for() is not None
+        assert consumer.asked == [(tracker.config.markers_topic, 0)]
+        consumer.back = True
+        clock.now += 0.5
+        tracker.step()  # at most one question a second
+        assert len(consumer.asked) == 1
+        clock.now += 1.0
+        tracker.step()
+    assert tracker.waiting_for() is None
+    assert len(consumer.asked) == 2
+    assert [r.getMessage() for r in caplog.records if "resumed after" in r.getMessage()] == [
+        "Tracker t: resumed after 1.5 s waiting for Kafka's brokers"]
