@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,8 +28,20 @@ from outbox import stash_many
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.harvester import Harvester
 from outbox.models import OutboxRecord
-from tests.support.audit import ROOT, Ledgered, audit, harvested, in_order, newest_by_reference, produce
+from tests.support.audit import (
+    ROOT,
+    Ledgered,
+    audit,
+    follow_command,
+    harvested,
+    in_order,
+    kill_follow,
+    newest_by_reference,
+    produce,
+    start_follow,
+)
 from tests.support.spark_session import shared_session
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -220,10 +231,7 @@ def test_the_harvesters_own_output_passes(spark, database_url, bootstrap_servers
                                         leader_topic=name, leader_group=name))
     harvester.start()
     try:
-        deadline = time.monotonic() + 60
-        while OutboxRecord.objects.exists():
-            assert time.monotonic() < deadline, "the harvester did not empty the outbox within 60 s"
-            time.sleep(0.2)
+        wait_until(lambda: not OutboxRecord.objects.exists(), 60, "the harvester to empty the outbox")
     finally:
         harvester.stop()
         harvester.wait()
@@ -465,19 +473,13 @@ def test_follow_rides_through_a_restart_of_the_only_broker(spare_broker, tmp_pat
     topic = spare_broker.create_topic("audit-restart", partitions=2)
     produce(bootstrap, topic, in_order(0, "k", 1, 2, 3) + in_order(1, "j", 10, 11))
     out, log = tmp_path / "out", tmp_path / "audit.log"
-    command = [sys.executable, "-m", "outbox.pipeline", "--bootstrap-servers", bootstrap, "--out", str(out),
-               "--topics", topic, "--follow", "--idle-timeout", "40", "--trigger-interval", "1 second",
-               "--master", "local[2]", "--conf", "spark.ui.enabled=false", "--conf",
-               "spark.ui.showConsoleProgress=false"]
+    command = follow_command(bootstrap, out, topic, "--idle-timeout", "40")
     with log.open("w") as stderr:
-        job = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"},
-                               stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        job = start_follow(command, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         first_commit = out / "checkpoint" / "spark" / "commits" / "0"
-        deadline = time.monotonic() + 180
-        while not first_commit.exists():
-            assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_until(lambda: first_commit.exists() or job.poll() is not None, 180, "the follow run's first micro-batch")
+        assert job.poll() is None, log.read_text()[-3000:]
         spare_broker.stop(1)
         time.sleep(16)  # the outage itself
         assert job.poll() is None, f"the follow run ended while the broker was down:\n{log.read_text()[-3000:]}"
@@ -486,9 +488,7 @@ def test_follow_rides_through_a_restart_of_the_only_broker(spare_broker, tmp_pat
         code = job.wait(timeout=300)  # the run stops on its idle timeout
     finally:
         spare_broker.up()
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(30)
+        kill_follow(job)
     stderr = log.read_text()
     report = json.loads((out / "report.json").read_text())
     assert code == 0, stderr

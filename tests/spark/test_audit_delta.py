@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -24,16 +23,20 @@ from deltalake import QueryBuilder
 
 from tests.support.audit import (
     FIRST,
+    FOLLOW_ENV,
     ROOT,
     SECOND,
     Ledgered,
     audit,
     first_ids,
+    follow_command,
     history,
+    kill_follow,
     micro_batches,
     newest_by_reference,
     spark_latest,
     spark_sink,
+    start_follow,
 )
 from tests.support.doc_examples import python_block
 from tests.support.spark_session import shared_session
@@ -197,13 +200,9 @@ def test_a_sigkill_mid_batch_then_a_restart_leaves_exact_tables(spark, bootstrap
     messages = Ledgered(bootstrap_servers, topic)
     _produce_keys(messages, 1, 30)
     sink, latest, out = tmp_path / "sink", tmp_path / "latest", tmp_path / "out"
-    command = [sys.executable, "-m", "outbox.pipeline", "--bootstrap-servers", bootstrap_servers, "--out", str(out),
-               "--topics", topic, "--follow", "--trigger-interval", "1 second",
-               "--master", "local[2]", "--conf", "spark.ui.enabled=false", "--conf",
-               "spark.ui.showConsoleProgress=false", *delta("--sink", str(sink), "--latest", str(latest))]
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
-    job = subprocess.Popen([*command, "--max-offsets-per-trigger", "12", "--idle-timeout", "60"], cwd=ROOT, env=env,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    command = follow_command(bootstrap_servers, out, topic, *delta("--sink", str(sink), "--latest", str(latest)))
+    job = start_follow([*command, "--max-offsets-per-trigger", "12", "--idle-timeout", "60"], stderr=subprocess.PIPE,
+                       text=True)
     seen: list[str] = []
     killed = threading.Event()
 
@@ -221,9 +220,7 @@ def test_a_sigkill_mid_batch_then_a_restart_leaves_exact_tables(spark, bootstrap
         assert killed.wait(300), "the follow job did not append micro-batch 1 within 300 s:\n" + "".join(seen[-30:])
         job.wait(30)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(30)
+        kill_follow(job)
     watcher.join(10)
     assert job.stderr is not None
     job.stderr.close()
@@ -233,7 +230,8 @@ def test_a_sigkill_mid_batch_then_a_restart_leaves_exact_tables(spark, bootstrap
 
     _produce_keys(messages, 31, 20)  # more while it was down
     # micro-batch 1 again (its offsets are in Spark's log), then the rest in one
-    result = subprocess.run([*command, "--once"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([*command, "--once"], cwd=ROOT, env=FOLLOW_ENV, capture_output=True, text=True,
+                            timeout=600)
     report = json.loads((out / "report.json").read_text())
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["run"]["batches_folded"][0] == 1  # micro-batch 1 again, from the state of micro-batch 0

@@ -1,11 +1,15 @@
-"""What the Spark tests share: messages as the harvester sends them, an audit run in-process, the plain-Python
-reference of the latest state, frames built by hand, and readers of the Delta tables."""
+"""What the Spark tests share: messages as the harvester sends them, an audit run in-process or as a follow job of
+its own, the plain-Python reference of the latest state, frames built by hand, and readers of the Delta tables."""
 
 from __future__ import annotations
 
 import datetime as dt
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -50,6 +54,30 @@ def audit(spark, bootstrap: str, out: Path, *args: str) -> tuple[int, dict, str,
     report_file = out / "report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     return code, report, stdout.getvalue(), stderr.getvalue()
+
+
+def follow_command(bootstrap: str, out: Path, topic: str, *args: str) -> list[str]:
+    """`python -m outbox.pipeline --follow` as users start it, with a Spark JVM of its own (two local cores, no UI):
+    for the tests that kill the job or outlast a broker under it, which the shared session cannot do."""
+    return [sys.executable, "-m", "outbox.pipeline", "--bootstrap-servers", bootstrap, "--out", str(out),
+            "--topics", topic, "--follow", "--trigger-interval", "1 second", "--master", "local[2]",
+            "--conf", "spark.ui.enabled=false", "--conf", "spark.ui.showConsoleProgress=false", *args]
+
+
+#: The environment of a follow job: Spark binds to the loopback address (tests talk only to 127.0.0.0/8).
+FOLLOW_ENV = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+
+
+def start_follow(command: list[str], **popen) -> subprocess.Popen:
+    """The job in a session of its own, so `kill_follow` ends Python and its JVM together."""
+    return subprocess.Popen(command, cwd=ROOT, env=FOLLOW_ENV, start_new_session=True, **popen)
+
+
+def kill_follow(job: subprocess.Popen) -> None:
+    """SIGKILL the job's whole session (Python and the JVM it started, at once), if it still runs."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(30)
 
 
 def newest_by_reference(messages: list[dict], *, tombstones: str = "delete") -> dict[str, tuple[str, int | None]]:
