@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -465,32 +466,39 @@ def test_batch_and_follow_reports_have_one_shape_and_agree(spark, bootstrap_serv
 @pytest.mark.slow
 def test_follow_rides_through_a_restart_of_the_only_broker(spare_broker, tmp_path):
     """`--follow` against a broker that is stopped for a while and started again: the run goes on, and counts
-    what was produced before and after the restart once each. The audit runs as users start it, in a process with
-    a Spark JVM of its own (so the test needs the spare broker's worker only, not the shared session's).
-    Slow: the broker stopped for a while and the follow run's idle timeout."""
+    what was produced before and after the restart once each; SIGTERM then stops it with exit status 0. The audit
+    runs as users start it, in a process with a Spark JVM of its own (so the test needs the spare broker's worker
+    only, not the shared session's), with no idle timeout: nothing but the signal ends it.
+    Slow: a Spark JVM's start, and the broker stopped for a while."""
     spare_broker.up()
     bootstrap = spare_broker.bootstrap_servers
     topic = spare_broker.create_topic("audit-restart", partitions=2)
     produce(bootstrap, topic, in_order(0, "k", 1, 2, 3) + in_order(1, "j", 10, 11))
     out, log = tmp_path / "out", tmp_path / "audit.log"
-    command = follow_command(bootstrap, out, topic, "--idle-timeout", "40")
+
+    def counted() -> int | None:
+        """The messages the report counts so far (rewritten after each micro-batch), or None before the first."""
+        report = out / "report.json"
+        return json.loads(report.read_text())["messages"] if report.exists() else None
+
     with log.open("w") as stderr:
-        job = start_follow(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        job = start_follow(follow_command(bootstrap, out, topic), stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        first_commit = out / "checkpoint" / "spark" / "commits" / "0"
-        wait_until(lambda: first_commit.exists() or job.poll() is not None, 180, "the follow run's first micro-batch")
+        wait_until(lambda: (counted() or 0) >= 5 or job.poll() is not None, 180, "the messages sent before the restart")
         assert job.poll() is None, log.read_text()[-3000:]
         spare_broker.stop(1)
         time.sleep(16)  # the outage itself
         assert job.poll() is None, f"the follow run ended while the broker was down:\n{log.read_text()[-3000:]}"
         spare_broker.up()
         produce(bootstrap, topic, in_order(0, "k", 4) + in_order(1, "j", 12, 13))
-        code = job.wait(timeout=300)  # the run stops on its idle timeout
+        wait_until(lambda: (counted() or 0) >= 8 or job.poll() is not None, 180, "the messages sent after the restart")
+        job.send_signal(signal.SIGTERM)  # stops after the micro-batch under way, as a deployment's stop would
+        code = job.wait(timeout=120)
     finally:
         spare_broker.up()
         kill_follow(job)
     stderr = log.read_text()
     report = json.loads((out / "report.json").read_text())
-    assert code == 0, stderr
+    assert code == 0 and "stopped: signal" in stderr, stderr
     assert (report["messages"], report["distinct_ids"], report["duplicates"], report["missing"]) == (8, 8, 0, 0), \
         stderr
