@@ -9,10 +9,10 @@ comes back, and no key's records go back (the strict order)."""
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
+import psutil
 import psycopg
 import pytest
 
@@ -50,9 +50,20 @@ def insert(url: str, topic: str, first: int, count: int, per_transaction: int) -
 
 
 def crash(cluster: Cluster) -> None:
-    """SIGQUIT to the postmaster: an immediate shutdown, the WAL not yet written to disk lost as in a crash."""
-    os.kill(cluster.postmaster_pid(), signal.SIGQUIT)
-    wait_until(lambda: rows(cluster.url) is None, 30, "the server to go")
+    """SIGQUIT to the postmaster: an immediate shutdown, the WAL not yet written to disk lost as in a crash. Done
+    when the postmaster has exited: it refuses connections ("the database system is shutting down") while its
+    children exit, and a start in that time finds it still there."""
+    postmaster = psutil.Process(cluster.postmaster_pid())
+    postmaster.send_signal(signal.SIGQUIT)
+
+    def exited() -> bool:
+        try:
+            return postmaster.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(exited, 30, "the postmaster to exit")
+    assert rows(cluster.url) is None
 
 
 @pytest.mark.slow
