@@ -11,11 +11,13 @@ import pytest
 
 from tests.sim import mutations, queue_scenario, replay
 from tests.sim.queue_mutations import QUEUE_MUTATIONS
-from tests.support.simulation import assert_every_seed_passes
+from tests.support.simulation import PARTS, assert_every_seed_passes, seeds_of_part
 
 
-def test_every_seed_keeps_the_queues_invariants(queue_sim_seeds):
-    assert_every_seed_passes(queue_scenario.run_quietly, queue_sim_seeds, "tests/unit/test_queue_simulation.py")
+@pytest.mark.parametrize("part", range(PARTS))
+def test_every_seed_keeps_the_queues_invariants(queue_sim_seeds, part):
+    assert_every_seed_passes(queue_scenario.run_quietly, seeds_of_part(queue_sim_seeds, part),
+                             "tests/unit/test_queue_simulation.py")
 
 
 def test_one_seed_replays_the_same_run():
