@@ -11,26 +11,46 @@ from typing import Any
 
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
-#: librdkafka's own log lines go through Python logging instead of straight to stderr.
-client_log = logging.getLogger("outbox.harvest.librdkafka")
+from outbox.kafka.client_errors import said_lately
 
 
-class _KnownWarnings(logging.Filter):
-    """librdkafka warns at every start that enable.gapless.guarantee is experimental: it is on purpose. And on a
-    cluster's first use of transactions or idempotence, that the coordinator is still loading its log and it retries
-    getting a producer id: that passes by itself in a moment, so it is said at INFO."""
+class _KnownLines(logging.Filter):
+    """What librdkafka logs that needs no operator, or not again. It warns at every start that
+    enable.gapless.guarantee is experimental: it is on purpose. On a cluster's first use of transactions or
+    idempotence, that the coordinator is still loading its log and it retries getting a producer id: that passes
+    by itself in a moment, so it is said at INFO. And while a broker is away, every client logs each failed
+    connection at ERROR about once a second (`FAIL`): a failure librdkafka retries by itself, said at WARNING once a
+    minute with the error callback's own report of it (client_errors.said_lately), its repeats at DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if "CONFWARN" in message and "enable.gapless.guarantee" in message:
             return False
         if record.levelno == logging.WARNING and "GETPID" in message and "load in progress" in message:
-            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
-            return client_log.isEnabledFor(logging.INFO)  # the logger let it through as a warning
+            return _said_at(record, logging.INFO)
+        # confluent-kafka logs (facility, client name, "[thrd:...]: text")
+        fac, text = (record.args[0], str(record.args[2])) if isinstance(record.args, tuple) and \
+            len(record.args) == 3 else (None, message)
+        if fac == "FAIL" and record.levelno >= logging.WARNING:
+            return _said_at(record, logging.DEBUG if said_lately(text.split("]: ", 1)[-1]) else logging.WARNING)
         return True
 
 
-client_log.addFilter(_KnownWarnings())
+def _said_at(record: logging.LogRecord, level: int) -> bool:
+    """The record at `level`, if its logger hears that level (the logger let it through at its own)."""
+    record.levelno, record.levelname = level, logging.getLevelName(level)
+    return logging.getLogger(record.name).isEnabledFor(level)
+
+
+def client_logger(name: str) -> logging.Logger:
+    """The logger a client hands librdkafka's own lines to (Python logging instead of straight to stderr)."""
+    logger = logging.getLogger(name)
+    logger.addFilter(_KnownLines())
+    return logger
+
+
+#: The harvester's and the maintenance commands' clients' (the queues' have their own: queue/clients.py).
+client_log = client_logger("outbox.harvest.librdkafka")
 
 
 def silent_logger(name: str) -> logging.Logger:

@@ -19,7 +19,7 @@ from typing import Any
 from confluent_kafka import KafkaException
 
 from outbox.kafka.client_errors import log_client_error
-from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE
+from outbox.kafka.clients import LIBRDKAFKA_BATCH_SIZE, client_logger
 from outbox.kafka.sizes import UNLIMITED, batch_size_for
 from outbox.queue.config import QueueConfig, QueueLimits
 from outbox.reasons import kafka_reason
@@ -31,8 +31,8 @@ GROUP_TIMEOUTS = {"session.timeout.ms": 10_000, "heartbeat.interval.ms": 2_000}
 #: A queue process that has waited for Kafka longer than this (the group's session timeout and 15 s, the time
 #: a queue takes to resume after a broker comes back) is stalled: it says so, and outbox_queue_health fails.
 STALL_AFTER = GROUP_TIMEOUTS["session.timeout.ms"] / 1000 + 15.0
-#: librdkafka's own log lines go through Python logging instead of straight to stderr.
-client_log = logging.getLogger("outbox.queue.librdkafka")
+#: librdkafka's own log lines go through Python logging instead of straight to stderr, as the harvester's do.
+client_log = client_logger("outbox.queue.librdkafka")
 
 
 def _merge(config: QueueConfig, own: dict[str, Any], fixed: dict[str, Any] | None = None,

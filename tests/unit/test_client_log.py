@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from confluent_kafka import KafkaError
 
 from outbox.kafka.clients import client_log
 
@@ -73,3 +74,63 @@ def test_the_clients_that_only_check_the_settings_say_nothing_even_after_logging
             logger = logging.getLogger(name)
             logger.handlers, logger.propagate, logger.disabled = handlers, propagate, disabled
             logger.setLevel(level)
+
+
+REFUSED = ("127.0.0.1:9190/bootstrap: Connect to ipv4#127.0.0.1:9190 failed: Connection refused "
+           "(after {}ms in state CONNECT)")
+
+
+def fail_line(logger: logging.Logger, elapsed: int) -> None:
+    """A failed connection as confluent-kafka hands it to the client's logger: (facility, client, text), at ERROR."""
+    logger.log(logging.ERROR, "%s [%s] %s", "FAIL", "rdkafka#producer-1",
+               f"[thrd:127.0.0.1:9190/bootstrap]: {REFUSED.format(elapsed)}")
+
+
+@pytest.mark.parametrize("name", ["outbox.harvest.librdkafka", "outbox.queue.librdkafka"])
+def test_a_failed_connection_is_said_once_a_minute_with_the_error_callbacks_report(name, caplog, monkeypatch):
+    """While a broker is away each client logs every failed connection (about once a second) at ERROR, and its error
+    callback reports the same: one WARNING a minute for both, the repeats at DEBUG; the queues' clients as the
+    harvester's."""
+    import outbox.queue.clients  # noqa: F401  (the queues' client logger, as their clients get it)
+    from outbox.kafka import client_errors
+
+    monkeypatch.setattr(client_errors, "_last_logged", {})
+    now = [1000.0]
+    monkeypatch.setattr(client_errors, "_clock", lambda: now[0])
+    logger = logging.getLogger(name)
+    with caplog.at_level(logging.DEBUG, logger="outbox"):
+        for elapsed in (0, 1, 30):
+            now[0] = 1000.0 + elapsed
+            fail_line(logger, elapsed)
+        client_errors.log_client_error(KafkaError(KafkaError._TRANSPORT, REFUSED.format(31)))
+        now[0] = 1061.0
+        fail_line(logger, 2)
+        logger.error("%s [%s] %s", "FAIL", "rdkafka#producer-1", "[thrd:b2:9092/2]: b2:9092/2: Connect to b2 failed")
+    assert [(record.name, record.levelname) for record in caplog.records] == [
+        (name, "WARNING"), (name, "DEBUG"), (name, "DEBUG"), ("outbox.harvest.kafka", "DEBUG"), (name, "WARNING"),
+        (name, "WARNING")], "another broker's failure is its own"
+
+
+def test_a_queue_sender_with_no_broker_says_so_once(caplog, monkeypatch):
+    """An application's send() producer (the queues' sender), its broker gone: librdkafka retries about twice a
+    second, and the log has one line of it, not one a try."""
+    from confluent_kafka import Producer
+
+    from outbox.kafka import client_errors
+    from outbox.queue.clients import sender_config
+    from outbox.queue.config import QueueConfig
+    from tests.support.waiting import wait_until
+
+    monkeypatch.setattr(client_errors, "_last_logged", {})
+    producer = Producer(sender_config(QueueConfig(base_kafka_config={"bootstrap.servers": "127.0.0.1:1"}), "app"))
+    producer.produce("orders-queue", b"x")
+    with caplog.at_level(logging.DEBUG, logger="outbox"):
+        def tries() -> int:
+            producer.poll(0.1)
+            return sum("Connect to ipv4#127.0.0.1:1 failed" in record.getMessage() for record in caplog.records)
+
+        wait_until(lambda: tries() >= 6, 30, "librdkafka to try the broker a few times")
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING
+            and "Connect to ipv4#127.0.0.1:1 failed" in record.getMessage()]
+    assert len(said) == 1, said
+    producer.purge()
