@@ -43,9 +43,12 @@ def _said_at(record: logging.LogRecord, level: int) -> bool:
 
 
 def client_logger(name: str) -> logging.Logger:
-    """The logger a client hands librdkafka's own lines to (Python logging instead of straight to stderr)."""
+    """The logger a client hands librdkafka's own lines to (Python logging instead of straight to stderr). Its filter
+    is added once, however often this is called for one name (a module reloaded): a second _KnownLines would take
+    the first's "said now" for "said lately" and turn the one WARNING of a failed connection into DEBUG."""
     logger = logging.getLogger(name)
-    logger.addFilter(_KnownLines())
+    if not any(isinstance(known, _KnownLines) for known in logger.filters):
+        logger.addFilter(_KnownLines())
     return logger
 
 

@@ -111,6 +111,21 @@ def test_a_failed_connection_is_said_once_a_minute_with_the_error_callbacks_repo
         (name, "WARNING")], "another broker's failure is its own"
 
 
+def test_a_client_logger_asked_for_again_keeps_one_filter(caplog, monkeypatch):
+    """A module that makes its client logger imported again (importlib.reload, a test's fresh import) must not stack a
+    second filter: the failed connection is still said once at WARNING, not turned into DEBUG by the second."""
+    from outbox.kafka import client_errors
+    from outbox.kafka.clients import client_logger
+
+    monkeypatch.setattr(client_errors, "_last_logged", {})
+    logger = client_logger("outbox.test.librdkafka")
+    assert client_logger("outbox.test.librdkafka") is logger
+    with caplog.at_level(logging.DEBUG, logger="outbox"):
+        fail_line(logger, 0)
+    assert [record.levelname for record in caplog.records] == ["WARNING"]
+    assert len(logger.filters) == 1
+
+
 def test_a_queue_sender_with_no_broker_says_so_once(caplog, monkeypatch):
     """An application's send() producer (the queues' sender), its broker gone: librdkafka retries about twice a
     second, and the log has one line of it, not one a try."""
