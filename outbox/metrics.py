@@ -17,10 +17,11 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from outbox import metrics_endpoint
 from outbox.harvest.contract import ReplicaState
 from outbox.harvest.dbtime import ROUND_TRIP_KINDS, SERVER_KINDS
 from outbox.harvest.harvester import Harvester
@@ -214,9 +215,9 @@ class HarvesterCollector(Collector):
 
 def serve(harvester: Harvester | ShardedHarvester | ManyHarvester, registry: CollectorRegistry, port: int,
           address: str = "0.0.0.0", *, parked: Callable[[], int | None] | None = None,
-          oldest_age: Callable[[], float | None] | None = None, horizon: Callable[[], Any] | None = None) -> None:
-    """Expose `registry` plus the harvester's gauges on http://address:port/metrics; the readers of what the
-    harvester does not know are the entry point's (manage.py harvest's read Django's database,
-    outbox/metrics_readers.py; outbox-harvest's read it by psycopg)."""
+          oldest_age: Callable[[], float | None] | None = None, horizon: Callable[[], Any] | None = None) -> int:
+    """Expose `registry` plus the harvester's gauges on http://address:port/metrics, and say which port (EndpointFailure
+    when it cannot); the readers of what the harvester does not know are the entry point's (manage.py harvest's read
+    Django's database, outbox/metrics_readers.py; outbox-harvest's read it by psycopg)."""
     registry.register(HarvesterCollector(harvester, parked=parked, oldest_age=oldest_age, horizon=horizon))
-    start_http_server(port, addr=address, registry=registry)
+    return metrics_endpoint.start(port, address, registry)

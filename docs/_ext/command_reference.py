@@ -46,7 +46,32 @@ def standalone_markdown() -> str:
             if action.option_strings == ["-h", "--help"]:
                 action.help = argparse.SUPPRESS
         out.append(parser_markdown(f"## `outbox-harvest {name}`", f"outbox-harvest {name}", helps[name] or "", sub))
-    return "\n".join(out)
+    return "\n".join([*out, file_keys_markdown()])
+
+
+def file_keys_markdown() -> str:
+    """What `--config FILE.toml` takes (cli.FILE_KEYS), and which of OUTBOX's keys it does not."""
+    from outbox.conf import OutboxKeys
+    from outbox.harvest.cli import FILE_KEYS
+    from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS
+
+    def keys(names: Any) -> str:
+        return ", ".join(f"`{name}`" for name in names)
+
+    others = [name for name in OutboxKeys.__dataclass_fields__ if name not in FILE_KEYS]
+    return "\n".join([
+        "## The file's keys", "",
+        "`--config FILE.toml` takes these keys, with the meanings of the [settings reference](settings.md) "
+        "(`base_kafka_config` and `producer_kafka_config` as tables of librdkafka properties); any other is "
+        "refused (`outbox.E002`, with a \"did you mean\"):", "",
+        "- the database: `dsn` (else `DATABASE_URL`);",
+        f"- the engine's keys: {keys(SETTING_KEYS)};",
+        f"- its limits: {keys(LIMIT_NAMES)};",
+        "- several outboxes: `outboxes` (`[outboxes.NAME]` tables, each with an entry's keys and `dsn` in place of "
+        "`database`) and `discover_interval`.", "",
+        f"`OUTBOX`'s keys for the Django side ({keys(others)}) are not the harvester's, and not read here. TOML has "
+        "no null, so a setting's `None` (no status rows, parked records kept until an operator acts) cannot be "
+        "written in the file: leave the key out for its default.", ""])
 
 
 def parser_markdown(title: str, program: str, summary: str, parser: argparse.ArgumentParser) -> str:

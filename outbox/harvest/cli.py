@@ -6,6 +6,7 @@ any language that write goharvest's outbox table.
     outbox-harvest check --config harvest.toml      # the settings' problems, with manage.py check's codes
     outbox-harvest --tenant-schemas --exclude-schema public   # the table of every schema, an engine each
     outbox-harvest schema [--apply] [--since NAME]  # the DDL of the migrations (outbox/harvest/schema.sql)
+    outbox-harvest reshard --shards 6 --config harvest.toml   # with the group's replicas stopped
 
 The settings are OUTBOX's engine keys (harvest/config.py: SETTING_KEYS and the limits), read from a TOML file
 (its tables `base_kafka_config` and `producer_kafka_config` are librdkafka's properties), then the environment
@@ -35,14 +36,16 @@ from psycopg.conninfo import conninfo_to_dict
 from outbox.harvest import discovery, horizon, replicas, running, schema
 from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, TABLE_PATTERN, HarvestConfig, from_values, leader_name
 from outbox.harvest.kafka import client_config_problems
+from outbox.harvest.reshard import ReshardRefused, reshard
 from outbox.harvest.store import StoreError, table_identifier
 from outbox.kafka.keys import NO_BOOTSTRAP, key, positive_seconds
 from outbox.kafka.problems import Problem, unknown_keys
 from outbox.kafka.redaction import dsn_problem, remember_secrets, scrub, secret_values
+from outbox.metrics_endpoint import add_metrics_flags
 from outbox.reasons import first_line
 
 PROG = "outbox-harvest"
-COMMANDS = ("run", "check", "schema", "health")
+COMMANDS = ("run", "check", "schema", "health", "reshard")
 #: What a TOML file may set: the engine's keys, its limits, the database, and several outboxes.
 FILE_KEYS = frozenset({"dsn", *SETTING_KEYS, *LIMIT_NAMES, "outboxes", "discover_interval"})
 #: Flags that set an engine key of the same name.
@@ -83,7 +86,7 @@ class OneLineParser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     top = OneLineParser(prog=PROG, description="Publish a goharvest outbox table to Kafka, with leader "
                                   "election among replicas, until SIGTERM or SIGINT; no Django project needed.")
-    commands = top.add_subparsers(dest="command", metavar="{run,check,schema,health}", parser_class=OneLineParser)
+    commands = top.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=OneLineParser)
     settings = argparse.ArgumentParser(add_help=False)
     settings.add_argument("--config", metavar="FILE.toml", type=Path,
                           help="a TOML file of settings (OUTBOX's engine keys); flags win over it")
@@ -93,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
                           help="0 warnings, 1 info (default), 2 and 3 debug")
     running.add_limit_flags(settings)
     run = commands.add_parser("run", parents=[settings], help="harvest until SIGTERM or SIGINT (the default)")
-    running.add_metrics_flags(run)
+    add_metrics_flags(run)
     run.add_argument("--print-config", action="store_true",
                      help="print the effective configuration (secrets redacted) as JSON and exit")
     commands.add_parser("check", parents=[settings], help="report the settings' problems (manage.py check's codes) "
@@ -104,6 +107,13 @@ def parser() -> argparse.ArgumentParser:
     ddl.add_argument("--since", metavar="MIGRATION", help="only the migrations after this one (to upgrade a schema "
                                                           "made by an earlier version), e.g. 0008_status_shards")
     ddl.add_argument("--config", metavar="FILE.toml", type=Path, help="a TOML file whose dsn names the database")
+    shard = commands.add_parser("reshard", help="change the number of shards of the table's leader group, its "
+                                                "replicas stopped first (as manage.py outbox_reshard)")
+    shard.add_argument("--shards", type=int, required=True, metavar="M", help="the new number of shards")
+    shard.add_argument("--config", metavar="FILE.toml", type=Path, help="a TOML file of settings (its dsn, table, "
+                                                                        "leader_topic, base_kafka_config)")
+    shard.add_argument("--table", help="outbox table, optionally schema.table (default: the file's, else outbox)")
+    shard.add_argument("--leader-topic", help="the group's leader topic (default: as the harvester derives it)")
     probe = commands.add_parser("health", help="check replicas through their status rows: exit 0 if healthy, 1 with "
                                                "the reason if not (a liveness or readiness probe)")
     probe.add_argument("--config", metavar="FILE.toml", type=Path,
@@ -176,14 +186,16 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         problems.append(Problem("E003", "discover_interval", problem))
     problems += outboxes_problems(outboxes, values.get("table", HarvestConfig.table))
     entries = discover = None
-    several = bool(outboxes or args.outbox or args.tenant_schemas)
+    chosen, tenant_schemas = getattr(args, "outbox", None), getattr(args, "tenant_schemas", False)
+    several = bool(outboxes or chosen or tenant_schemas)
     if problem := running.outbox_flags_problem(vars(args), OUTBOXES, several=several):
         raise running.RunFailure(problem)
     if several and running.discoverable(config, given, problems, getattr(args, "print_config", False)):
-        tenants = {"exclude_schemas": list(args.exclude_schema)} if args.exclude_schema else {}
+        excluded = getattr(args, "exclude_schema", None)
+        tenants = {"exclude_schemas": list(excluded)} if excluded else {}
         try:
-            entries = discovery.select(outboxes or {}, args.outbox, where=OUTBOXES,
-                                       tenants=tenants if args.tenant_schemas else None)
+            entries = discovery.select(outboxes or {}, chosen, where=OUTBOXES,
+                                       tenants=tenants if tenant_schemas else None)
         except ValueError as error:
             raise running.RunFailure(str(error)) from None
         if entries_problems := outboxes_problems(entries, values.get("table", HarvestConfig.table)):
@@ -275,6 +287,20 @@ def check(settings: Settings) -> int:
     if not reported:
         print("no problems found")
     return 1 if settings.problems else 0
+
+
+def reshard_command(args: argparse.Namespace, settings: Settings) -> int:
+    """manage.py outbox_reshard's change, on the file's (or the environment's) database and leader topic."""
+    if settings.several:
+        raise running.RunFailure("reshard: one outbox at a time: give it a --config file without [outboxes]")
+    if settings.problems:
+        raise running.RunFailure("invalid configuration: " + "; ".join(map(str, settings.problems)))
+    try:
+        done = reshard(settings.config, args.shards)
+    except ReshardRefused as error:
+        raise running.RunFailure(str(error)) from None
+    print(f"{done} Start the replicas with --shards {args.shards} (or shards = {args.shards} in the file).")
+    return 0
 
 
 def schema_command(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
@@ -373,6 +399,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         secrets = settings.secrets
         if args.command == "check":
             return check(settings)
+        if args.command == "reshard":
+            return reshard_command(args, settings)
         run(args, settings)
     except running.RunFailure as error:
         print(f"{PROG}: {scrub(str(error), secrets or None)}", file=sys.stderr)

@@ -337,4 +337,4 @@ def check_leader_partitions(topic: str, found: int, shards: int) -> None:
         raise KafkaUnavailable(
             f"leader topic {topic!r} has {found} partition(s), one per shard of its group, but this replica runs "
             f"{shards} shard(s): every replica of a group runs the same number (to change it, stop the group and "
-            f"run manage.py outbox_reshard --shards {shards})")
+            f"run manage.py outbox_reshard --shards {shards}, or outbox-harvest reshard --shards {shards})")

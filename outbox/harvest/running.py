@@ -25,6 +25,7 @@ from outbox.harvest.outboxes import ManyHarvester
 from outbox.harvest.shards import ShardedHarvester
 from outbox.harvest.tracing import PublishTracer
 from outbox.kafka.problems import Problem
+from outbox.metrics_endpoint import EndpointFailure
 from outbox.reasons import first_line
 from outbox.stopping import on_stop_signals
 
@@ -172,13 +173,6 @@ def add_limit_flags(parser: ArgumentParser) -> None:
                             metavar="N" if counts else "SECONDS", help=spec.metadata["doc"].split(". ")[0])
 
 
-def add_metrics_flags(parser: ArgumentParser) -> None:
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="serve Prometheus metrics on this port (http://0.0.0.0:PORT/metrics)")
-    parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
-                        help="address for --metrics-port (default 0.0.0.0)")
-
-
 def metrics_registry(port: int | None) -> tuple[Any, Any]:
     """With a metrics port: a Prometheus registry and the engine's instruments in it; else (None, None)."""
     if port is None:
@@ -220,12 +214,12 @@ def run_until_stopped(harvester: AnyHarvester, registry: Any = None, metrics_add
         from outbox.metrics import serve
 
         try:
-            serve(harvester, registry, metrics_port, metrics_address, **(readers or {}))
-        except OSError as error:
+            port = serve(harvester, registry, metrics_port, metrics_address, **(readers or {}))
+        except EndpointFailure as error:
             harvester.stop()
             harvester.wait()
-            raise RunFailure(f"cannot serve metrics on port {metrics_port}: {error}") from None
-        log.info("Metrics on http://%s:%s/metrics", metrics_address, metrics_port)
+            raise RunFailure(str(error)) from None
+        log.info("Metrics on http://%s:%s/metrics", metrics_address, port)
     with on_stop_signals(harvester.stop):
         try:
             while not harvester.wait(timeout=0.5):

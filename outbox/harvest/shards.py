@@ -324,11 +324,12 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         return True
 
     def _join_group(self) -> ShardGroup:
-        """The table's shard index, the leader topic with a partition per shard, the group's consumer and producer."""
+        """The leader topic with a partition per shard (first: a replica of another number of shards than its group's
+        builds no index), the table's shard index, the group's consumer and producer."""
         config = self.config
         try:
-            prepare_table(config)
             ensure_leader_topic(config)
+            prepare_table(config)
             consumer = self._consumer_factory(leader_consumer_config(config))
             producer = self._producer_factory(heartbeat_producer_config(config))
         except (StoreError, KafkaUnavailable, KafkaException) as error:

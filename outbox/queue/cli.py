@@ -12,16 +12,14 @@ from outbox import conf as outbox_conf
 from outbox import logs
 from outbox.kafka.names import default_name, name_problem
 from outbox.kafka.redaction import scrub
+from outbox.metrics_endpoint import EndpointFailure, add_metrics_flags
 
 log = logging.getLogger("outbox.queue")
 
 
 def add_common_arguments(parser: CommandParser) -> None:
     parser.add_argument("--name", help="this process's name in logs and status rows (default: host_pid_time)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="serve Prometheus metrics on this port (http://ADDRESS:PORT/metrics)")
-    parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
-                        help="address for --metrics-port (default 0.0.0.0)")
+    add_metrics_flags(parser)
 
 
 def replica_name(name: str | None) -> str:
@@ -58,8 +56,8 @@ def serve_metrics(port: int | None, address: str, collector: Callable[[], Any]) 
     from outbox.queue import metrics
 
     try:
-        metrics.serve(port, address, collector())
-    except OSError as error:
-        raise CommandError(f"cannot serve metrics on port {port}: {error}") from None
+        port = metrics.serve(port, address, collector())
+    except EndpointFailure as error:
+        raise CommandError(str(error)) from None
     log.info("Metrics on http://%s:%d/metrics", address, port)
 

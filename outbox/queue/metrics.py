@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from outbox import metrics_endpoint
 from outbox.queue.instruments import QueueInstruments
 
 #: Processing time from receive() to ack(): from a no-op handler to a long report.
@@ -139,9 +140,10 @@ def tracker_gauges(snapshot: Callable[[], Any], name: str = "",
     return TrackerCollector()
 
 
-def serve(port: int, address: str, collector: Any) -> None:
-    """Serve the default registry plus `collector` on http://address:port/metrics."""
-    from prometheus_client import REGISTRY, start_http_server
+def serve(port: int, address: str, collector: Any) -> int:
+    """Serve the default registry plus `collector` on http://address:port/metrics; the port it serves on
+    (EndpointFailure when it cannot)."""
+    from prometheus_client import REGISTRY
 
     REGISTRY.register(collector)
-    start_http_server(port, addr=address, registry=REGISTRY)
+    return metrics_endpoint.start(port, address, REGISTRY)

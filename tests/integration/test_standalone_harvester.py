@@ -207,6 +207,56 @@ def test_replicas_without_django_are_killed_under_load_and_lose_nothing(database
     assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(written)), written, strict=False)
 
 
+def test_the_number_of_shards_is_changed_without_django(database, bootstrap_servers, new_topic, tmp_path):
+    """A table harvested unsharded, then in 3 shards, with no `manage.py`: a replica of the new number is refused
+    before the group is resharded (in one line naming `outbox-harvest reshard`, and building no index); `reshard` is
+    refused while a leader runs, then gives the leader topic a partition per shard and builds the index; the three
+    shards then publish every row in key order."""
+    env = standalone_env(database, bootstrap_servers)
+
+    def harvest(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*STANDALONE, *args], env=env, capture_output=True, text=True, timeout=120)
+
+    assert harvest("schema", "--apply").returncode == 0
+    leader_topic = f"standalone-reshard-{uuid.uuid4().hex[:8]}"
+    flags = ["--leader-topic", leader_topic, "--heartbeat-timeout", "2"]
+    one = Replica(f"reshard-one-{uuid.uuid4().hex[:4]}", env, tmp_path, flags, program=STANDALONE)
+    try:
+        wait_until(one.is_leading, 60, "the unsharded replica to lead")
+        refused = harvest("reshard", "--shards", "3", "--leader-topic", leader_topic)
+        assert refused.returncode == 1, refused
+        assert refused.stderr.startswith("outbox-harvest: a harvester leads on 'outbox' (outbox-harvest-fence"), refused
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr
+    finally:
+        one.signal(signal.SIGTERM)
+    assert one.wait(timeout=60) == 0, one.log()
+
+    early = harvest(*flags, "--shards", "3")
+    assert early.returncode == 1 and "run manage.py outbox_reshard --shards 3, or outbox-harvest reshard --shards 3" \
+        in early.stderr, early.stderr
+    with psycopg.connect(database) as conn:
+        assert conn.execute("SELECT to_regclass('outbox_shard3_idx')").fetchone()[0] is None, "no index built"
+
+    done = harvest("reshard", "--shards", "3", "--leader-topic", leader_topic)
+    assert done.returncode == 0, done
+    assert done.stdout.startswith(f"'outbox' is now harvested in 3 shard(s): leader topic {leader_topic!r} grown "
+                                  f"from 1 to 3 partition(s); index outbox_shard3_idx ready."), done.stdout
+    topic = new_topic("standalone-reshard")
+    writer = SqlWriter(database, topic, limit=300)
+    three = Replica(f"reshard-three-{uuid.uuid4().hex[:4]}", env, tmp_path, [*flags, "--shards", "3"],
+                    program=STANDALONE)
+    writer.start()
+    try:
+        wait_until(lambda: len(writer.ids) >= 300, 60, "300 rows written")
+        written = writer.stop()
+        wait_until(lambda: outbox_rows(database) == 0, 60, "the three shards to drain the table")
+    finally:
+        writer.halt.set()
+        three.signal(signal.SIGTERM)
+    assert three.wait(timeout=60) == 0, three.log()
+    assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(written)), written, strict=False)
+
+
 def test_an_unreachable_database_or_broker_is_one_line(database, tmp_path):
     env = {**user_env(), "PYTHONPATH": str(ROOT), "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9"}
     parts = urlsplit(database)

@@ -11,9 +11,10 @@ from pathlib import Path
 HEADER = """\
 -- The tables, indexes and trigger django-outbox-harvest's migrations make (the outbox table `outbox`, replica
 -- status and history, parked records, shard terms, the NOTIFY trigger), for a database without Django:
--- `outbox-harvest schema` prints it, `outbox-harvest schema --apply` runs it. Written from the migrations by
--- `python -m tests.support.schema_ddl`; a test holds the two identical. Each section is one migration, in
--- its own transaction, named as Django names it.
+-- `outbox-harvest schema` prints it, `outbox-harvest schema --apply` runs it. Written from the migrations
+-- (by the project's own tests/support/schema_ddl.py, which a test holds to them). Each section is one
+-- migration, named as Django names it, in its own transaction as Django runs it: fed to psql, the sections
+-- before a failing one stay. `--apply` runs them all in one transaction instead: all of them, or none.
 """
 MARK = "-- migration: "
 

@@ -16,6 +16,7 @@ from outbox.embedded import default_tracer
 from outbox.harvest import running
 from outbox.kafka.names import name_problem
 from outbox.kafka.redaction import scrub
+from outbox.metrics_endpoint import add_metrics_flags
 
 
 class Command(BaseCommand):
@@ -25,7 +26,7 @@ class Command(BaseCommand):
         running.add_setting_flags(parser)
         parser.add_argument("--database", help="Django database alias holding the table (default: 'default')")
         running.add_outbox_flags(parser, many.OUTBOXES, "OUTBOX['table']")
-        running.add_metrics_flags(parser)
+        add_metrics_flags(parser)
         parser.add_argument("--print-config", action="store_true",
                             help="print the effective configuration (secrets redacted) as JSON and exit")
         running.add_limit_flags(parser)

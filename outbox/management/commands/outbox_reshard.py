@@ -2,45 +2,20 @@
 
     manage.py outbox_reshard --shards 6     # stop the group's replicas first; start them with --shards 6 after
 
-A key's shard depends on N, so a key's records must never be published by an old-N leader and a new-N
-leader at once. The fences see to that whatever the order (sharding.py: a leader lets its N's lock go
-only once nothing it sent is in flight, and no leader of another N can lead meanwhile); this command
-makes the change itself explicit: it refuses while any leader of the table holds a fence, gives the
-leader topic one partition per new shard, and builds the new N's index (dropping the old ones).
-Nothing in the table changes: marks are reads, so no row is "marked under the old N".
+What it does, and why it is safe, is harvest/reshard.py's (shared with `outbox-harvest reshard`): it refuses
+while any leader of the table holds a fence, gives the leader topic one partition per new shard, and builds
+the new N's index (dropping the old ones). This command only builds the configuration from OUTBOX.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import psycopg
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from psycopg import sql
 
 from outbox import conf
-from outbox.harvest import contract, sharding
-from outbox.harvest.kafka import cluster_metadata
-from outbox.harvest.shard_index import ensure_shard_index
-from outbox.harvest.store import StoreError, table_identifier, table_name
-from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_config
-from outbox.management.database import connect_or_fail
-from outbox.reasons import first_line, kafka_reason
-
-#: Every advisory-lock class a leader of the table may hold: the unsharded fence, any shard's, any N's.
-FENCES_HELD = """
-SELECT DISTINCT a.application_name, a.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objid = %(oid)s AND l.objsubid = 1 AND l.granted
-  AND (l.classid::bigint = %(unsharded)s OR l.classid::bigint BETWEEN %(lo)s AND %(hi)s)
-"""
-OLD_INDEXES = """
-SELECT n.nspname, c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE i.indrelid = to_regclass(%(table)s) AND c.relname ~ %(pattern)s AND c.relname <> %(keep)s
-"""
+from outbox.harvest.reshard import ReshardRefused, reshard
+from outbox.harvest.sharding import shards_problem
 
 
 class Command(BaseCommand):
@@ -53,76 +28,12 @@ class Command(BaseCommand):
         parser.add_argument("--table", help="outbox table (default: OUTBOX['table'])")
 
     def handle(self, *args: Any, shards: int, **options: Any) -> None:
-        if (problem := sharding.shards_problem(shards)) is not None:
+        if (problem := shards_problem(shards)) is not None:
             raise CommandError(f"--shards: {problem}")
         config = conf.harvest_config(leader_topic=options["leader_topic"], database=options["database"],
                                      table=options["table"], shards=shards)
-        with connect_or_fail(config.dsn) as conn:
-            oid = conn.execute(contract.TABLE_OID, {"table": table_name(config.table)}).fetchone()[0]
-            if oid is None:
-                raise CommandError(f"table {config.table!r} does not exist (run manage.py migrate)")
-            held = conn.execute(FENCES_HELD, {"oid": oid, "unsharded": contract.FENCE_CLASS,
-                                              "lo": sharding.SHARD_CLASS_BASE,
-                                              "hi": sharding.SHARD_COUNT_CLASS_BASE + sharding.MAX_SHARDS}).fetchall()
-            if held:
-                who = ", ".join(f"{application} (pid {pid})" for application, pid in held)
-                raise CommandError(f"a harvester leads on {config.table!r} ({who}): stop every replica of the group "
-                                   f"first, then run this again")
-            partitions = self._leader_topic(config.base_kafka_config, config.leader_topic, shards)
-            dropped = self._indexes(conn, config.table, shards)
-        if shards > 1:
-            try:
-                ensure_shard_index(config.dsn, config.table, shards)
-            except StoreError as error:
-                raise CommandError(str(error)) from None
-        index = f"index {sharding.index_name(config.table, shards)} ready" if shards > 1 else "no shard index needed"
-        self.stdout.write(f"{config.table!r} is now harvested in {shards} shard(s): leader topic "
-                          f"{config.leader_topic!r} {partitions}; {index}"
-                          + (f"; dropped {', '.join(dropped)}" if dropped else "")
-                          + f". Start the replicas with --shards {shards} (or OUTBOX['shards'] = {shards}).")
-
-    def _leader_topic(self, base: Any, topic: str, shards: int) -> str:
-        """One partition per shard: added to the topic, or the topic made again (it holds only heartbeats)."""
-        base = dict(base)
         try:
-            found = cluster_metadata(base, KAFKA_START_TIMEOUT).topics.get(topic)
-        except KafkaUnavailable as error:
+            done = reshard(config, shards)
+        except ReshardRefused as error:
             raise CommandError(str(error)) from None
-        admin = AdminClient(admin_config(base))
-        try:
-            if found is not None and found.error is None and len(found.partitions) == shards:
-                return f"has {shards} partition(s) already"
-            if found is not None and found.error is None and len(found.partitions) < shards:
-                admin.create_partitions([NewPartitions(topic, shards)])[topic].result(KAFKA_START_TIMEOUT)
-                return f"grown from {len(found.partitions)} to {shards} partition(s)"
-            if found is not None and found.error is None:
-                admin.delete_topics([topic])[topic].result(KAFKA_START_TIMEOUT)
-                self._wait_gone(base, topic)
-            admin.create_topics([NewTopic(topic, num_partitions=shards)])[topic].result(KAFKA_START_TIMEOUT)
-        except KafkaException as error:
-            raise CommandError(f"cannot give leader topic {topic!r} {shards} partition(s): "
-                               f"{kafka_reason(error)}") from None
-        return f"made again with {shards} partition(s)" if found is not None else f"created with {shards} partition(s)"
-
-    @staticmethod
-    def _wait_gone(base: dict[str, Any], topic: str) -> None:
-        deadline = time.monotonic() + KAFKA_START_TIMEOUT
-        while topic in cluster_metadata(base, KAFKA_START_TIMEOUT).topics:
-            if time.monotonic() > deadline:
-                raise CommandError(f"leader topic {topic!r} is still being deleted; run this again in a moment")
-            time.sleep(0.2)
-
-    @staticmethod
-    def _indexes(conn: psycopg.Connection, table: str, shards: int) -> list[str]:
-        """Drop the indexes of other numbers of shards: nothing reads them any more, every write pays for them."""
-        base = table.rsplit(".", 1)[-1][:40]
-        keep = sharding.index_name(table, shards) if shards > 1 else ""
-        found = conn.execute(OLD_INDEXES, {"table": table_name(table), "pattern": f"^{base}_shard[0-9]+_idx$",
-                                           "keep": keep}).fetchall()
-        for schema, name in found:
-            try:
-                conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
-                    table_identifier(f"{schema}.{name}")))
-            except psycopg.Error as error:
-                raise CommandError(f"cannot drop index {name}: {first_line(error)}") from None
-        return [name for _, name in found]
+        self.stdout.write(f"{done} Start the replicas with --shards {shards} (or OUTBOX['shards'] = {shards}).")
