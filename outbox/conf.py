@@ -214,7 +214,8 @@ def default_leader_name(alias: str, table: str) -> str:
     """The leader topic and group when OUTBOX does not name them: one per database and table, so two
     outboxes sharing a Kafka cluster never share a group (which would leave one unharvested)."""
     conf = connections[alias].settings_dict
-    return leader_name(conf.get("HOST"), conf.get("PORT"), conf.get("NAME"), table)
+    return leader_name(conf.get("HOST"), conf.get("PORT"), conf.get("NAME"), table,
+                       (conf.get("OPTIONS") or {}).get("options"))
 
 
 def build(**overrides: Any) -> tuple[HarvestConfig, set[str], str | None]:

@@ -232,7 +232,7 @@ def _derived_leader_name(dsn: str, table: Any) -> str:
     except psycopg.ProgrammingError:
         info = {}
     return leader_name(info.get("host"), info.get("port"), info.get("dbname"), table if isinstance(table, str)
-                       else "outbox")
+                       else "outbox", info.get("options"))
 
 
 #: Parked records are counted exactly up to this many (a bounded scan, as the console counts them).

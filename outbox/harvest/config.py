@@ -196,7 +196,8 @@ class HarvestConfig:
     producer_kafka_config: Mapping[str, Any] = key({}, "librdkafka settings for the record producer only: "
                                                        "`compression.type`, `batch.size`, ...", _mapping, code="E009")
     leader_topic: str = key("outbox-harvest", "leader-election topic, created if missing; derived from the database "
-                                              "and table so two outboxes never share one",
+                                              "and table (an unqualified table's with the search_path the "
+                                              "connection's `options` set) so two outboxes never share one",
                             rule(is_topic_name, TOPIC_NAME), code="E007",
                             shown="`outbox-leader.<database>.<table>.<hash>`")
     leader_group: str = key("outbox-harvest", "leader-election consumer group", name_problem, code="E008",
@@ -329,10 +330,27 @@ def from_values(values: Mapping[str, Any], *, dsn: str, derived_leader: str, env
     return HarvestConfig(dsn=dsn, limits=limits, **engine), given, source
 
 
-def leader_name(host: str | None, port: str | int | None, dbname: str | None, table: str) -> str:
+def leader_name(host: str | None, port: str | int | None, dbname: str | None, table: str,
+                options: str | None = None) -> str:
     """The leader topic and group when the settings do not name them: one per database and table, so two
     outboxes sharing a Kafka cluster never share a group (which would leave one unharvested). Django's
-    settings and the stand-alone harvester's DSN derive the same name for the same database."""
-    where = f"{host or 'localhost'}:{port or 5432}/{dbname or ''}/{table}"
-    readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{dbname or 'db'}.{table}")[:180]
+    settings and the stand-alone harvester's DSN derive the same name for the same database. An unqualified
+    table is the one the connection's search_path finds: a search_path set in libpq's `options` (`-c
+    search_path=billing`) that does not start with `public` is part of the name, so the `outbox` tables of two
+    schemas, each reached through its own search_path, get a group each."""
+    path = search_path(options) if "." not in table else None
+    path = None if path is None or path.split(",")[0] == "public" else path
+    where = f"{host or 'localhost'}:{port or 5432}/{dbname or ''}/{table}" + (f"?search_path={path}" if path else "")
+    shown = f"{path.split(',')[0]}.{table}" if path else table
+    readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{dbname or 'db'}.{shown}")[:180]
     return f"outbox-leader.{readable}.{hashlib.sha1(where.encode()).hexdigest()[:8]}"
+
+
+_SEARCH_PATH = re.compile(r"(?:-c\s*|--)search_path=((?:\\.|\S)+)")
+
+
+def search_path(options: Any) -> str | None:
+    """The search_path a libpq `options` string sets (`-c search_path=billing,public`), without its spaces and
+    escapes, or None."""
+    found = _SEARCH_PATH.search(options) if isinstance(options, str) else None
+    return re.sub(r"\s", "", re.sub(r"\\(.)", r"\1", found.group(1))) if found else None

@@ -257,6 +257,40 @@ def test_the_number_of_shards_is_changed_without_django(database, bootstrap_serv
     assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(written)), written, strict=False)
 
 
+def test_the_outbox_tables_of_two_schemas_reached_by_search_path_are_both_harvested(database, bootstrap_servers,
+                                                                                     new_topic, tmp_path):
+    """Two applications in two schemas of one database, each with its own `outbox` table and the harvester's
+    connection's search_path set to its schema: each derives a leader group of its own and both are harvested
+    (with one group for the two, one of them stood by for ever)."""
+    billing = f"{database}?options=-csearch_path%3Dbilling"
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA billing")
+    for url in (database, billing):
+        applied = subprocess.run([*STANDALONE, "schema", "--apply"], env=standalone_env(url, bootstrap_servers),
+                                 capture_output=True, text=True, timeout=60)
+        assert applied.returncode == 0, applied
+    topics = {url: new_topic("standalone-schemas") for url in (database, billing)}
+    writers = [SqlWriter(url, topic, limit=100) for url, topic in topics.items()]
+    replicas = [Replica(f"schemas-{n}-{uuid.uuid4().hex[:4]}", standalone_env(url, bootstrap_servers), tmp_path,
+                        ["--heartbeat-timeout", "2"], program=STANDALONE) for n, url in enumerate(topics)]
+    for writer in writers:
+        writer.start()
+    try:
+        wait_until(lambda: all(len(writer.ids) >= 100 for writer in writers), 60, "100 rows in each table")
+        written = [writer.stop() for writer in writers]
+        wait_until(lambda: outbox_rows(database, "public.outbox") + outbox_rows(database, "billing.outbox") == 0, 60,
+                   "both tables to drain")
+    finally:
+        for writer in writers:
+            writer.halt.set()
+        for replica in replicas:
+            replica.signal(signal.SIGTERM)
+    for replica in replicas:
+        assert replica.wait(timeout=60) == 0, replica.log()
+    for topic, ids in zip(topics.values(), written, strict=True):
+        assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(ids)), ids, strict=False)
+
+
 def test_an_unreachable_database_or_broker_is_one_line(database, tmp_path):
     env = {**user_env(), "PYTHONPATH": str(ROOT), "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9"}
     parts = urlsplit(database)

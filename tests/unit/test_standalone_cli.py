@@ -65,6 +65,25 @@ def test_the_leader_group_is_the_one_manage_py_harvest_derives():
     assert other.leader_group == conf.default_leader_name("default", "other") != derived.leader_group
 
 
+def test_a_search_path_gives_an_unqualified_table_a_group_of_its_own(monkeypatch):
+    """Two schemas' `outbox` tables, each reached through its connection's search_path, are two outboxes: a group
+    each (one shared group would leave one of them unharvested), the same for Django and stand-alone replicas. A
+    search_path that starts with public, and a qualified table, leave the name as it was."""
+    from django.db import connections
+
+    from outbox import conf
+
+    plain, qualified = conf.default_leader_name("default", "outbox"), conf.default_leader_name("default", "gh.outbox")
+    monkeypatch.setitem(connections["default"].settings_dict, "OPTIONS", {"options": "-c search_path=billing"})
+    billing = conf.default_leader_name("default", "outbox")
+    assert billing != plain and ".billing.outbox." in billing
+    standalone = settings(environ={"DATABASE_URL": conf.dsn_for("default")}).config
+    assert standalone.leader_group == standalone.leader_topic == billing
+    assert conf.default_leader_name("default", "gh.outbox") == qualified
+    monkeypatch.setitem(connections["default"].settings_dict, "OPTIONS", {"options": "-c search_path=public,billing"})
+    assert conf.default_leader_name("default", "outbox") == plain
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("heartbeat_timout = 3\n", "invalid configuration: heartbeat_timout: is not a known setting (did you mean "
                                "'heartbeat_timeout'?)"),
