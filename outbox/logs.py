@@ -13,13 +13,17 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def configure_logging(verbosity: int) -> None:
     """Show the `outbox` loggers at the command's verbosity (0 warnings, 1 info, 2+ debug) when the
-    project has not configured them, and mask secrets on every handler that carries their lines."""
+    project has not configured them, and mask secrets on every handler that carries their lines. psycopg's own
+    warnings (a pipeline ended on a lost connection) go to the same handler when nothing hears them: Python's last
+    resort would print them bare, with no time, level or logger, and unmasked."""
     logger = logging.getLogger("outbox")
     if not logger.hasHandlers():
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(FORMAT))
         logger.addHandler(handler)
         logger.setLevel({0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG))
+        if not logging.getLogger("psycopg").hasHandlers():
+            logging.getLogger("psycopg").addHandler(handler)
     install_redaction()
 
 
