@@ -124,9 +124,19 @@ def parser() -> argparse.ArgumentParser:
     probe.add_argument("--any", action="store_true", help="check all replicas, wherever they run")
     probe.add_argument("--require-leader", action="store_true",
                        help="also fail unless some live replica leads (for alerting, not liveness)")
-    probe.add_argument("--gone-after", type=float, default=replicas.GONE_AFTER, metavar="SECONDS",
+    probe.add_argument("--gone-after", type=_positive_seconds, default=replicas.GONE_AFTER, metavar="SECONDS",
                        help="a replica whose status row is older than this is gone")
     return top
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def read_file(path: Path | None) -> tuple[dict[str, Any], list[Problem]]:
@@ -385,6 +395,9 @@ def _place(dsn: str) -> tuple[str, str, str]:
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     environ = os.environ if environ is None else environ
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:  # run takes no positional argument
+        print(f"{PROG}: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)}; see --help)", file=sys.stderr)
+        return 2
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["run", *argv]
     args = parser().parse_args(argv)

@@ -108,6 +108,19 @@ def test_a_missing_file_and_a_bad_flag_are_one_line(capsys, tmp_path):
     assert exited.value.code == 2 and err.count("\n") == 1 and "--shards: invalid int value: 'many'" in err
 
 
+def test_a_mistyped_command_and_a_bad_gone_after_are_one_line_naming_them(capsys):
+    code, out, err = run_main(capsys, "chek")
+    assert (code, out) == (2, "")
+    assert err == "outbox-harvest: unknown command 'chek' (choose from run, check, schema, health, reshard; see " \
+                  "--help)\n"
+    for value in ("-3", "0", "nan", "soon"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["health", "--gone-after", value], ENV)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, err
+        assert f"--gone-after: must be a positive number of seconds, got {value!r}" in err
+
+
 def test_no_database_says_where_to_set_one(capsys):
     code, _, err = run_main(capsys, environ={})
     assert code == 1
