@@ -1,6 +1,7 @@
 """The Prometheus endpoint as every long-running command takes it (`harvest`, `outbox-harvest`, `outbox_consume`,
-`outbox_redeliver`): its two flags, a port out of range refused by the parser in one line (not a traceback from
-the socket), and an endpoint that cannot be served said in one line naming its address and port. Port 0 takes
+`outbox_redeliver`): its two flags, a port out of range refused by the parser as a usage error naming the flag
+(not a traceback from the socket), and an endpoint that cannot be served said in one line naming its address and
+port. Port 0 takes
 any free port, and the one taken is what the command logs."""
 
 from __future__ import annotations
@@ -41,6 +42,6 @@ def start(port: int, address: str, registry: Any) -> int:
 
     try:
         server, _thread = start_http_server(port, addr=address, registry=registry)
-    except (OSError, OverflowError) as error:
+    except (OSError, OverflowError, ValueError) as error:  # ValueError: an address IDNA cannot encode ("a..b")
         raise EndpointFailure(f"cannot serve metrics on {address}:{port}: {error}") from None
     return int(server.server_port)

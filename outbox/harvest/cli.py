@@ -33,8 +33,16 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from outbox import logs
 from outbox.harvest import discovery, horizon, replicas, running, schema
-from outbox.harvest.config import LIMIT_NAMES, SETTING_KEYS, TABLE_PATTERN, HarvestConfig, from_values, leader_name
+from outbox.harvest.config import (
+    LIMIT_NAMES,
+    SETTING_KEYS,
+    TABLE_PATTERN,
+    HarvestConfig,
+    derived_leader_name,
+    from_values,
+)
 from outbox.harvest.kafka import client_config_problems
 from outbox.harvest.reshard import ReshardRefused, reshard
 from outbox.harvest.store import StoreError, table_identifier
@@ -189,7 +197,7 @@ def build(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     dsn_problems = [problem] if (problem := database_problem(dsn)) is not None else []
     dsn = dsn if isinstance(dsn, str) else ""
     remember_secrets(dsn, values, outboxes)
-    config, given, source = from_values(values, dsn=dsn, derived_leader=_derived_leader_name(dsn, values.get("table")),
+    config, given, source = from_values(values, dsn=dsn, derived_leader=derived_leader_name(dsn, values.get("table")),
                                         environ=environ, given_by="base_kafka_config")
     problems = found + dsn_problems + [p for p in config.validate(given_limits=given) if p.field != "dsn"]
     if (problem := positive_seconds(interval)) is not None:
@@ -222,7 +230,7 @@ def _locate(default_dsn: str) -> discovery.Locate:
     """An entry's database by its `dsn`, else the file's: its DSN and derived leader names."""
     def locate(entry: Mapping[str, Any]) -> tuple[str, Callable[[str], str]]:
         dsn = entry.get("dsn") or default_dsn
-        return dsn, lambda table: _derived_leader_name(dsn, table)
+        return dsn, lambda table: derived_leader_name(dsn, table)
 
     return locate
 
@@ -234,15 +242,6 @@ def outboxes_problems(outboxes: Any, table: Any) -> list[Problem]:
         return None if problem is None else ("dsn", problem.message)
 
     return discovery.outboxes_problems(outboxes, FileEntry, table, database, kind="table")
-
-
-def _derived_leader_name(dsn: str, table: Any) -> str:
-    try:
-        info = conninfo_to_dict(dsn) if dsn else {}
-    except psycopg.ProgrammingError:
-        info = {}
-    return leader_name(info.get("host"), info.get("port"), info.get("dbname"), table if isinstance(table, str)
-                       else "outbox", info.get("options"))
 
 
 #: Parked records are counted exactly up to this many (a bounded scan, as the console counts them).
@@ -301,10 +300,9 @@ def check(settings: Settings) -> int:
 
 def reshard_command(args: argparse.Namespace, settings: Settings) -> int:
     """manage.py outbox_reshard's change, on the file's (or the environment's) database and leader topic."""
-    if settings.several:
-        raise running.RunFailure("reshard: one outbox at a time: give it a --config file without [outboxes]")
     if settings.problems:
         raise running.RunFailure("invalid configuration: " + "; ".join(map(str, settings.problems)))
+    logs.configure_logging(1)  # what it says meanwhile (an index another replica builds, a slow broker)
     try:
         done = reshard(settings.config, args.shards)
     except ReshardRefused as error:
@@ -408,6 +406,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return 0
         if args.command == "health":
             return health_command(args, environ)
+        if args.command == "reshard" and read_file(args.config)[0].get("outboxes"):
+            raise running.RunFailure("reshard: one outbox at a time: give it a --config file without [outboxes], "
+                                     "with that outbox's dsn, table and leader_topic")
         settings = build(args, environ)
         secrets = settings.secrets
         if args.command == "check":

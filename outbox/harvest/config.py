@@ -13,6 +13,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
 from outbox.harvest.sharding import shards_problem
 from outbox.kafka.keys import (
     DEFAULT_BOOTSTRAP_SERVERS,
@@ -196,8 +199,9 @@ class HarvestConfig:
     producer_kafka_config: Mapping[str, Any] = key({}, "librdkafka settings for the record producer only: "
                                                        "`compression.type`, `batch.size`, ...", _mapping, code="E009")
     leader_topic: str = key("outbox-harvest", "leader-election topic, created if missing; derived from the database "
-                                              "and table (an unqualified table's with the search_path the "
-                                              "connection's `options` set) so two outboxes never share one",
+                                              "and table (an unqualified table taken to be in the first schema of the "
+                                              "search_path the connection's `options` set, else `public`) so two "
+                                              "outboxes never share one",
                             rule(is_topic_name, TOPIC_NAME), code="E007",
                             shown="`outbox-leader.<database>.<table>.<hash>`")
     leader_group: str = key("outbox-harvest", "leader-election consumer group", name_problem, code="E008",
@@ -335,22 +339,47 @@ def leader_name(host: str | None, port: str | int | None, dbname: str | None, ta
     """The leader topic and group when the settings do not name them: one per database and table, so two
     outboxes sharing a Kafka cluster never share a group (which would leave one unharvested). Django's
     settings and the stand-alone harvester's DSN derive the same name for the same database. An unqualified
-    table is the one the connection's search_path finds: a search_path set in libpq's `options` (`-c
-    search_path=billing`) that does not start with `public` is part of the name, so the `outbox` tables of two
-    schemas, each reached through its own search_path, get a group each."""
-    path = search_path(options) if "." not in table else None
-    path = None if path is None or path.split(",")[0] == "public" else path
-    where = f"{host or 'localhost'}:{port or 5432}/{dbname or ''}/{table}" + (f"?search_path={path}" if path else "")
-    shown = f"{path.split(',')[0]}.{table}" if path else table
-    readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{dbname or 'db'}.{shown}")[:180]
+    table is taken to be in the first schema of the search_path libpq's `options` set (`-c search_path=billing`),
+    else in `public`: the name of `outbox` reached through `search_path=billing` is `billing.outbox`'s. A
+    search_path set elsewhere (the role, the database, PGOPTIONS) is not seen here: the engine warns at start when
+    its table is in another schema than the name says (connector.py)."""
+    schema = None if "." in table else first_schema(options)
+    table = f"{schema}.{table}" if schema not in (None, "public") else table
+    where = f"{host or 'localhost'}:{port or 5432}/{dbname or ''}/{table}"
+    readable = re.sub(r"[^a-zA-Z0-9._-]", "_", f"{dbname or 'db'}.{table}")[:180]
     return f"outbox-leader.{readable}.{hashlib.sha1(where.encode()).hexdigest()[:8]}"
 
 
-_SEARCH_PATH = re.compile(r"(?:-c\s*|--)search_path=((?:\\.|\S)+)")
+def derived_leader_name(dsn: str, table: Any) -> str:
+    """leader_name() of a libpq connection string or URL (what `outbox-harvest` and the engine know)."""
+    try:
+        info = conninfo_to_dict(dsn) if dsn else {}
+    except psycopg.ProgrammingError:
+        info = {}
+    return leader_name(info.get("host"), info.get("port"), info.get("dbname"), table if isinstance(table, str)
+                       else "outbox", info.get("options"))
 
 
-def search_path(options: Any) -> str | None:
-    """The search_path a libpq `options` string sets (`-c search_path=billing,public`), without its spaces and
-    escapes, or None."""
+def assumed_schema(dsn: str) -> str:
+    """The schema derived_leader_name() takes an unqualified table of `dsn` to be in."""
+    try:
+        options = conninfo_to_dict(dsn).get("options") if dsn else None
+    except psycopg.ProgrammingError:
+        options = None
+    return first_schema(options) or "public"
+
+
+#: `-c search_path=...` (or `--search-path=...`) in libpq's options: Postgres takes `-` for `_` and any case.
+_SEARCH_PATH = re.compile(r"(?:-c\s*|--)search[_-]path=((?:\\.|\S)+)", re.IGNORECASE)
+
+
+def first_schema(options: Any) -> str | None:
+    """The first schema of the search_path a libpq `options` string sets, as Postgres reads the name (unquoted:
+    lower case; "quoted": as written), or None (none set, or `$user`, whose schema depends on the role)."""
     found = _SEARCH_PATH.search(options) if isinstance(options, str) else None
-    return re.sub(r"\s", "", re.sub(r"\\(.)", r"\1", found.group(1))) if found else None
+    if found is None:
+        return None
+    first = re.sub(r"\\(.)", r"\1", found.group(1)).split(",")[0].strip()
+    if len(first) >= 2 and first[0] == first[-1] == '"':
+        return first[1:-1].replace('""', '"') or None
+    return None if not first or first == "$user" else first.lower()

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from confluent_kafka import Consumer, Producer
 
-from outbox.harvest.config import HarvestConfig
+from outbox.harvest.config import HarvestConfig, assumed_schema, derived_leader_name
 from outbox.harvest.contract import Record
 from outbox.harvest.kafka import (
     ProducerLike,
@@ -32,6 +32,27 @@ from outbox.harvest.topics import TopicLimits
 from outbox.kafka.clients import admin_describe
 
 log = logging.getLogger("outbox.harvest")
+
+
+#: (leader group, table) already warned of: each of a sharded replica's engines opens a store.
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_of_a_derived_group_of_another_schema(config: HarvestConfig, schema: str) -> None:
+    """An unqualified table found in another schema than its derived leader group assumes (a search_path set by
+    the role, the database or PGOPTIONS, which the settings do not show): an `outbox` table of another schema of
+    the same database, harvested the same way, would get the same group, and only one of the two would be
+    harvested. Said once, at WARNING, with what to set."""
+    if "." in config.table or (config.leader_group, config.table) in _warned:
+        return
+    assumed = assumed_schema(config.dsn)
+    if schema != assumed and config.leader_group == derived_leader_name(config.dsn, config.table):
+        _warned.add((config.leader_group, config.table))
+        qualified = f"{schema}.{config.table}"
+        log.warning("Table %r is %s here (the session's search_path), but its leader group %s was derived as if it "
+                    "were in schema %s: an outbox table of another schema of this database could get the same group, "
+                    "and only one of the two would be harvested; set table = %r (or leader_topic and leader_group)",
+                    config.table, qualified, config.leader_group, assumed, qualified)
 
 
 class Store(Protocol):
@@ -103,9 +124,11 @@ class LiveConnector:
 
     def open_store(self) -> PostgresStore:
         config = self.config
-        return self.store_class.open(config.dsn, config.table, name=config.name, group=config.leader_group,
-                                     dead_letter_table=config.dead_letter_table, status_table=config.status_table,
-                                     shards=config.shards, shard=config.shard)
+        store = self.store_class.open(config.dsn, config.table, name=config.name, group=config.leader_group,
+                                      dead_letter_table=config.dead_letter_table, status_table=config.status_table,
+                                      shards=config.shards, shard=config.shard)
+        warn_of_a_derived_group_of_another_schema(config, store.schema)
+        return store
 
     def ensure_leader_topic(self) -> None:
         ensure_leader_topic(self.config)

@@ -278,6 +278,8 @@ WHERE l.locktype = 'advisory' AND l.classid = %(class)s AND l.objid = %(table_oi
 """
 TERMINATE = "SELECT pg_terminate_backend(%(pid)s)"
 TABLE_OID = "SELECT to_regclass(%(table)s)::oid::bigint"
+# The schema a table is in (an unqualified name's is the first schema of the search_path that has it).
+TABLE_SCHEMA = "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %(oid)s"
 
 # Requeue (an operator's action): clear rows' failure counts. A held row changes version with it,
 # which its leader notices and retries the row at once; any other row is read again by the next term.

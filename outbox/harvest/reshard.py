@@ -57,12 +57,16 @@ def reshard(config: HarvestConfig, shards: int) -> str:
     except psycopg.OperationalError as error:
         raise ReshardRefused(f"cannot connect to Postgres at {describe_dsn(config.dsn)}: {first_line(error)}") from None
     with conn:
-        oid = conn.execute(contract.TABLE_OID, {"table": table_name(config.table)}).fetchone()[0]
-        if oid is None:
-            raise ReshardRefused(f"table {config.table!r} does not exist ({MIGRATE_HINT})")
-        held = conn.execute(FENCES_HELD, {"oid": oid, "unsharded": contract.FENCE_CLASS,
-                                          "lo": sharding.SHARD_CLASS_BASE,
-                                          "hi": sharding.SHARD_COUNT_CLASS_BASE + sharding.MAX_SHARDS}).fetchall()
+        try:
+            oid = conn.execute(contract.TABLE_OID, {"table": table_name(config.table)}).fetchone()[0]
+            if oid is None:
+                raise ReshardRefused(f"table {config.table!r} does not exist ({MIGRATE_HINT})")
+            held = conn.execute(FENCES_HELD, {"oid": oid, "unsharded": contract.FENCE_CLASS,
+                                              "lo": sharding.SHARD_CLASS_BASE,
+                                              "hi": sharding.SHARD_COUNT_CLASS_BASE + sharding.MAX_SHARDS}).fetchall()
+        except psycopg.Error as error:
+            raise ReshardRefused(f"cannot read {config.table!r} at {describe_dsn(config.dsn)}: "
+                                 f"{first_line(error)}") from None
         if held:
             who = ", ".join(f"{application} (pid {pid})" for application, pid in held)
             raise ReshardRefused(f"a harvester leads on {config.table!r} ({who}): stop every replica of the group "
@@ -106,18 +110,24 @@ def _leader_topic(base: Mapping[str, Any], topic: str, shards: int) -> str:
 
 def _wait_gone(base: dict[str, Any], topic: str) -> None:
     deadline = time.monotonic() + KAFKA_START_TIMEOUT
-    while topic in cluster_metadata(base, KAFKA_START_TIMEOUT).topics:
-        if time.monotonic() > deadline:
-            raise ReshardRefused(f"leader topic {topic!r} is still being deleted; run this again in a moment")
-        time.sleep(0.2)
+    try:
+        while topic in cluster_metadata(base, KAFKA_START_TIMEOUT).topics:
+            if time.monotonic() > deadline:
+                raise ReshardRefused(f"leader topic {topic!r} is still being deleted; run this again in a moment")
+            time.sleep(0.2)
+    except KafkaUnavailable as error:
+        raise ReshardRefused(str(error)) from None
 
 
 def _drop_other_indexes(conn: psycopg.Connection, table: str, shards: int) -> list[str]:
     """Drop the indexes of other numbers of shards: nothing reads them any more, every write pays for them."""
     base = table.rsplit(".", 1)[-1][:40]
     keep = sharding.index_name(table, shards) if shards > 1 else ""
-    found = conn.execute(OLD_INDEXES, {"table": table_name(table), "pattern": f"^{base}_shard[0-9]+_idx$",
-                                       "keep": keep}).fetchall()
+    try:
+        found = conn.execute(OLD_INDEXES, {"table": table_name(table), "pattern": f"^{base}_shard[0-9]+_idx$",
+                                           "keep": keep}).fetchall()
+    except psycopg.Error as error:
+        raise ReshardRefused(f"cannot list the shard indexes of {table!r}: {first_line(error)}") from None
     for schema, name in found:
         try:
             conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(table_identifier(f"{schema}.{name}")))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import psycopg
 
@@ -34,12 +35,15 @@ def _session(dsn: str) -> psycopg.Connection:
         raise StoreError(f"cannot connect to Postgres at {describe_dsn(dsn)}: {first_line(error)}") from None
 
 
-def prepare_table(config: HarvestConfig) -> None:
-    """Before a sharded replica joins its group, on one session: the table of shard terms is there, and the
-    table's index for its shards exists (made now if not)."""
+def prepare_table(config: HarvestConfig, check_group: Callable[[], None] = lambda: None) -> None:
+    """Before a sharded replica joins its group, on one session: the table of shard terms is there, then
+    `check_group()` (the leader topic has a partition per shard: a replica of another number than its group's
+    builds no index, and one with no shard terms table makes no topic), then the table's index for its shards
+    exists (made now if not)."""
     conn = _session(config.dsn)
     try:
         check_shard_terms(conn, config)
+        check_group()
         create_shard_index(conn, config.table, config.shards)
     finally:
         close_quietly(conn)

@@ -324,12 +324,11 @@ class ShardedHarvester(EngineSet[int, Harvester]):
         return True
 
     def _join_group(self) -> ShardGroup:
-        """The leader topic with a partition per shard (first: a replica of another number of shards than its group's
-        builds no index), the table's shard index, the group's consumer and producer."""
+        """The table's shard terms, the leader topic with a partition per shard, the table's shard index (in that
+        order: shard_index.prepare_table), the group's consumer and producer."""
         config = self.config
         try:
-            ensure_leader_topic(config)
-            prepare_table(config)
+            prepare_table(config, lambda: ensure_leader_topic(config))
             consumer = self._consumer_factory(leader_consumer_config(config))
             producer = self._producer_factory(heartbeat_producer_config(config))
         except (StoreError, KafkaUnavailable, KafkaException) as error:

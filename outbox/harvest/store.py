@@ -160,6 +160,8 @@ class PostgresStore:
         self.table_oid = table_oid
         #: The table is partitioned by id range: the leader keeps its partitions (partitions.py).
         self.partitioned = False
+        #: The schema the table is in, as the session's search_path found it (an unqualified table's may be any).
+        self.schema = "public"
         self.dead_letter_table = dead_letter_table
         ident = table_identifier(table)
         #: This store's shard of the table (sharding.py): its marks read only that shard's rows.
@@ -225,13 +227,14 @@ class PostgresStore:
         try:
             partitioned = bool(conn.execute(
                 "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = %s)", [oid]).fetchone()[0])
+            schema = conn.execute(contract.TABLE_SCHEMA, {"oid": oid}).fetchone()[0]
         except psycopg.Error as error:
             close_quietly(conn)
             raise StoreError(f"cannot read table {table!r} at {where}: {first_line(error)}") from None
         store = cls(dsn, table, name=name, group=group,
                     counts_failures=all(c in columns for c in contract.FAILURE_COLUMNS), table_oid=int(oid),
                     dead_letter_table=dead_letters, status_table=status_table, shards=shards, shard=shard)
-        store.partitioned = partitioned
+        store.partitioned, store.schema = partitioned, schema
         store._fence_conn = conn
         return store
 

@@ -22,6 +22,9 @@ class _KnownLines(logging.Filter):
     connection at ERROR about once a second (`FAIL`): a failure librdkafka retries by itself, said at WARNING once a
     minute with the error callback's own report of it (client_errors.said_lately), its repeats at DEBUG."""
 
+    #: What client_logger() looks for: a reload of this module makes a new class, which isinstance() would miss.
+    known_lines = True
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if "CONFWARN" in message and "enable.gapless.guarantee" in message:
@@ -47,7 +50,7 @@ def client_logger(name: str) -> logging.Logger:
     is added once, however often this is called for one name (a module reloaded): a second _KnownLines would take
     the first's "said now" for "said lately" and turn the one WARNING of a failed connection into DEBUG."""
     logger = logging.getLogger(name)
-    if not any(isinstance(known, _KnownLines) for known in logger.filters):
+    if not any(getattr(known, "known_lines", False) for known in logger.filters):
         logger.addFilter(_KnownLines())
     return logger
 

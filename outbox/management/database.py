@@ -1,4 +1,4 @@
-"""The maintenance commands' own connection (outbox_partition, outbox_reshard): autocommit, a short
+"""The maintenance commands' own connection (outbox_partition): autocommit, a short
 connect timeout, and an unreachable database said in one line, not a traceback."""
 
 from __future__ import annotations

@@ -291,6 +291,27 @@ def test_the_outbox_tables_of_two_schemas_reached_by_search_path_are_both_harves
         assert_complete_and_ordered(read_topic(bootstrap_servers, topic, expected=len(ids)), ids, strict=False)
 
 
+def test_a_search_path_the_settings_do_not_show_is_warned_of(database, bootstrap_servers, tmp_path):
+    """The table found in schema billing through PGOPTIONS (as through the role's or the database's search_path),
+    which the derived leader group cannot see: the harvester says so at start, once, naming what to set."""
+    billing = f"{database}?options=-csearch_path%3Dbilling"
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA billing")
+    env = standalone_env(billing, bootstrap_servers)
+    assert subprocess.run([*STANDALONE, "schema", "--apply"], env=env, capture_output=True, timeout=60).returncode == 0
+    env = {**standalone_env(database, bootstrap_servers), "PGOPTIONS": "-c search_path=billing"}
+    harvester = Replica(f"pgoptions-{uuid.uuid4().hex[:4]}", env, tmp_path, ["--heartbeat-timeout", "2", "--shards",
+                                                                             "2"], program=STANDALONE)
+    said = "Table 'outbox' is billing.outbox here (the session's search_path), but its leader group outbox-leader."
+    try:
+        wait_until(lambda: "Leading" in harvester.log() and said in harvester.log(), 60, "the warning, and leading")
+    finally:
+        harvester.signal(signal.SIGTERM)
+    assert harvester.wait(timeout=60) == 0, harvester.log()
+    assert harvester.log().count(said) == 1, "once, not once per shard"
+    assert "set table = 'billing.outbox' (or leader_topic and leader_group)" in harvester.log()
+
+
 def test_an_unreachable_database_or_broker_is_one_line(database, tmp_path):
     env = {**user_env(), "PYTHONPATH": str(ROOT), "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9"}
     parts = urlsplit(database)

@@ -13,8 +13,9 @@ HEADER = """\
 -- status and history, parked records, shard terms, the NOTIFY trigger), for a database without Django:
 -- `outbox-harvest schema` prints it, `outbox-harvest schema --apply` runs it. Written from the migrations
 -- (by the project's own tests/support/schema_ddl.py, which a test holds to them). Each section is one
--- migration, named as Django names it, in its own transaction as Django runs it: fed to psql, the sections
--- before a failing one stay. `--apply` runs them all in one transaction instead: all of them, or none.
+-- migration, named as Django names it, in its own transaction as Django runs it: fed to
+-- `psql -v ON_ERROR_STOP=1`, the sections before a failing one stay (plain psql goes on with the next ones).
+-- `--apply` runs them all in one transaction instead: all of them, or none.
 """
 MARK = "-- migration: "
 

@@ -126,6 +126,19 @@ def test_a_client_logger_asked_for_again_keeps_one_filter(caplog, monkeypatch):
     assert len(logger.filters) == 1
 
 
+def test_a_reload_of_the_clients_module_keeps_one_filter():
+    """importlib.reload(outbox.kafka.clients) makes a new filter class: the logger it asks for again still has one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import importlib, logging, outbox.kafka.clients as clients; importlib.reload(clients); "
+              "print(len(logging.getLogger('outbox.harvest.librdkafka').filters))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "1\n"), done.stderr
+
+
 def test_a_queue_sender_with_no_broker_says_so_once(caplog, monkeypatch):
     """An application's send() producer (the queues' sender), its broker gone: librdkafka retries about twice a
     second, and the log has one line of it, not one a try."""

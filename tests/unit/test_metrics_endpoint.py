@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import urllib.request
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -46,5 +47,8 @@ def test_a_port_taken_or_an_address_not_this_hosts_is_one_line_naming_both():
         port = taken.getsockname()[1]
         with pytest.raises(EndpointFailure, match=rf"^cannot serve metrics on 127\.0\.0\.1:{port}: .*in use"):
             start(port, "127.0.0.1", CollectorRegistry())
-    with pytest.raises(EndpointFailure, match=r"^cannot serve metrics on 192\.0\.2\.1:0: "):
-        start(0, "192.0.2.1", CollectorRegistry())  # TEST-NET-1: no interface of this host has it
+    with pytest.raises(EndpointFailure, match=r"^cannot serve metrics on a\.\.b:0: "):
+        start(0, "a..b", CollectorRegistry())  # not a name: refused before any lookup
+    if Path("/proc/sys/net/ipv4/ip_nonlocal_bind").read_text().strip() == "0":  # else any address binds
+        with pytest.raises(EndpointFailure, match=r"^cannot serve metrics on 192\.0\.2\.1:0: "):
+            start(0, "192.0.2.1", CollectorRegistry())  # TEST-NET-1: no interface of this host has it

@@ -77,11 +77,25 @@ def test_a_search_path_gives_an_unqualified_table_a_group_of_its_own(monkeypatch
     monkeypatch.setitem(connections["default"].settings_dict, "OPTIONS", {"options": "-c search_path=billing"})
     billing = conf.default_leader_name("default", "outbox")
     assert billing != plain and ".billing.outbox." in billing
+    assert billing == conf.default_leader_name("default", "billing.outbox"), "the same table, the same group"
     standalone = settings(environ={"DATABASE_URL": conf.dsn_for("default")}).config
     assert standalone.leader_group == standalone.leader_topic == billing
     assert conf.default_leader_name("default", "gh.outbox") == qualified
     monkeypatch.setitem(connections["default"].settings_dict, "OPTIONS", {"options": "-c search_path=public,billing"})
     assert conf.default_leader_name("default", "outbox") == plain
+
+
+@pytest.mark.parametrize(("options", "schema"), [
+    ("-c search_path=billing", "billing"), ("-csearch_path=billing,public", "billing"),
+    ("--search-path=Billing", "billing"), ("-c SEARCH_PATH=\\ billing", "billing"),
+    ('-c search_path="Billing"', "Billing"),
+    ("-c statement_timeout=5s -c search_path=billing", "billing"), ("-c search_path=$user,public", None),
+    ("-c statement_timeout=5s", None), (None, None),
+])
+def test_the_first_schema_of_a_search_path_is_read_as_postgres_reads_it(options, schema):
+    from outbox.harvest.config import first_schema
+
+    assert first_schema(options) == schema
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -119,6 +133,15 @@ def test_a_mistyped_command_and_a_bad_gone_after_are_one_line_naming_them(capsys
         err = capsys.readouterr().err
         assert exited.value.code == 2 and err.count("\n") == 1, err
         assert f"--gone-after: must be a positive number of seconds, got {value!r}" in err
+
+
+def test_reshard_takes_one_outbox_whatever_the_flags(capsys, tmp_path):
+    path = toml(tmp_path, "[outboxes.shop]\n[outboxes.billing]\nshards = 2\n")
+    for flags in ((), ("--table", "other"), ("--leader-topic", "t")):
+        code, out, err = run_main(capsys, "reshard", "--shards", "2", "--config", path, *flags)
+        assert (code, out) == (1, "")
+        assert err == "outbox-harvest: reshard: one outbox at a time: give it a --config file without [outboxes], " \
+                      "with that outbox's dsn, table and leader_topic\n"
 
 
 def test_no_database_says_where_to_set_one(capsys):
