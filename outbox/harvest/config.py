@@ -352,21 +352,22 @@ def leader_name(host: str | None, port: str | int | None, dbname: str | None, ta
 
 def derived_leader_name(dsn: str, table: Any) -> str:
     """leader_name() of a libpq connection string or URL (what `outbox-harvest` and the engine know)."""
-    try:
-        info = conninfo_to_dict(dsn) if dsn else {}
-    except psycopg.ProgrammingError:
-        info = {}
+    info = _conninfo(dsn)
     return leader_name(info.get("host"), info.get("port"), info.get("dbname"), table if isinstance(table, str)
                        else "outbox", info.get("options"))
 
 
 def assumed_schema(dsn: str) -> str:
     """The schema derived_leader_name() takes an unqualified table of `dsn` to be in."""
+    return first_schema(_conninfo(dsn).get("options")) or "public"
+
+
+def _conninfo(dsn: str) -> dict[str, Any]:
+    """`dsn`'s parameters ({} for none, or for one libpq cannot parse: its check says so, naming no secret)."""
     try:
-        options = conninfo_to_dict(dsn).get("options") if dsn else None
+        return conninfo_to_dict(dsn) if dsn else {}
     except psycopg.ProgrammingError:
-        options = None
-    return first_schema(options) or "public"
+        return {}
 
 
 #: `-c search_path=...` (or `--search-path=...`) in libpq's options: Postgres takes `-` for `_` and any case.

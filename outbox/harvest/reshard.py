@@ -25,8 +25,8 @@ from psycopg import sql
 from outbox.harvest import contract, sharding
 from outbox.harvest.config import HarvestConfig
 from outbox.harvest.kafka import cluster_metadata
-from outbox.harvest.shard_index import ensure_shard_index
-from outbox.harvest.store import CONNECT_TIMEOUT, MIGRATE_HINT, StoreError, describe_dsn, table_identifier, table_name
+from outbox.harvest.shard_index import ensure_shard_index, session
+from outbox.harvest.store import MIGRATE_HINT, StoreError, describe_dsn, table_identifier, table_name
 from outbox.kafka.clients import KAFKA_START_TIMEOUT, KafkaUnavailable, admin_config
 from outbox.reasons import first_line, kafka_reason
 
@@ -53,9 +53,9 @@ def reshard(config: HarvestConfig, shards: int) -> str:
     if (problem := sharding.shards_problem(shards)) is not None:
         raise ReshardRefused(f"--shards: {problem}")
     try:
-        conn = psycopg.connect(config.dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
-    except psycopg.OperationalError as error:
-        raise ReshardRefused(f"cannot connect to Postgres at {describe_dsn(config.dsn)}: {first_line(error)}") from None
+        conn = session(config.dsn)
+    except StoreError as error:
+        raise ReshardRefused(str(error)) from None
     with conn:
         try:
             oid = conn.execute(contract.TABLE_OID, {"table": table_name(config.table)}).fetchone()[0]

@@ -28,7 +28,8 @@ from outbox.reasons import first_line
 log = logging.getLogger("outbox.harvest.shards")
 
 
-def _session(dsn: str) -> psycopg.Connection:
+def session(dsn: str) -> psycopg.Connection:
+    """An autocommit session for the shard terms and indexes (reshard.py's too); StoreError, one line, if none."""
     try:
         return connect(dsn, "shards")
     except psycopg.Error as error:
@@ -40,7 +41,7 @@ def prepare_table(config: HarvestConfig, check_group: Callable[[], None] = lambd
     `check_group()` (the leader topic has a partition per shard: a replica of another number than its group's
     builds no index, and one with no shard terms table makes no topic), then the table's index for its shards
     exists (made now if not)."""
-    conn = _session(config.dsn)
+    conn = session(config.dsn)
     try:
         check_shard_terms(conn, config)
         check_group()
@@ -51,7 +52,7 @@ def prepare_table(config: HarvestConfig, check_group: Callable[[], None] = lambd
 
 def ensure_shard_index(dsn: str, table: str, shards: int) -> None:
     """create_shard_index on a session of its own (manage.py outbox_reshard)."""
-    conn = _session(dsn)
+    conn = session(dsn)
     try:
         create_shard_index(conn, table, shards)
     finally:

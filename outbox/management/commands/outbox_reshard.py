@@ -15,7 +15,6 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbox import conf
 from outbox.harvest.reshard import ReshardRefused, reshard
-from outbox.harvest.sharding import shards_problem
 
 
 class Command(BaseCommand):
@@ -28,8 +27,6 @@ class Command(BaseCommand):
         parser.add_argument("--table", help="outbox table (default: OUTBOX['table'])")
 
     def handle(self, *args: Any, shards: int, **options: Any) -> None:
-        if (problem := shards_problem(shards)) is not None:
-            raise CommandError(f"--shards: {problem}")
         config = conf.harvest_config(leader_topic=options["leader_topic"], database=options["database"],
                                      table=options["table"], shards=shards)
         try:
